@@ -1,0 +1,31 @@
+"""leantrain: one call after the trainer is built makes Hugging Face / TRL fine-tuning faster and leaner."""
+
+from .config import LeantrainConfig
+from .patching import NotReadyError, current_report, patch_trainer, patched, trainer_kind, unpatch_trainer
+from .report import PatchOutcome, PatchReport, Status
+
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LeantrainConfig",
+    "NotReadyError",
+    "PatchOutcome",
+    "PatchReport",
+    "Status",
+    "current_report",
+    "patch_trainer",
+    "patched",
+    "trainer_kind",
+    "unpatch_trainer",
+    "quantize_experts_4bit",
+]
+
+
+def __getattr__(name: str):
+    # Lazy: the MoE module imports bitsandbytes only when asked for.
+    if name == "quantize_experts_4bit":
+        from .moe4bit import quantize_experts_4bit
+
+        return quantize_experts_4bit
+    raise AttributeError(name)

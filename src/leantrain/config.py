@@ -1,0 +1,181 @@
+"""The one table of leantrain options: a dataclass whose fields are the options, their env vars and checks.
+
+Precedence is keyword > environment (``LEANTRAIN_<FIELD>``) > default. Environment variables are read at
+``patch_trainer`` time and never written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+ENV_PREFIX = "LEANTRAIN_"
+Source = Literal["kwarg", "env", "default"]
+
+_TRUE = {"1", "on", "yes", "true"}
+_FALSE = {"0", "off", "no", "false"}
+
+# Optimizations in the order they are applied: model surgery first, then forward/loss patches.
+OPTIMIZATIONS = ("moe4bit", "osft", "cggr", "grpo_logps")
+
+
+def _ratio(value: float) -> str | None:
+    return None if 0.0 < value <= 1.0 else f"must be in (0, 1], got {value!r}"
+
+
+def _at_least(low: int) -> Callable[[int], str | None]:
+    return lambda value: None if value >= low else f"must be >= {low}, got {value!r}"
+
+
+def _one_of(*choices: str) -> Callable[[str], str | None]:
+    return lambda value: None if value in choices else f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
+
+
+def _opt(default: Any, kind: str, doc: str, check: Callable[[Any], str | None] | None = None) -> Any:
+    return field(default=default, metadata={"kind": kind, "doc": doc, "check": check})
+
+
+@dataclass(frozen=True)
+class LeantrainConfig:
+    """Every leantrain option. ``kind`` drives env parsing: tristate (auto/1/0), bool, int, float, str, names."""
+
+    # Toggles: None = auto (apply if the probe passes), True = required, False = off.
+    cggr: bool | None = _opt(None, "tristate", "CGGR label masking through a truncated router (SFT, Trainer)")
+    grpo_logps: bool | None = _opt(None, "tristate", "fused GRPO/RLOO log-probs and entropies, no [B,T,V] logits")
+    osft: bool | None = _opt(False, "tristate", "orthogonal subspace fine-tuning (changes the model: opt-in)")
+    moe4bit: bool | None = _opt(None, "tristate", "grouped 4-bit MoE experts instead of the per-expert loop")
+    disable: bool = _opt(False, "bool", "turn every optimization off")
+    strict: bool = _opt(False, "bool", "turn every fallback (probe or runtime) into an error")
+    # CGGR
+    cggr_min_tokens_ratio: float = _opt(0.25, "float", "fraction of each sequence's labels kept", _ratio)
+    cggr_router_layers: int = _opt(2, "int", "decoder layers that form the router", _at_least(1))
+    cggr_scoring: str = _opt(
+        "entropy", "str", "token difficulty score", _one_of("entropy", "margin", "loss", "combined", "random")
+    )
+    cggr_warmup_steps: int = _opt(100, "int", "optimizer steps trained on all labels first", _at_least(0))
+    cggr_ratio_schedule: str = _opt("constant", "str", "ratio during warmup", _one_of("constant", "linear"))
+    # Fused log-probs
+    grpo_logps_tile_mib: int = _opt(512, "int", "memory bound of one logits tile, MiB", _at_least(1))
+    # OSFT
+    osft_unfrozen_rank_ratio: float = _opt(0.5, "float", "fraction of each target's rank that trains", _ratio)
+    osft_targets: tuple[str, ...] | None = _opt(None, "names", "target module name patterns (comma-separated)")
+    # MoE 4-bit
+    moe_recompute: bool = _opt(True, "bool", "re-dequantize expert stacks in backward instead of saving them")
+
+    @classmethod
+    def options(cls) -> tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    @staticmethod
+    def env_name(field_name: str) -> str:
+        return ENV_PREFIX + field_name.upper()
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A config plus where each value came from."""
+
+    config: LeantrainConfig
+    sources: Mapping[str, Source]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.config, name)
+
+
+def _parse(kind: str, raw: str, name: str) -> Any:
+    text = raw.strip()
+    low = text.lower()
+    if kind == "tristate" and low in ("auto", ""):
+        return None
+    if kind in ("tristate", "bool"):
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        extra = "/auto" if kind == "tristate" else ""
+        raise ValueError(f"{name}={raw!r}: expected one of 1/0/on/off/yes/no/true/false{extra}")
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a {kind}") from None
+    if kind == "names":
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        return names or None
+    return text
+
+
+def _coerce(kind: str, value: Any, name: str) -> Any:
+    """Type-check a keyword value; strings are parsed like environment values."""
+    if isinstance(value, str) and kind != "str":
+        return _parse(kind, value, name)
+    ok = {
+        "tristate": value is None or isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+        "names": value is None or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)),
+    }[kind]
+    if not ok:
+        raise TypeError(f"{name}={value!r}: expected {kind}")
+    if kind == "float":
+        return float(value)
+    if kind == "names" and value is not None:
+        return tuple(value) or None
+    return value
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def resolve_config(kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ResolvedConfig:
+    """Build the config from keywords, then ``LEANTRAIN_*`` variables, then defaults. Raises on anything unknown."""
+    environ = os.environ if environ is None else environ
+    fields = {f.name: f for f in LeantrainConfig.options()}
+    unknown = [k for k in kwargs if k not in fields]
+    if unknown:
+        name = unknown[0]
+        raise TypeError(f"patch_trainer() got an unknown option {name!r}{_suggest(name, list(fields))}")
+    env_names = {LeantrainConfig.env_name(n): n for n in fields}
+    for var in environ:
+        if var.startswith(ENV_PREFIX) and var not in env_names:
+            raise ValueError(f"unknown environment variable {var}{_suggest(var, list(env_names))}")
+
+    values: dict[str, Any] = {}
+    sources: dict[str, Source] = {}
+    for name, f in fields.items():
+        kind = f.metadata["kind"]
+        env_var = LeantrainConfig.env_name(name)
+        if kwargs.get(name) is not None or (name in kwargs and kind != "tristate"):
+            values[name], sources[name] = _coerce(kind, kwargs[name], name), "kwarg"
+        elif env_var in environ:
+            values[name], sources[name] = _parse(kind, environ[env_var], env_var), "env"
+        else:
+            values[name], sources[name] = f.default, "default"
+        check = f.metadata["check"]
+        problem = check(values[name]) if check and values[name] is not None else None
+        if problem:
+            origin = env_var if sources[name] == "env" else name
+            raise ValueError(f"{origin} {problem}")
+    return ResolvedConfig(LeantrainConfig(**values), sources)
+
+
+def env_table_markdown() -> str:
+    """The README's environment-variable table, generated from the dataclass (a test keeps them equal)."""
+    rows = ["| variable | values | default | what it does |", "| --- | --- | --- | --- |"]
+    for f in LeantrainConfig.options():
+        kind = f.metadata["kind"]
+        values = {"tristate": "auto, 1, 0", "bool": "1, 0", "names": "comma-separated"}.get(kind, kind)
+        default = {None: "auto", True: "1", False: "0"}.get(f.default, f.default) if kind != "names" else "per model"
+        rows.append(f"| `{LeantrainConfig.env_name(f.name)}` | {values} | {default} | {f.metadata['doc']} |")
+    return "\n".join(rows)

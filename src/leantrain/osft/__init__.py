@@ -1,0 +1,1 @@
+"""Placeholder: this optimization registers itself here once built."""

@@ -1,0 +1,191 @@
+"""The one entry point: detect the trainer kind, resolve the config, probe, apply, report; and its undo."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._patching import RuntimeFallback, Undo
+from ._registry import Applied, Optimization, PatchContext, Readiness, registry
+from .config import ResolvedConfig, resolve_config
+from .report import PatchOutcome, PatchReport, Status
+
+
+logger = logging.getLogger("leantrain")
+_STATE_ATTR = "_leantrain_state"
+
+
+class NotReadyError(RuntimeError):
+    """An optimization was required (``True``) or strict mode is on, and its probe declined."""
+
+
+@dataclass
+class _State:
+    undo: Undo
+    report: PatchReport
+    fallbacks: dict[str, RuntimeFallback]
+
+
+def trainer_kind(trainer: Any) -> str:
+    """'grpo' (GRPOTrainer, RLOOTrainer), 'sft' (SFTTrainer) or 'trainer' (transformers.Trainer); else TypeError."""
+    from transformers import Trainer
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"patch_trainer() needs a transformers.Trainer or a TRL trainer, got {type(trainer).__name__}")
+    try:
+        import trl
+    except ImportError:
+        return "trainer"
+    if isinstance(trainer, tuple(getattr(trl, n) for n in ("GRPOTrainer", "RLOOTrainer") if hasattr(trl, n))):
+        return "grpo"
+    if isinstance(trainer, trl.SFTTrainer):
+        return "sft"
+    foreign = [c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl.")]
+    if foreign:
+        raise TypeError(
+            f"unsupported trainer {type(trainer).__name__} (a {foreign[0]}): leantrain supports SFTTrainer, "
+            "GRPOTrainer, RLOOTrainer and a plain transformers Trainer"
+        )
+    return "trainer"
+
+
+def _decide(
+    opt: Optimization, trainer: Any, kind: str, cfg: ResolvedConfig
+) -> tuple[Status | None, str, tuple[str, ...], Readiness | None]:
+    """Return (final status or None to apply, source, reasons, readiness)."""
+    wanted: bool | None = getattr(cfg.config, opt.name)
+    source = cfg.sources[opt.name]
+    if cfg.config.disable and wanted is not True:
+        return Status.DISABLED, cfg.sources["disable"], ("LEANTRAIN_DISABLE / disable=True",), None
+    if wanted is False:
+        return Status.DISABLED, source, ("turned off" if source != "default" else "off by default; pass True",), None
+    if not opt.implemented:
+        return Status.SKIPPED, source, ("not available in this version",), None
+    if kind not in opt.trainer_kinds:
+        return Status.SKIPPED, source, (f"does not apply to {kind} trainers",), None
+    readiness = opt.probe(trainer, cfg)
+    if not readiness.ready:
+        return Status.SKIPPED, source, readiness.reasons, readiness
+    return None, source, (), readiness
+
+
+def patch_trainer(
+    trainer: Any,
+    *,
+    cggr: bool | None = None,
+    grpo_logps: bool | None = None,
+    osft: bool | None = None,
+    moe4bit: bool | None = None,
+    strict: bool | None = None,
+    environ: Mapping[str, str] | None = None,
+    **options: Any,
+) -> PatchReport:
+    """Apply every optimization whose probe passes; return the report (also at ``trainer.leantrain_report``).
+
+    Each toggle is None (auto), True (required: raise if not ready) or False (off). ``options`` are the fields of
+    :class:`leantrain.config.LeantrainConfig`. Patching an already patched trainer changes nothing.
+    """
+    toggles = {"cggr": cggr, "grpo_logps": grpo_logps, "osft": osft, "moe4bit": moe4bit, "strict": strict}
+    cfg = resolve_config({**{k: v for k, v in toggles.items() if v is not None}, **options}, environ)
+    kind = trainer_kind(trainer)
+    state: _State | None = getattr(trainer, _STATE_ATTR, None)
+    if state is not None:
+        report = state.report.with_note("patch_trainer called again: already patched, nothing changed")
+        _set_report(trainer, report)
+        return report
+
+    undo = Undo()
+    outcomes: list[PatchOutcome] = []
+    fallbacks: dict[str, RuntimeFallback] = {}
+    plan: list[tuple[Optimization, str]] = []
+    for opt in registry().values():
+        status, source, reasons, readiness = _decide(opt, trainer, kind, cfg)
+        required = getattr(cfg.config, opt.name) is True
+        strict_miss = cfg.config.strict and readiness is not None and readiness.applicable
+        if status is Status.SKIPPED and (required or strict_miss):
+            undo()
+            why = "required" if required else "strict mode"
+            raise NotReadyError(f"{opt.name} is {why} but not ready: " + "; ".join(reasons))
+        if status is not None:
+            outcomes.append(PatchOutcome(opt.name, status, source, reasons))
+        else:
+            plan.append((opt, source))
+            outcomes.append(PatchOutcome(opt.name, Status.APPLIED, source))
+
+    report = PatchReport(kind, tuple(outcomes))
+    state = _State(undo, report, fallbacks)
+    setattr(trainer, _STATE_ATTR, state)
+    try:
+        for opt, source in plan:
+            fallback = RuntimeFallback(opt.name, cfg.config.strict, _recorder(trainer, opt.name))
+            fallbacks[opt.name] = fallback
+            applied: Applied = opt.apply(trainer, PatchContext(cfg, kind, fallback))
+            undo.extend(applied.undo)
+            state.report = state.report.with_outcome(
+                PatchOutcome(opt.name, Status.APPLIED, source, (), applied.targets, applied.detail)
+            )
+    except BaseException:
+        undo()
+        trainer.__dict__.pop(_STATE_ATTR, None)
+        raise
+    for opt in registry().values():
+        if opt.name in state.report.applied and opt.removes_metrics:
+            state.report = state.report.with_note(f"{opt.name}: {', '.join(opt.removes_metrics)}")
+    _set_report(trainer, state.report)
+    if _is_main_process(trainer):
+        logger.info(state.report.summary())
+    return state.report
+
+
+def _recorder(trainer: Any, name: str):
+    def record(reason: str) -> None:
+        state: _State | None = getattr(trainer, _STATE_ATTR, None)
+        if state is None:
+            return
+        old = state.report[name]
+        state.report = state.report.with_outcome(
+            PatchOutcome(name, Status.FAILED, old.source, (f"run-time fallback to stock: {reason}",), old.targets)
+        )
+        _set_report(trainer, state.report)
+
+    return record
+
+
+def _set_report(trainer: Any, report: PatchReport) -> None:
+    trainer.__dict__["leantrain_report"] = report
+    state = getattr(trainer, _STATE_ATTR, None)
+    if state is not None:
+        state.report = report
+
+
+def _is_main_process(trainer: Any) -> bool:
+    check = getattr(trainer, "is_world_process_zero", None)
+    return bool(check()) if callable(check) else True
+
+
+def current_report(trainer: Any) -> PatchReport | None:
+    """The trainer's report as it stands now (run-time fallbacks included), or None if not patched."""
+    state: _State | None = getattr(trainer, _STATE_ATTR, None)
+    return None if state is None else state.report
+
+
+def unpatch_trainer(trainer: Any) -> None:
+    """Undo every patch in reverse order, restoring the original methods and modules by identity."""
+    state: _State | None = trainer.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return
+    state.undo()
+    trainer.__dict__.pop("leantrain_report", None)
+
+
+@contextlib.contextmanager
+def patched(trainer: Any, **kwargs: Any) -> Iterator[PatchReport]:
+    """``with leantrain.patched(trainer) as report: trainer.train()``; unpatches on exit."""
+    report = patch_trainer(trainer, **kwargs)
+    try:
+        yield report
+    finally:
+        unpatch_trainer(trainer)

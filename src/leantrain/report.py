@@ -1,0 +1,87 @@
+"""What patch_trainer did: one outcome per optimization, rendered as an aligned table."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    APPLIED = "applied"
+    SKIPPED = "skipped"  # the probe declined (auto mode) or the optimization does not fit this trainer
+    FAILED = "failed"  # applied, then a runtime error switched it back to the stock path
+    DISABLED = "disabled"  # turned off by keyword or environment
+
+
+@dataclass(frozen=True)
+class PatchOutcome:
+    name: str
+    status: Status
+    source: str  # kwarg / env / default: where the on/off decision came from
+    reasons: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()  # qualified names of what was patched
+    detail: str = ""  # which path runs, e.g. "in-forward hook router, chunked CE on kept rows"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["status"] = self.status.value
+        out["reasons"] = list(self.reasons)
+        out["targets"] = list(self.targets)
+        return out
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    trainer_kind: str
+    outcomes: tuple[PatchOutcome, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def __getitem__(self, name: str) -> PatchOutcome:
+        for outcome in self.outcomes:
+            if outcome.name == name:
+                return outcome
+        raise KeyError(name)
+
+    @property
+    def applied(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.outcomes if o.status is Status.APPLIED)
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.outcomes if o.status is Status.SKIPPED)
+
+    def with_outcome(self, outcome: PatchOutcome) -> PatchReport:
+        outcomes = tuple(outcome if o.name == outcome.name else o for o in self.outcomes)
+        return dataclasses.replace(self, outcomes=outcomes)
+
+    def with_note(self, note: str) -> PatchReport:
+        return dataclasses.replace(self, notes=(*self.notes, note))
+
+    def summary(self) -> str:
+        parts = [f"{o.name}={o.status.value}" for o in self.outcomes]
+        return f"leantrain ({self.trainer_kind} trainer): " + ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trainer_kind": self.trainer_kind,
+            "outcomes": [o.to_dict() for o in self.outcomes],
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        rows = [("optimization", "status", "source", "reason")]
+        for o in self.outcomes:
+            why = "; ".join(o.reasons) or o.detail
+            if o.targets and o.status is Status.APPLIED:
+                why = f"{why} ({len(o.targets)} targets)" if why else f"{len(o.targets)} targets"
+            rows.append((o.name, o.status.value, o.source, why))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [f"leantrain patch report ({self.trainer_kind} trainer)"]
+        for i, row in enumerate(rows):
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
