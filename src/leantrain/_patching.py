@@ -97,7 +97,9 @@ class RuntimeFallback:
         if self.failed is not None:
             return
         self.failed = reason
-        message = f"leantrain: {self.name} failed at run time ({reason}); using the stock path for the rest of training"
+        message = (
+            f"leantrain: {self.name} failed at run time ({reason}); using the stock path for the rest of training"
+        )
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         logger.warning(message)
         if self.on_failure is not None:

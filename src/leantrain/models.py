@@ -56,7 +56,9 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     trunk = getattr(base, getattr(base, "base_model_prefix", "model"), None)
     if not isinstance(trunk, nn.Module):
         raise ValueError(f"{type(base).__name__}: no decoder trunk at `{base.base_model_prefix}`")
-    layers = next((getattr(trunk, n) for n in _LAYER_NAMES if isinstance(getattr(trunk, n, None), nn.ModuleList)), None)
+    layers = next(
+        (getattr(trunk, n) for n in _LAYER_NAMES if isinstance(getattr(trunk, n, None), nn.ModuleList)), None
+    )
     if layers is None:
         raise ValueError(f"{type(trunk).__name__}: no decoder layer list ({', '.join(_LAYER_NAMES)})")
     norm = next((getattr(trunk, n) for n in _NORM_NAMES if isinstance(getattr(trunk, n, None), nn.Module)), None)

@@ -1,0 +1,61 @@
+"""Command line: `leantrain demo` (stock vs patched training on a tiny local model) and `leantrain env`."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from importlib import metadata
+
+
+PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "cut-cross-entropy", "triton")
+
+
+def env_report() -> str:
+    """Versions, device, and each optimization's readiness on this machine: paste it into bug reports."""
+    import torch
+
+    from . import __version__
+    from ._registry import registry
+
+    lines = [f"leantrain {__version__}", f"python {platform.python_version()} ({platform.platform()})"]
+    for name in PACKAGES:
+        try:
+            lines.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{name} not installed")
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(0)
+        lines.append(f"device cuda: {torch.cuda.get_device_name(0)} (sm{cap[0]}{cap[1]}), CUDA {torch.version.cuda}")
+    else:
+        lines.append(f"device cpu: {torch.get_num_threads()} threads")
+    lines.append("optimizations (readiness on this machine, before seeing a trainer):")
+    for name, opt in registry().items():
+        reasons = opt.check_environment()
+        state = "ready" if not reasons else "not ready: " + "; ".join(reasons)
+        lines.append(f"  {name:<11} {state}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="leantrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    from .demo import build_parser, run_demo
+
+    build_parser(sub.add_parser("demo", help="train a tiny local model stock vs patched and compare"))
+    sub.add_parser("env", help="versions, device and readiness of each optimization")
+    args = parser.parse_args(argv)
+    if args.command == "env":
+        print(env_report())
+        return 0
+    if args.command in (None, "demo"):
+        if args.command is None:
+            args = parser.parse_args(["demo", *(argv or sys.argv[1:])])
+        run_demo(args)
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

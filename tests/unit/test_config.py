@@ -1,0 +1,80 @@
+import re
+from pathlib import Path
+
+import pytest
+
+from leantrain.config import LeantrainConfig, env_table_markdown, resolve_config
+
+
+def test_defaults_and_sources():
+    cfg = resolve_config({}, environ={})
+    assert cfg.cggr is None and cfg.osft is False and cfg.cggr_min_tokens_ratio == 0.25
+    assert set(cfg.sources.values()) == {"default"}
+
+
+def test_precedence_keyword_over_env_over_default():
+    env = {"LEANTRAIN_CGGR_MIN_TOKENS_RATIO": "0.3", "LEANTRAIN_CGGR": "0", "LEANTRAIN_OSFT_TARGETS": "q_proj, v_proj"}
+    cfg = resolve_config({"cggr_min_tokens_ratio": 0.5}, environ=env)
+    assert cfg.cggr_min_tokens_ratio == 0.5 and cfg.sources["cggr_min_tokens_ratio"] == "kwarg"
+    assert cfg.cggr is False and cfg.sources["cggr"] == "env"
+    assert cfg.osft_targets == ("q_proj", "v_proj")
+    assert resolve_config({}, environ=env).cggr_min_tokens_ratio == 0.3
+
+
+@pytest.mark.parametrize(("raw", "value"), [("auto", None), ("", None), ("1", True), ("YES", True), ("off", False)])
+def test_tristate_parsing(raw, value):
+    assert resolve_config({}, environ={"LEANTRAIN_MOE4BIT": raw}).moe4bit is value
+
+
+def test_unknown_keyword_names_close_match():
+    with pytest.raises(TypeError, match="did you mean cggr_min_tokens_ratio"):
+        resolve_config({"cggr_min_token_ratio": 0.3}, environ={})
+
+
+def test_unknown_env_var_is_an_error():
+    with pytest.raises(ValueError, match="LEANTRAIN_CGGR_SCORNG.*did you mean LEANTRAIN_CGGR_SCORING"):
+        resolve_config({}, environ={"LEANTRAIN_CGGR_SCORNG": "entropy"})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"LEANTRAIN_STRICT": "maybe"}, "LEANTRAIN_STRICT='maybe': expected one of"),
+        ({"LEANTRAIN_CGGR": "sometimes"}, "expected one of .*auto"),
+        ({"LEANTRAIN_CGGR_ROUTER_LAYERS": "two"}, "expected a int"),
+        ({"LEANTRAIN_CGGR_MIN_TOKENS_RATIO": "1.5"}, r"LEANTRAIN_CGGR_MIN_TOKENS_RATIO must be in \(0, 1\]"),
+    ],
+)
+def test_unparsable_or_invalid_env_values(env, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_config({}, environ=env)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"cggr_min_tokens_ratio": 0.0}, ValueError, r"must be in \(0, 1\]"),
+        ({"osft_unfrozen_rank_ratio": 1.01}, ValueError, r"must be in \(0, 1\]"),
+        ({"cggr_scoring": "perplexity"}, ValueError, "must be one of"),
+        ({"cggr_router_layers": 0}, ValueError, "must be >= 1"),
+        ({"cggr_router_layers": 1.5}, TypeError, "expected int"),
+        ({"strict": "definitely"}, ValueError, "expected one of"),
+    ],
+)
+def test_bad_keyword_values(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        resolve_config(kwargs, environ={})
+
+
+def test_every_option_has_doc_and_env_name():
+    names = [f.name for f in LeantrainConfig.options()]
+    assert len(names) == len(set(names))
+    for f in LeantrainConfig.options():
+        assert f.metadata["doc"] and f.metadata["kind"] in {"tristate", "bool", "int", "float", "str", "names"}
+
+
+def test_readme_env_table_matches_code():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- env-table:start -->\n(.*?)\n<!-- env-table:end -->", readme, re.S)
+    assert block, "README lacks the env-table markers"
+    assert block.group(1).strip() == env_table_markdown().strip(), "regenerate with config.env_table_markdown()"

@@ -1,0 +1,146 @@
+import warnings
+
+import pytest
+import torch
+from transformers import Trainer
+
+import leantrain
+from leantrain import NotReadyError, Status, patch_trainer, unpatch_trainer
+from leantrain._registry import NotAvailable, registry
+
+from ._fakes import FakeLossOpt, tiny_trainer
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Replace the registry with one fake optimization (cggr slot) plus placeholders for the rest."""
+    opt = FakeLossOpt()
+    fakes = {
+        "moe4bit": NotAvailable("moe4bit"),
+        "osft": NotAvailable("osft"),
+        "cggr": opt,
+        "grpo_logps": NotAvailable("grpo_logps"),
+    }
+    monkeypatch.setattr("leantrain.patching.registry", lambda: fakes)
+    return opt
+
+
+def test_real_registry_lists_every_optimization():
+    assert list(registry()) == ["moe4bit", "osft", "cggr", "grpo_logps"]
+
+
+def test_patch_then_unpatch_restores_by_identity(tmp_path, fake):
+    trainer = tiny_trainer(tmp_path)
+    assert "compute_loss" not in trainer.__dict__
+    report = patch_trainer(trainer, environ={})
+    assert report["cggr"].status is Status.APPLIED and report["cggr"].targets == ("trainer.compute_loss",)
+    assert trainer.compute_loss.__leantrain_original__.__func__ is Trainer.compute_loss
+    assert trainer.leantrain_report is report
+    unpatch_trainer(trainer)
+    assert "compute_loss" not in trainer.__dict__ and trainer.compute_loss.__func__ is Trainer.compute_loss
+    assert not hasattr(trainer, "leantrain_report") and leantrain.current_report(trainer) is None
+
+
+def test_patching_twice_is_a_recorded_no_op(tmp_path, fake):
+    trainer = tiny_trainer(tmp_path)
+    patch_trainer(trainer, environ={})
+    wrapped = trainer.compute_loss
+    again = patch_trainer(trainer, environ={})
+    assert trainer.compute_loss is wrapped and "already patched" in again.notes[-1]
+    unpatch_trainer(trainer)
+    assert trainer.compute_loss.__func__ is Trainer.compute_loss
+
+
+def test_auto_skips_with_reasons_required_raises(tmp_path, fake):
+    fake.reasons = ("needs a GPU with sm90",)
+    trainer = tiny_trainer(tmp_path)
+    report = patch_trainer(trainer, environ={})
+    assert report["cggr"].status is Status.SKIPPED and report["cggr"].reasons == ("needs a GPU with sm90",)
+    assert "compute_loss" not in trainer.__dict__
+    unpatch_trainer(trainer)
+    with pytest.raises(NotReadyError, match="cggr is required but not ready: needs a GPU with sm90"):
+        patch_trainer(trainer, cggr=True, environ={})
+    with pytest.raises(NotReadyError, match="strict mode"):
+        patch_trainer(trainer, environ={"LEANTRAIN_STRICT": "1"})
+    assert "compute_loss" not in trainer.__dict__ and leantrain.current_report(trainer) is None
+
+
+def test_strict_does_not_raise_when_nothing_applies(tmp_path, fake):
+    fake.applicable = False
+    report = patch_trainer(tiny_trainer(tmp_path), strict=True, environ={})
+    assert report["cggr"].status is Status.SKIPPED and report["cggr"].reasons == ("nothing to optimize here",)
+
+
+def test_disable_and_off(tmp_path, fake):
+    report = patch_trainer(tiny_trainer(tmp_path), environ={"LEANTRAIN_DISABLE": "1"})
+    assert all(o.status is Status.DISABLED for o in report.outcomes)
+    report = patch_trainer(tiny_trainer(tmp_path), cggr=False, environ={})
+    assert report["cggr"].status is Status.DISABLED and report["cggr"].source == "kwarg"
+    report = patch_trainer(tiny_trainer(tmp_path), environ={"LEANTRAIN_CGGR": "0"})
+    assert report["cggr"].source == "env"
+
+
+def test_not_built_optimizations_are_skipped_not_crashing(tmp_path, fake):
+    report = patch_trainer(tiny_trainer(tmp_path), environ={})
+    assert report["grpo_logps"].status is Status.SKIPPED
+    assert report["grpo_logps"].reasons == ("not available in this version",)
+
+
+def test_runtime_failure_falls_back_once_and_training_goes_on(tmp_path, fake):
+    fake.fail_at_call = 2
+    trainer = tiny_trainer(tmp_path, steps=4)
+    patch_trainer(trainer, environ={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    ours = [w for w in caught if "leantrain: cggr failed at run time" in str(w.message)]
+    assert len(ours) == 1 and "injected failure" in str(ours[0].message)
+    assert trainer.state.global_step == 4 and fake.calls == 2  # fast path not tried again after the failure
+    outcome = leantrain.current_report(trainer)["cggr"]
+    assert outcome.status is Status.FAILED and "injected failure" in outcome.reasons[0]
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)
+
+
+def test_runtime_failure_reraises_in_strict_mode(tmp_path, fake):
+    fake.fail_at_call = 1
+    trainer = tiny_trainer(tmp_path)
+    patch_trainer(trainer, strict=True, environ={})
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.train()
+
+
+def test_patched_context_manager(tmp_path, fake):
+    trainer = tiny_trainer(tmp_path)
+    with leantrain.patched(trainer, environ={}) as report:
+        assert "compute_loss" in trainer.__dict__ and report.applied == ("cggr",)
+    assert "compute_loss" not in trainer.__dict__
+
+
+def test_unsupported_trainers_raise():
+    import trl
+
+    with pytest.raises(TypeError, match="needs a transformers.Trainer"):
+        patch_trainer(object(), environ={})
+    dpo = object.__new__(trl.DPOTrainer)
+    with pytest.raises(TypeError, match="unsupported trainer DPOTrainer"):
+        leantrain.trainer_kind(dpo)
+
+
+def test_report_table_and_dict(tmp_path, fake):
+    fake.reasons = ("a reason",)
+    report = patch_trainer(tiny_trainer(tmp_path), environ={})
+    text = str(report)
+    assert "optimization" in text and "a reason" in text and "not available in this version" in text
+    rows = [line for line in text.splitlines()[1:] if line.strip()]
+    assert len({line.index(line.split()[1]) for line in rows[2:]}) == 1  # status column aligned
+    as_dict = report.to_dict()
+    assert as_dict["outcomes"][2] == {
+        "name": "cggr",
+        "status": "skipped",
+        "source": "default",
+        "reasons": ["a reason"],
+        "targets": [],
+        "detail": "",
+    }
+    with pytest.raises(Exception):
+        report.trainer_kind = "x"  # frozen
