@@ -1,0 +1,121 @@
+"""Shared pieces of the example scripts: named model shapes (random init), the corpus, per-rank step statistics."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from leantrain import tiny
+
+
+# Shapes of public models, built from config with random weights (nothing downloaded).
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(
+        family="llama",
+        hidden=576,
+        layers=30,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+    ),
+    "qwen2.5-0.5b": dict(
+        family="qwen2",
+        hidden=896,
+        layers=24,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=151936,
+    ),
+    "llama-1b": dict(
+        family="llama",
+        hidden=2048,
+        layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+    ),
+}
+
+
+def build_model(shape: str, vocab_size: int) -> transformers.PreTrainedModel:
+    """``tiny-<family>`` (leantrain.tiny) or a named shape; bf16 on CUDA, fp32 on CPU. The vocab of a named shape
+    is kept (it drives the LM-head cost); token ids from the small tokenizer are a subset of it."""
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if shape.startswith("tiny-"):
+        return tiny.tiny_model(shape.removeprefix("tiny-"), dtype=dtype, vocab_size=vocab_size).train()
+    spec = dict(SHAPES[shape])
+    family = spec.pop("family")
+    config = tiny.tiny_config(
+        family, vocab_size=spec.pop("vocab_size"), hidden=spec.pop("hidden"), layers=spec.pop("layers"), **spec
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+
+
+def corpus_dataset(n: int, column: str = "text"):
+    from datasets import Dataset
+
+    texts = tiny.corpus_texts()
+    texts = (texts * (n // len(texts) + 1))[:n]
+    if column == "prompt":
+        texts = [" ".join(t.split()[:16]) for t in texts]
+    return Dataset.from_dict({column: texts})
+
+
+def rank_zero_print(trainer, report) -> None:
+    if trainer.is_world_process_zero():
+        print(report, flush=True)
+
+
+class StepStats:
+    """Wall time per optimizer step (after 2 warm-up steps) and peak CUDA memory of this rank."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def callback(self):
+        stats = self
+
+        class Callback(transformers.TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                stats._t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                stats.times.append((time.perf_counter() - stats._t0) * 1e3)
+
+        return Callback()
+
+    def write(self, out: Path, name: str, trainer, report) -> dict[str, Any]:
+        times = self.times[2:] or self.times
+        row = {
+            "example": name,
+            "rank": trainer.args.process_index,
+            "world_size": trainer.args.world_size,
+            "distributed": str(trainer.accelerator.distributed_type),
+            "step_ms_p50": statistics.median(times) if times else None,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "report": report.to_dict() if report else None,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}_rank{row['rank']}.json").write_text(json.dumps(row, indent=1))
+        return row

@@ -1,0 +1,77 @@
+"""GRPO with leantrain under any launcher: `python`, `torchrun` or `accelerate launch` (DDP / FSDP2).
+
+    accelerate launch --config_file examples/accelerate/ddp.yaml examples/train_grpo.py --shape qwen2.5-0.5b
+
+Random-init model of a named shape (or a tiny one), local tokenizer, prompts from the embedded corpus, a toy reward
+(share of letters). Writes per-rank step time and peak memory to ``--out``/grpo_rank<r>.json; rank 0 prints the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from _common import StepStats, build_model, corpus_dataset, rank_zero_print
+from trl import GRPOConfig, GRPOTrainer
+
+import leantrain
+from leantrain.demo import letter_reward
+from leantrain.tiny import train_tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="tiny-llama")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=8, help="per-device batch (completions)")
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--completion-length", type=int, default=64)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--out", type=Path, default=Path("out/grpo"))
+    args = parser.parse_args()
+
+    tokenizer = train_tokenizer()
+    tokenizer.padding_side = "left"
+    model = build_model(args.shape, vocab_size=len(tokenizer))
+    cuda = torch.cuda.is_available()
+    config = GRPOConfig(
+        output_dir=str(args.out),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        num_generations=args.generations,
+        max_completion_length=args.completion_length,
+        beta=args.beta,
+        learning_rate=1e-6,
+        bf16=cuda,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not cuda,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    if args.beta:
+        # TRL builds the reference model from a path when beta > 0: save the random-init model locally.
+        local = args.out / "init-model"
+        model.save_pretrained(local)
+        tokenizer.save_pretrained(local)
+        model = str(local)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=letter_reward,
+        args=config,
+        train_dataset=corpus_dataset(args.steps * args.batch * 4, "prompt"),
+        processing_class=tokenizer,
+    )
+    report = leantrain.patch_trainer(trainer)
+    rank_zero_print(trainer, report)
+    stats = StepStats()
+    trainer.add_callback(stats.callback())
+    trainer.train()
+    stats.write(args.out, "grpo", trainer, leantrain.current_report(trainer))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""SFT with leantrain under any launcher: `python`, `torchrun` or `accelerate launch` (DDP / FSDP2).
+
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train_sft.py --shape qwen2.5-0.5b
+
+Builds a random-init model of a named shape (or a tiny one), the local BPE tokenizer and the embedded corpus (no hub),
+patches the trainer, trains, and writes per-rank step time and peak memory to ``--out``/sft_rank<r>.json. The patch
+report is printed by rank 0 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from _common import StepStats, build_model, corpus_dataset, rank_zero_print
+from trl import SFTConfig, SFTTrainer
+
+import leantrain
+from leantrain.tiny import train_tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="tiny-llama", help="tiny-<family> or a named shape, e.g. qwen2.5-0.5b")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4, help="per-device batch size")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("out/sft"))
+    args = parser.parse_args()
+
+    tokenizer = train_tokenizer()
+    model = build_model(args.shape, vocab_size=len(tokenizer))
+    cuda = torch.cuda.is_available()
+    config = SFTConfig(
+        output_dir=str(args.out),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        max_length=args.seq,
+        bf16=cuda,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not cuda,
+        disable_tqdm=True,
+        seed=0,
+        gradient_checkpointing=args.gradient_checkpointing,
+        dataloader_num_workers=0,
+    )
+    dataset = corpus_dataset(args.steps * args.batch * args.grad_accum * int(os.environ.get("WORLD_SIZE", 1)) * 2)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
+    report = leantrain.patch_trainer(trainer)
+    rank_zero_print(trainer, report)
+    stats = StepStats()
+    trainer.add_callback(stats.callback())
+    trainer.train()
+    stats.write(args.out, "sft", trainer, leantrain.current_report(trainer))
+
+
+if __name__ == "__main__":
+    main()
