@@ -1,1 +1,179 @@
-"""Placeholder: this optimization registers itself here once built."""
+"""Fused GRPO/RLOO log-probs and entropies: no [B, T, V] logits, 2 GEMMs instead of 3 with a frozen LM head."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._patching import RuntimeFallback, Undo
+from .._registry import Applied, Optimization, PatchContext, Readiness, register
+from ..config import ResolvedConfig
+from ..models import is_peft_model, unwrap_model
+from . import _trl, ops
+from .ops import logp_entropy
+
+
+__all__ = ["GrpoLogps", "logp_entropy"]
+
+
+def _policy_base(trainer: Any) -> nn.Module:
+    """The model instance TRL patched: the PEFT base model, else the model itself."""
+    model = trainer.model
+    return model.get_base_model() if is_peft_model(model) else unwrap_model(model)
+
+
+def _targets(trainer: Any) -> list[tuple[str, nn.Module]]:
+    targets = [("model", _policy_base(trainer))]
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None:
+        targets.append(("ref_model", unwrap_model(ref)))
+    return targets
+
+
+def _kernel_name() -> str:
+    has_cuda = torch.cuda.is_available()
+    return "triton" if has_cuda and ops.triton_available() else "torch chunked"
+
+
+@register
+class GrpoLogps(Optimization):
+    name = "grpo_logps"
+    trainer_kinds = ("grpo",)
+
+    def check_environment(self) -> tuple[str, ...]:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            return ("trl not installed: pip install trl",)
+        return ()
+
+    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+        path = self._path(trainer)
+        if path not in ("fused", "legacy"):
+            return Readiness.no(path)
+        reasons: list[str] = []
+        zero3 = _trl.zero3_reason()
+        if zero3:
+            reasons.append(zero3)
+        for label, model in _targets(trainer):
+            reasons += [f"{label}: {r}" for r in _trl.head_reasons(model)]
+            if path == "fused":
+                settings = _trl.trl_head_settings(model)
+                if isinstance(settings, str):
+                    reasons.append(f"{label}: {settings}")
+                    continue
+                extra = [o for o in settings.outputs if o not in _trl.FUSED_OUTPUTS]
+                if extra:
+                    reasons.append(f"{label}: TRL asks the fused head for {', '.join(extra)}, which leantrain lacks")
+                scaling = _trl.scaling_reason(settings, model.config)
+            else:
+                scaling = _trl.scaling_reason(_trl.legacy_settings(trainer, model), model.config)
+            if scaling:
+                reasons.append(f"{label}: {scaling}")
+        if reasons:
+            return Readiness.no(*reasons)
+        return Readiness(detail=self._detail(trainer, path))
+
+    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+        path = self._path(trainer)
+        undo = Undo()
+        kernel_guard = RuntimeFallback("grpo_logps triton kernel", ctx.fallback.strict)
+        run_op = functools.partial(_run_op, kernel_guard, ctx.config.grpo_logps_tile_mib)
+        names = []
+        for label, model in _targets(trainer):
+            if path == "fused":
+                settings = _trl.trl_head_settings(model)
+            else:
+                settings = _trl.legacy_settings(trainer, model)
+                if label == "ref_model":
+                    settings.outputs = ("log_probs",)
+            is_policy = label == "model"
+            call = _trl.FusedCall(settings, run_op, _entropy_grad(trainer) if is_policy else (lambda: False))
+            undo.wrap_method(model, "forward", functools.partial(_make_forward, model, call, ctx.fallback))
+            names.append(f"{label}.forward ({type(model).__name__})")
+        if path != "fused":
+            n_values = _trl.legacy_method_kind(trainer)
+            undo.wrap_method(
+                trainer,
+                "_get_per_token_logps_and_entropies",
+                lambda original: _trl.legacy_method(trainer, original, n_values),
+            )
+            names.append(f"{type(trainer).__name__}._get_per_token_logps_and_entropies")
+        return Applied(undo, tuple(names), self._detail(trainer, path))
+
+    @staticmethod
+    def _path(trainer: Any) -> str:
+        """'fused' (TRL >= 1.15 fused LM head), 'legacy' (older method) or a reason."""
+        if _trl.trl_fused_forward(_policy_base(trainer)) is not None:
+            return "fused"
+        kind = _trl.legacy_method_kind(trainer)
+        if isinstance(kind, str):
+            return kind
+        try:
+            from trl.trainer import utils as trl_utils
+        except ImportError:
+            trl_utils = None
+        if trl_utils is not None and hasattr(trl_utils, "add_fused_lm_head"):
+            return "TRL has add_fused_lm_head but the policy's forward is not its fused head: TRL not recognised"
+        return "legacy"
+
+    @staticmethod
+    def _detail(trainer: Any, path: str) -> str:
+        where = "policy" + (" + ref model" if getattr(trainer, "ref_model", None) is not None else "")
+        if path == "fused":
+            how = "TRL >= 1.15 fused LM head (add_fused_lm_head forward) wrapped"
+        else:
+            n = _trl.legacy_method_kind(trainer)
+            how = f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n}-tuple) replaced"
+        return f"{how} on {where}; kernel: {_kernel_name()}"
+
+
+def _entropy_grad(trainer: Any) -> Callable[[], bool]:
+    # TRL's entropy bonus needs the entropy's gradient; otherwise it is only logged/masked
+    return lambda: bool(getattr(trainer, "_entropy_bonus_enabled", False))
+
+
+def _make_forward(model: nn.Module, call: _trl.FusedCall, fallback: RuntimeFallback, original: Callable[..., Any]):
+    fast = functools.partial(_trl.fused_forward, model, call)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("fused_lm_head", False):
+            return original(*args, **kwargs)
+        return fallback.call(fast, original, *args, **kwargs)
+
+    return forward
+
+
+def _run_op(
+    guard: RuntimeFallback,
+    tile_mib: int,
+    st: _trl.HeadSettings,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    need_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The op on the best backend; a Triton failure falls back to the torch chunked path (warned once)."""
+
+    def run(backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return ops.logp_entropy(
+            hidden,
+            weight,
+            targets,
+            temperature=st.temperature,
+            logit_scale=st.logit_scale,
+            softcap=st.softcap,
+            need_entropy=need_entropy,
+            entropy_grad=entropy_grad,
+            tile_mib=tile_mib,
+            backend=backend,
+        )
+
+    if ops.default_backend(hidden.device) == "triton":
+        return guard.call(run, lambda _backend: run("torch"), "triton")
+    return run("torch")

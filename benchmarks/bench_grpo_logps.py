@@ -1,0 +1,213 @@
+"""Fused GRPO log-probs: leantrain's op vs materialized logits, TRL 1.16's ChunkedLogProbFunction,
+cut-cross-entropy and Liger (when importable), frozen-head fwd+bwd, no-grad forward and a trainable-head row;
+plus CUDA parity (max |Δlogp| vs fp64 on a slice).
+
+    python benchmarks/bench_grpo_logps.py            # CUDA, full shapes (H100: < 4 min)
+    python benchmarks/bench_grpo_logps.py --smoke    # tiny shapes, CPU or GPU, < 60 s
+
+Writes grpo_logps.json / .md / .png into $LEANTRAIN_RESULTS or benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
+
+from leantrain.grpo_logps import ops  # noqa: E402
+
+
+BENCH = "grpo_logps"
+TEMPERATURE = 0.7
+FULL_SHAPES = [(8192, 2048, 151936), (16384, 4096, 128256)]
+SMOKE_SHAPES = [(256, 64, 1001)]
+
+
+def make_inputs(n: int, h: int, v: int, device: str, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, h, device=device, dtype=dtype, generator=g)
+    # logit std ≈ 4, like a trained LM head
+    weight = torch.randn(v, h, device=device, dtype=dtype, generator=g) * (4 / h**0.5)
+    targets = torch.randint(0, v, (n,), device=device, generator=g)
+    return hidden, weight, targets
+
+
+# ----------------------------------------------------------------------------------------------- providers
+# Each returns (logp [N] fp32-ish, entropy or None); gradients flow into hidden (and weight if it requires grad).
+def materialized(h, w, t):
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    logits = h @ w.T
+    logp = selective_log_softmax(logits, t, temperature=TEMPERATURE)
+    with torch.no_grad():  # TRL <= 1.14 logs the entropy without gradient
+        entropy = entropy_from_logits(logits.detach() / TEMPERATURE)
+    return logp, entropy
+
+
+def trl_chunked(h, w, t):
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    out = ChunkedLogProbFunction.apply(h, w, None, t, TEMPERATURE, 32768, None, 1.0, ("log_probs", "entropy"))
+    return out[0], out[1]
+
+
+def cce(h, w, t):
+    from cut_cross_entropy import linear_cross_entropy
+
+    # CCE has no temperature argument: fold 1/T into the hidden states; no entropy in any CCE version
+    nll = linear_cross_entropy(e=h / TEMPERATURE, c=w, targets=t, filter_eps=None, reduction="none")
+    return -nll, None
+
+
+def liger(h, w, t):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    out = liger_fused_linear_cross_entropy(h / TEMPERATURE, w, t, reduction="none")
+    nll = out[0] if isinstance(out, tuple) else out
+    return -nll, None
+
+
+def leantrain_backend(backend: str) -> Callable:
+    def run(h, w, t):
+        return ops.logp_entropy(h, w, t, temperature=TEMPERATURE, backend=backend)
+
+    return run
+
+
+def providers(device: str) -> dict[str, Callable]:
+    found: dict[str, Callable] = {"materialized": materialized, "trl_chunked": trl_chunked}
+    if device == "cuda":
+        for name, fn, module in (("cce", cce, "cut_cross_entropy"), ("liger", liger, "liger_kernel")):
+            try:
+                __import__(module)
+                found[name] = fn
+            except Exception as error:  # not installed, or no GPU build
+                print(f"skipping {name}: {type(error).__name__}: {error}")
+    if device == "cuda" and ops.triton_available():
+        found["leantrain_triton"] = leantrain_backend("triton")
+    found["leantrain_torch"] = leantrain_backend("torch")
+    return found
+
+
+# ------------------------------------------------------------------------------------------------- timing
+def bench_case(name, fn, hidden, weight, targets, mode, trainable, reps, warmup):
+    grad_out = torch.randn(targets.shape[0], device=hidden.device)
+
+    def step(_i=0):
+        if mode == "forward":
+            with torch.no_grad():
+                fn(hidden, weight, targets)
+            return
+        h = hidden.detach().requires_grad_()
+        w = weight.detach().requires_grad_(trainable)
+        logp, _ = fn(h, w, targets)
+        (logp.float() * grad_out).sum().backward()
+
+    t = time_fn(step, warmup=warmup, reps=reps)
+    mem = peak_memory(step)
+    return t, mem
+
+
+def parity(device: str, shape, rows: int = 1024) -> list[tuple[str, float, float]]:
+    """max |Δlogp| and relative dh error vs fp64 on the first `rows` tokens (bf16 inputs)."""
+    n, h, v = shape
+    hidden, weight, targets = make_inputs(min(n, rows), h, v, device, torch.bfloat16, seed=1)
+    h64 = hidden.double().requires_grad_()
+    z = (h64 @ weight.double().T) / TEMPERATURE
+    ref = torch.log_softmax(z, -1).gather(1, targets[:, None]).squeeze(1)
+    ref.sum().backward()
+    out = []
+    for name, fn in providers(device).items():
+        hh = hidden.detach().requires_grad_()
+        try:
+            logp, _ = fn(hh, weight, targets)
+            logp.float().sum().backward()
+        except Exception as error:
+            print(f"parity {name} failed: {error}")
+            continue
+        err = (logp.double() - ref).abs().max().item()
+        gerr = ((hh.grad.double() - h64.grad).norm() / h64.grad.norm()).item()
+        out.append((name, err, gerr))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, few reps (CPU ok)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not args.smoke and device != "cuda":
+        sys.exit("full benchmark needs CUDA; use --smoke on CPU")
+    torch.manual_seed(0)
+    if device == "cpu":
+        torch.set_num_threads(1)
+    shapes = SMOKE_SHAPES if args.smoke else FULL_SHAPES
+    reps, warmup = (3, 1) if args.smoke else (10, 3)
+    dtype = torch.bfloat16
+    rows: list[Row] = []
+    table: list[list] = []
+    plot: dict[str, list[float]] = {}
+    groups: list[str] = []
+    cases = [(shape, mode, False) for shape in shapes for mode in ("full", "forward")] + [(shapes[0], "full", True)]
+    for shape, mode, trainable in cases:
+        n, h, v = shape
+        hidden, weight, targets = make_inputs(n, h, v, device, dtype)
+        label = f"N={n} H={h} V={v} {mode}{' trainable head' if trainable else ''}"
+        groups.append(label)
+        results = {}
+        for name, fn in providers(device).items():
+            if trainable and name not in ("trl_chunked", "leantrain_triton", "leantrain_torch", "materialized"):
+                continue
+            if name == "leantrain_torch" and device == "cuda" and n > 8192:
+                continue  # the reference path; one CUDA shape is enough to show it
+            try:
+                t, mem = bench_case(name, fn, hidden, weight, targets, mode, trainable, reps, warmup)
+            except Exception as error:  # e.g. OOM of the materialized baseline
+                print(f"{label} {name}: {type(error).__name__}: {error}")
+                continue
+            results[name] = (t, mem)
+            config = dict(N=n, H=h, V=v, dtype=str(dtype), temperature=TEMPERATURE, trainable_head=trainable)
+            rows.append(Row.timing(BENCH, name, mode, "shape", f"{n}x{h}x{v}", t, **config))
+            rows.append(Row(BENCH, name, mode, "memory", "GiB", "shape", f"{n}x{h}x{v}", mem, config=config))
+            print(f"{label:48s} {name:18s} {t.p50:9.2f} ms  {mem:6.3f} GiB", flush=True)
+        for name, (t, mem) in results.items():
+            trl_ms = results.get("trl_chunked", (None,))[0]
+            cce_ms = results.get("cce", (None,))[0]
+            table.append(
+                [
+                    label,
+                    name,
+                    t.p50,
+                    mem,
+                    trl_ms.p50 / t.p50 if trl_ms else float("nan"),
+                    cce_ms.p50 / t.p50 if cce_ms else float("nan"),
+                ]
+            )
+        for name in providers(device):
+            plot.setdefault(name, []).append(results[name][0].p50 if name in results else 0.0)
+    for name, err, gerr in parity(device, shapes[0]):
+        cfg = dict(rows=1024, dtype="bfloat16", temperature=TEMPERATURE)
+        rows.append(
+            Row(BENCH, name, "parity", "quality", "max_abs_logp_err", "shape", str(shapes[0]), err, config=cfg)
+        )
+        rows.append(Row(BENCH, name, "parity", "quality", "rel_dh_err", "shape", str(shapes[0]), gerr, config=cfg))
+        print(f"parity {name:18s} max|Δlogp| {err:.3e}  rel dh err {gerr:.3e}")
+    md = markdown_table(["case", "provider", "median ms", "peak GiB", "speed-up vs TRL", "speed-up vs CCE"], table)
+    out = write_results(BENCH, rows, md)
+    try:
+        bar_plot(out / f"{BENCH}.png", "GRPO log-probs (median ms, lower is better)", groups, plot, "ms")
+    except Exception as error:  # matplotlib missing is not a benchmark failure
+        print(f"plot skipped: {error}")
+    print(md)
+    print(f"results in {out if out else RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""Fused per-token log-probabilities and entropies of ``hidden @ weight.T`` without the ``[N, V]`` logits.
+
+Logits are ``z = softcap(logit_scale * h·Wᵀ) / T`` (TRL's order). Rows are streamed through bounded ``[rows, cols]``
+tiles; each tile is folded into per-row online statistics in fp32 (running max ``m``, ``s_other = Σ_{j≠y} e^(z_j-m)``,
+``u = Σ_j e^(z_j-m)(z_j-r)`` with a fixed per-row reference ``r``, the target logit ``z_y``).
+
+Frozen head with a gradient into ``hidden`` ("jacobian" mode): ``d logp/dh = k((1-p_y) f_y W_y - Σ_{j≠y} p_j f_j W_j)``
+(``k = logit_scale/T``, ``f = 1 - tanh²`` under a softcap, else 1) is known in the forward pass. Each tile's
+``e^(z-m)·f`` (target column zeroed, so ``1-p_y = s_other/s`` keeps full precision for confident tokens) is multiplied
+by the weight tile into an fp32 ``[rows, H]`` accumulator: one extra GEMM per tile, and the backward is an elementwise
+product with the incoming gradient (2 GEMMs in total instead of 3). The entropy gradient
+``dH/dh = -k Σ p_j (z_j-μ) f_j W_j`` is accumulated the same way when asked for (``entropy_grad``).
+Trainable head: the backward recomputes each tile and accumulates ``dW`` (and ``dh``) in fp32.
+
+Two backends share the loop: "torch" (any device, the reference fallback) and "triton" (CUDA; cuBLAS tile + one Triton
+pass per tile that folds statistics and writes the GEMM operand in place).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+
+# Tiles beyond these sizes make cuBLAS no faster; smaller caps keep peak memory low (TRL uses 4096 x 32768).
+MAX_TILE_ROWS = 4096
+MAX_TILE_COLS = 32768
+_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class OpConfig:
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    need_entropy: bool = True
+    entropy_grad: bool = False
+    tile_mib: int = 512
+    backend: str = "torch"
+    compute_dtype: torch.dtype | None = None
+
+    @property
+    def k(self) -> float:
+        return self.logit_scale / self.temperature
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def default_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
+def plan_tiles(n: int, v: int, tile_mib: int, bytes_per_elem: int) -> tuple[int, int]:
+    """(rows, cols) of a logits tile whose temporaries stay within ``tile_mib``."""
+    budget = max(1, tile_mib * 2**20 // bytes_per_elem)
+    cols = min(v, MAX_TILE_COLS)
+    rows = min(n, MAX_TILE_ROWS, max(1, budget // cols))
+    if rows < 16 and budget // cols < 16:  # tiny budget: narrow the vocab tile instead of starving the GEMM of rows
+        rows = min(n, 16)
+        cols = max(1, min(v, budget // rows))
+    return max(rows, 1), cols
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 accumulator without rounding the product to a 16-bit dtype first."""
+    if acc.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+# ---------------------------------------------------------------------------------------------------- torch folds
+def _transform(x: torch.Tensor, cfg: OpConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """z and dz/d(scaled x) factor f (None when 1) from a raw tile, in fp32."""
+    y = x.float() * cfg.logit_scale
+    if cfg.softcap is None:
+        return y / cfg.temperature, None
+    t = torch.tanh(y / cfg.softcap)
+    return t * (cfg.softcap / cfg.temperature), 1 - t * t
+
+
+def _fold_torch(tile, local, st, cfg: OpConfig, jacobian: bool, e2_buf) -> torch.Tensor | None:
+    """Fold one tile into the statistics ``st`` (in place); in jacobian mode overwrite ``tile`` with e·f (target
+    column zeroed), fill ``e2_buf`` with e·(z-r)·f and return the per-row rescale factor."""
+    m, s_other, u, zy, r = st
+    z, f = _transform(tile, cfg)
+    cols = z.shape[1]
+    m_new = torch.maximum(m, z.amax(1))
+    resc = torch.exp(m - m_new)
+    r.copy_(torch.where(torch.isinf(r), m_new, r))
+    e = torch.exp(z - m_new[:, None])
+    in_tile = (local >= 0) & (local < cols)
+    is_t = torch.arange(cols, device=z.device)[None, :] == local[:, None]
+    z_t = z.gather(1, local.clamp(0, cols - 1)[:, None]).squeeze(1)
+    zy.copy_(torch.where(in_tile, z_t, zy))
+    e_other = e.masked_fill(is_t, 0.0)
+    s_other.mul_(resc).add_(e_other.sum(1))
+    u.mul_(resc).add_((e * (z - r[:, None])).sum(1))
+    m.copy_(m_new)
+    if not jacobian:
+        return None
+    ef = e_other if f is None else e_other * f
+    if e2_buf is not None:
+        zr = (z - r[:, None]) * e
+        e2_buf.copy_(zr if f is None else zr * f)
+    tile.copy_(ef)
+    return resc
+
+
+def _grad_tile_torch(tile, local, log_z, mu, g_logp, g_ent, cfg: OpConfig) -> None:
+    """Overwrite ``tile`` with dL/d(h·Wᵀ) for the recompute backward."""
+    z, f = _transform(tile, cfg)
+    p = torch.exp(z - log_z[:, None])
+    grad = torch.zeros_like(z)
+    if g_logp is not None:
+        is_t = torch.arange(z.shape[1], device=z.device)[None, :] == local[:, None]
+        grad += g_logp[:, None] * (is_t.float() - p)
+    if g_ent is not None:
+        grad -= g_ent[:, None] * p * (z - mu[:, None])
+    grad *= cfg.k
+    if f is not None:
+        grad *= f
+    tile.copy_(grad)
+
+
+# --------------------------------------------------------------------------------------------------- triton folds
+def _kernels():
+    """The Triton kernels, imported on first use (import stays cheap; TRITON_INTERPRET is read then)."""
+    from . import _triton
+
+    return _triton.stats_kernel, _triton.jacobian_kernel, _triton.grad_kernel
+
+
+def _cap_args(cfg: OpConfig) -> dict:
+    return dict(
+        scale=float(cfg.logit_scale),
+        cap=float(cfg.softcap or 1.0),
+        inv_t=1.0 / float(cfg.temperature),
+        HAS_CAP=cfg.softcap is not None,
+    )
+
+
+def _fold_triton(tile, local, st, cfg: OpConfig, jacobian: bool, e2_buf) -> torch.Tensor | None:
+    stats_kernel, jacobian_kernel, _ = _kernels()
+    m, s_other, u, zy, r = st
+    n, cols = tile.shape
+    if not jacobian:
+        stats_kernel[(n,)](tile, tile.stride(0), local, m, s_other, u, zy, r, cols, BLOCK=_BLOCK, **_cap_args(cfg))
+        return None
+    resc = torch.empty_like(m)
+    e2 = e2_buf if e2_buf is not None else tile
+    if e2_buf is not None:
+        assert e2_buf.stride(0) == tile.stride(0)
+    jacobian_kernel[(n,)](
+        tile, tile.stride(0), e2, local, m, s_other, u, zy, r, resc, cols,
+        HAS_E2=e2_buf is not None, BLOCK=_BLOCK, **_cap_args(cfg),
+    )  # fmt: skip
+    return resc
+
+
+def _grad_tile_triton(tile, local, log_z, mu, g_logp, g_ent, cfg: OpConfig) -> None:
+    _, _, grad_kernel = _kernels()
+    n, cols = tile.shape
+    dummy = log_z
+    grad_kernel[(n, math.ceil(cols / _BLOCK))](
+        tile, tile.stride(0), local, log_z, mu, dummy if g_logp is None else g_logp,
+        dummy if g_ent is None else g_ent, cols, HAS_GL=g_logp is not None, HAS_GE=g_ent is not None,
+        BLOCK=_BLOCK, **_cap_args(cfg),
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ the loop
+def _compute_dtype(hidden: torch.Tensor, cfg: OpConfig) -> torch.dtype:
+    if cfg.compute_dtype is not None:
+        return cfg.compute_dtype
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return hidden.dtype
+
+
+def _tile_bytes(cfg: OpConfig, dtype: torch.dtype, jacobian: bool) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    if cfg.backend == "triton":  # the fold works in place; the entropy operand needs a second tile
+        return size * (2 if jacobian and cfg.entropy_grad else 1)
+    return size + 6 * 4  # the torch fold keeps a handful of fp32 temporaries per element
+
+
+@dataclass
+class _Forward:
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+    log_z: torch.Tensor
+    mu: torch.Tensor
+    jac_logp: torch.Tensor | None
+    jac_ent: torch.Tensor | None
+
+
+def _forward(hidden, weight, targets, cfg: OpConfig, jacobian: bool) -> _Forward:
+    n_rows, width = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    dtype = _compute_dtype(hidden, cfg)
+    rows, cols = plan_tiles(n_rows, vocab, cfg.tile_mib, _tile_bytes(cfg, dtype, jacobian))
+    fold = _fold_triton if cfg.backend == "triton" else _fold_torch
+    f32 = dict(device=dev, dtype=torch.float32)
+    m = torch.full((n_rows,), -math.inf, **f32)
+    r = torch.full((n_rows,), -math.inf, **f32)
+    zy = torch.full((n_rows,), -math.inf, **f32)
+    s_other = torch.zeros(n_rows, **f32)
+    u = torch.zeros(n_rows, **f32)
+    jac_logp = torch.zeros((n_rows, width), **f32) if jacobian else None
+    jac_ent = torch.zeros((n_rows, width), **f32) if jacobian and cfg.entropy_grad else None
+    buf = torch.empty((min(rows, n_rows), cols), device=dev, dtype=dtype)
+    e2_full = torch.empty_like(buf) if jac_ent is not None else None
+    for r0 in range(0, n_rows, rows):
+        r1 = min(r0 + rows, n_rows)
+        h = hidden[r0:r1].to(dtype)
+        st = (m[r0:r1], s_other[r0:r1], u[r0:r1], zy[r0:r1], r[r0:r1])
+        for c0 in range(0, vocab, cols):
+            c1 = min(c0 + cols, vocab)
+            w = weight[c0:c1].to(dtype)
+            tile = buf[: r1 - r0, : c1 - c0]
+            torch.mm(h, w.t(), out=tile)
+            e2 = None if e2_full is None else e2_full[: r1 - r0, : c1 - c0]
+            resc = fold(tile, targets[r0:r1] - c0, st, cfg, jacobian, e2)
+            if jacobian:
+                acc = jac_logp[r0:r1]
+                acc.mul_(resc[:, None])
+                _addmm_fp32(acc, tile, w)
+                if e2 is not None:
+                    acc_e = jac_ent[r0:r1]
+                    acc_e.mul_(resc[:, None])
+                    _addmm_fp32(acc_e, e2, w)
+    valid = targets >= 0
+    e_y = torch.exp(zy - m)  # 0 for ignored rows (zy = -inf)
+    s = s_other + e_y
+    log_z = m + torch.log(s)
+    logp = torch.where(valid, zy - log_z, 0.0)
+    mu = r + u / s
+    entropy = torch.where(valid, log_z - mu, 0.0) if cfg.need_entropy else None
+    if jacobian:
+        _finish_jacobians(jac_logp, jac_ent, weight, targets, valid, zy, s, s_other, e_y, mu, r, cfg, dtype)
+    return _Forward(logp, entropy, log_z, mu, jac_logp, jac_ent)
+
+
+def _finish_jacobians(jac_logp, jac_ent, weight, targets, valid, zy, s, s_other, e_y, mu, r, cfg, dtype) -> None:
+    """Turn the accumulators into d logp/dh and d H/dh in place (0 on ignored rows)."""
+    w_y = weight[targets.clamp(min=0)].to(dtype).float()
+    f_y = torch.ones_like(zy)
+    if cfg.softcap is not None:  # f = 1 - tanh², tanh = z·T/cap
+        f_y = 1 - (torch.nan_to_num(zy, neginf=0.0) * (cfg.temperature / cfg.softcap)) ** 2
+    inv_s = torch.where(valid, 1 / s, 0.0)
+    if jac_ent is not None:
+        # C = Σ_j e_j f_j W_j including the target; dH/dh = -k/s (B - (μ - r) C)
+        c = jac_logp + (e_y * f_y)[:, None] * w_y
+        jac_ent.sub_((mu - r)[:, None] * c).mul_((-cfg.k * inv_s)[:, None])
+    coef_y = torch.where(valid, s_other * inv_s * f_y, 0.0) * cfg.k
+    jac_logp.mul_((-cfg.k * inv_s)[:, None]).add_(coef_y[:, None] * w_y)
+
+
+def _backward_recompute(hidden, weight, targets, log_z, mu, g_logp, g_ent, cfg: OpConfig, need_h, need_w):
+    n_rows, width = hidden.shape
+    vocab = weight.shape[0]
+    dtype = cfg.compute_dtype
+    rows, cols = plan_tiles(n_rows, vocab, cfg.tile_mib, _tile_bytes(cfg, dtype, False))
+    grad_tile = _grad_tile_triton if cfg.backend == "triton" else _grad_tile_torch
+    valid = targets >= 0
+    g_logp = None if g_logp is None else torch.where(valid, g_logp.float(), 0.0).contiguous()
+    g_ent = None if g_ent is None else torch.where(valid, g_ent.float(), 0.0).contiguous()
+    grad_h = torch.zeros((n_rows, width), device=hidden.device, dtype=torch.float32) if need_h else None
+    grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+    buf = torch.empty((min(rows, n_rows), cols), device=hidden.device, dtype=dtype)
+    for r0 in range(0, n_rows, rows):
+        r1 = min(r0 + rows, n_rows)
+        h = hidden[r0:r1].to(dtype)
+        gl = None if g_logp is None else g_logp[r0:r1]
+        ge = None if g_ent is None else g_ent[r0:r1]
+        for c0 in range(0, vocab, cols):
+            c1 = min(c0 + cols, vocab)
+            w = weight[c0:c1].to(dtype)
+            tile = buf[: r1 - r0, : c1 - c0]
+            torch.mm(h, w.t(), out=tile)
+            grad_tile(tile, targets[r0:r1] - c0, log_z[r0:r1], mu[r0:r1], gl, ge, cfg)
+            if grad_h is not None:
+                _addmm_fp32(grad_h[r0:r1], tile, w)
+            if grad_w is not None:
+                _addmm_fp32(grad_w[c0:c1], tile.t(), h)
+    return grad_h, grad_w
+
+
+class LogpEntropyFunction(torch.autograd.Function):
+    """See the module docstring. Inputs: hidden [N, H], weight [V, H], targets [N] (< 0: ignored, logp 0)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, cfg: OpConfig):
+        ctx.set_materialize_grads(False)
+        need_h, need_w = ctx.needs_input_grad[:2]
+        jacobian = need_h and not need_w
+        with torch.autocast(hidden.device.type, enabled=False):
+            out = _forward(hidden, weight, targets, cfg, jacobian)
+        ctx.cfg = cfg
+        ctx.jacobian = jacobian
+        if need_h or need_w:
+            saved = [hidden, weight, targets, out.log_z, out.mu]
+            if jacobian:
+                saved.append(out.jac_logp)
+                if out.jac_ent is not None:
+                    saved.append(out.jac_ent)
+            ctx.save_for_backward(*saved)
+        return out.logp, out.entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        if g_logp is None and g_ent is None:
+            return None, None, None, None
+        hidden, weight, targets, log_z, mu, *jacs = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if ctx.jacobian and (g_ent is None or len(jacs) == 2):
+            grad = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32)
+            if g_logp is not None:
+                grad.addcmul_(g_logp.float()[:, None], jacs[0])
+            if g_ent is not None:
+                grad.addcmul_(g_ent.float()[:, None], jacs[1])
+            return grad.to(hidden.dtype), None, None, None
+        # Trainable head, or an entropy gradient that the forward was not asked to prepare: recompute the tiles
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = _backward_recompute(hidden, weight, targets, log_z, mu, g_logp, g_ent, ctx.cfg, need_h, need_w)
+        grad_h, grad_w = grads
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None,
+            None,
+        )
+
+
+def logp_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    need_entropy: bool = True,
+    entropy_grad: bool = False,
+    tile_mib: int = 512,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token fp32 log p(target) and entropy of ``softcap(logit_scale·h·Wᵀ)/T``; targets < 0 give 0 for both.
+
+    ``entropy_grad`` prepares the entropy gradient in the forward pass (frozen head); without it an entropy gradient
+    still works, through a slower recompute. ``backend``: "torch", "triton" or None (triton on CUDA).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected hidden [N, H] and weight [V, H], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    backend = backend or default_backend(hidden.device)
+    cfg = OpConfig(temperature, logit_scale, softcap, need_entropy, entropy_grad, tile_mib, backend)
+    cfg = replace(cfg, compute_dtype=_compute_dtype(hidden, cfg))
+    return LogpEntropyFunction.apply(hidden, weight, targets.contiguous(), cfg)

@@ -1,0 +1,282 @@
+"""GRPOTrainer end to end: leantrain's fused log-probs vs TRL's stock fused head; probe reasons; runtime fallback;
+patch/unpatch identity; the TRL <= 1.14 method path (faked on the 1.16 trainer)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+import transformers  # noqa: E402
+
+import leantrain  # noqa: E402
+from leantrain.grpo_logps import GrpoLogps, _trl, ops  # noqa: E402
+from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
+
+
+METRICS = ("loss", "grad_norm", "kl", "entropy")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama saved to disk: GRPOTrainer builds the beta > 0 reference model from the policy's path."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tok = train_tokenizer()
+    tiny_model("llama", seed=0, vocab_size=len(tok), hidden=64, layers=2).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def make_trainer(model_dir, tmp_path, *, beta=0.0, lora=False, record=None, **overrides):
+    torch.manual_seed(0)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    prompts = [" ".join(t.split()[:6]) for t in corpus_texts()[:8]]
+
+    def reward(completions, **kwargs):
+        if record is not None:
+            record.extend(completions)
+        return [len(c) / 10 + c.count("e") for c in completions]
+
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        beta=beta,
+        seed=0,
+        learning_rate=1e-2,
+        save_strategy="no",
+        temperature=0.7,
+        **overrides,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trl.GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+            processing_class=tok,
+            peft_config=peft_config,
+        )
+
+
+def trajectory(trainer, quiet=True):
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")
+        trainer.train()
+    return [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
+
+
+def count_op_calls(monkeypatch):
+    calls = []
+    real = ops.logp_entropy
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("backend"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "logp_entropy", spy)
+    return calls
+
+
+def assert_same_trajectory(stock, ours, rel=1e-4, abs_tol=1e-6):
+    assert len(stock) == len(ours) == 3
+    for a, b in zip(stock, ours):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert math.isclose(a[key], b[key], rel_tol=rel, abs_tol=abs_tol), (key, a[key], b[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "beta, lora, bf16",
+    [(0.0, False, False), (0.1, False, False), (0.0, True, False), (0.1, True, False), (0.1, True, True)],
+)
+def test_trajectory_matches_stock(model_dir, tmp_path, monkeypatch, beta, lora, bf16):
+    stock_completions, our_completions = [], []
+    kwargs = dict(beta=beta, lora=lora, bf16=bf16)
+    stock = trajectory(make_trainer(model_dir, tmp_path, record=stock_completions, **kwargs))
+    calls = count_op_calls(monkeypatch)
+    trainer = make_trainer(model_dir, tmp_path, record=our_completions, **kwargs)
+    report = leantrain.patch_trainer(trainer, grpo_logps=True)
+    assert report["grpo_logps"].status is leantrain.Status.APPLIED
+    assert "TRL >= 1.15" in report["grpo_logps"].detail and "torch chunked" in report["grpo_logps"].detail
+    assert ("ref model" in report["grpo_logps"].detail) == (beta > 0 and not lora)
+    ours = trajectory(trainer)
+    assert stock_completions == our_completions  # same generations, so the trajectories are comparable
+    assert calls, "leantrain's op never ran"
+    assert leantrain.current_report(trainer)["grpo_logps"].status is leantrain.Status.APPLIED
+    if beta > 0:
+        assert ours[-1]["kl"] > 0  # the reference path ran (ref model, or the policy with its adapter disabled)
+    # fp32: both heads are exact up to summation order (per-step values agree to ~1e-6; 1e-4 leaves headroom over
+    # 3 optimizer steps at lr 1e-2). bf16 autocast + LoRA (frozen head): TRL rounds dL/dz to bf16, we round p·f to
+    # bf16 in the Jacobian GEMM: different 2^-9 roundings, measured grad_norm difference 1.1e-3 relative; kl (~3e-4)
+    # is a second-order difference of two logps, measured 1.9e-6 apart: an absolute bound of 1e-5
+    assert_same_trajectory(stock, ours, rel=5e-3 if bf16 else 1e-4, abs_tol=1e-5 if bf16 else 1e-6)
+
+
+@pytest.mark.slow
+def test_runtime_fallback(model_dir, tmp_path, monkeypatch):
+    stock = trajectory(make_trainer(model_dir, tmp_path, bf16=False))
+    trainer = make_trainer(model_dir, tmp_path, bf16=False)
+    leantrain.patch_trainer(trainer)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(ops, "logp_entropy", broken)
+    with pytest.warns(RuntimeWarning, match="grpo_logps failed at run time") as record:
+        ours = trajectory(trainer, quiet=False)
+    assert sum("grpo_logps failed" in str(w.message) for w in record) == 1  # warned once
+    outcome = leantrain.current_report(trainer)["grpo_logps"]
+    assert outcome.status is leantrain.Status.FAILED and "injected" in outcome.reasons[0]
+    assert_same_trajectory(stock, ours)  # TRL's own head took over from the first call
+
+
+def test_patch_unpatch_identity(model_dir, tmp_path):
+    trainer = make_trainer(model_dir, tmp_path, beta=0.1)
+    policy, ref = trainer.model, trainer.ref_model
+    before = (policy.__dict__["forward"], ref.__dict__["forward"], policy.forward, ref.forward)
+    report = leantrain.patch_trainer(trainer)
+    assert report["grpo_logps"].status is leantrain.Status.APPLIED
+    assert policy.__dict__["forward"] is not before[0] and ref.__dict__["forward"] is not before[1]
+    assert policy.forward.__leantrain_original__ is before[0]
+    leantrain.unpatch_trainer(trainer)
+    assert policy.__dict__["forward"] is before[0] and ref.__dict__["forward"] is before[1]
+
+
+def test_fused_forward_matches_trl_with_all_masked_rows(model_dir, tmp_path):
+    """One fused call: same FusedCausalLMOutput fields as TRL's, including an all-masked row and its gradient."""
+    trainer = make_trainer(model_dir, tmp_path)
+    model = trainer.model
+    ids = torch.randint(3, 500, (3, 12))
+    att = torch.ones_like(ids)
+    att[1, :4] = 0
+    labels = ids.masked_fill(att == 0, -100)
+    labels[:, :-5] = -100
+    labels[2] = -100  # a row with nothing to score
+    outs = []
+    for patched in (False, True):
+        if patched:
+            leantrain.patch_trainer(trainer)
+        model.zero_grad()
+        out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True)
+        (out.log_probs.sum() + out.entropy.sum() * 0).backward()
+        grad = model.model.layers[0].mlp.up_proj.weight.grad.clone()
+        outs.append((out, grad))
+    (a, ga), (b, gb) = outs
+    assert torch.equal(a.label_mask, b.label_mask)
+    assert (b.log_probs[2] == 0).all() and (b.log_probs[~b.label_mask] == 0).all()
+    torch.testing.assert_close(b.log_probs, a.log_probs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(b.entropy, a.entropy, rtol=0, atol=1e-5)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-7)
+
+
+def test_probe_reasons(model_dir, tmp_path):
+    opt = GrpoLogps()
+    cfg = leantrain.config.resolve_config({}, environ={})
+    trainer = make_trainer(model_dir, tmp_path)
+    ready = opt.probe(trainer, cfg)
+    assert ready.ready and "kernel: torch chunked" in ready.detail
+
+    head = trainer.model.lm_head
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    assert any("bias" in r for r in opt.probe(trainer, cfg).reasons)
+    head.bias = None
+
+    trainer.model.config.logit_scale = 2.0  # set after TRL read the config: scaling no longer known
+    assert any("unknown output scaling" in r for r in opt.probe(trainer, cfg).reasons)
+    del trainer.model.config.logit_scale
+
+    fused = trainer.model.__dict__.pop("forward")  # TRL's fused head missing while TRL has add_fused_lm_head
+    reasons = opt.probe(trainer, cfg).reasons
+    assert reasons and "TRL not recognised" in reasons[0]
+    trainer.model.forward = fused
+
+
+def test_probe_declines_lm_head_lora(model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    trainer = make_trainer(model_dir, tmp_path, lora=True)
+    # TRL refuses LoRA on lm_head at construction; simulate a model whose head got an adapter afterwards
+    peft_model = get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["lm_head"])
+    )
+    reasons = _trl.head_reasons(peft_model.get_base_model())
+    assert any("PEFT adapter" in r for r in reasons)
+    assert GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).ready
+
+
+# ------------------------------------------------------------------------------- TRL <= 1.14 (faked API shape)
+def old_trl_method(trainer, n_values):
+    """TRL 1.7-1.14's full-logits `_get_per_token_logps_and_entropies` (text part), 3-tuple; 0.20-1.6: 2-tuple."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    def method(
+        model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, pixel_values=None, image_grid_thw=None,
+    ):  # fmt: skip
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1).logits
+        logits = logits[:, :-1][:, -logits_to_keep:] / trainer.temperature
+        logps = selective_log_softmax(logits, input_ids[:, -logits_to_keep:])
+        entropies = entropy_from_logits(logits) if compute_entropy else None
+        return (logps, entropies) if n_values == 2 else (logps, entropies, None)
+
+    return method
+
+
+@pytest.mark.parametrize("n_values", [2, 3])
+def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
+    trainer = make_trainer(model_dir, tmp_path, bf16=False)  # fp32 end to end: the full-logits path is exact
+    base = trainer.model
+    base.__dict__.pop("forward")  # no fused head: the pre-1.15 model
+    assert trl.RLOOTrainer  # import TRL's lazy modules while add_fused_lm_head still exists
+    monkeypatch.delattr("trl.trainer.utils.add_fused_lm_head")
+    old = old_trl_method(trainer, n_values)
+    if n_values == 3:
+        method = old
+    else:
+
+        def method(model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False):
+            return old(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy)
+
+    trainer._get_per_token_logps_and_entropies = method
+    opt = GrpoLogps()
+    ready = opt.probe(trainer, leantrain.config.resolve_config({}, environ={}))
+    assert ready.ready and f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n_values}-tuple)" in ready.detail
+
+    ids = torch.randint(3, 500, (4, 14))
+    att = torch.ones_like(ids)
+    att[0, -3:] = 0  # padded completion tail
+    k = 6
+    stock = method(base, ids, att, k, compute_entropy=True)
+    patch_trainer_calls = count_op_calls(monkeypatch)
+    report = leantrain.patch_trainer(trainer, grpo_logps=True)
+    assert report["grpo_logps"].status is leantrain.Status.APPLIED
+    ours = trainer._get_per_token_logps_and_entropies(base, ids, att, k, compute_entropy=True)
+    assert len(ours) == n_values and patch_trainer_calls
+    keep = att[:, -k:].bool()  # TRL masks padded completion tokens in the loss; ours are exactly 0 there
+    torch.testing.assert_close(ours[0][keep], stock[0][keep], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours[1][keep], stock[1][keep], rtol=0, atol=1e-5)
+    assert (ours[0][~keep] == 0).all()
+    leantrain.unpatch_trainer(trainer)
+    assert trainer._get_per_token_logps_and_entropies is method and "forward" not in base.__dict__
