@@ -1,1 +1,128 @@
-"""Placeholder: this optimization registers itself here once built."""
+"""CGGR: keep labels only on the hardest tokens of each sequence, scored by the model's own first decoder layers
+inside the training forward (no second pass). See ``router.py`` for the run-time flow."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .._patching import Undo, UserInputError
+from .._registry import Applied, Optimization, PatchContext, Readiness, register
+from ..config import ResolvedConfig
+from ..models import DecoderParts, decoder_parts
+from .router import Runtime, Settings
+from .scoring import head_share, score_tokens
+from .selection import schedule_ratio, select_topk
+
+
+# Auto mode applies CGGR only where the LM head is at least this share of per-token matmul work. On an H100 the
+# no-scoring bound gained nothing on SmolLM2-135M (head ~21%) and 1.08-1.14x on Qwen2.5-0.5B (head ~28%).
+AUTO_MIN_HEAD_SHARE = 0.25
+
+
+def _kind(trainer: Any) -> str:
+    from ..patching import trainer_kind
+
+    return trainer_kind(trainer)
+
+
+def _triton_device(trainer: Any) -> bool:
+    from transformers.utils import is_triton_available
+
+    return trainer.args.device.type in ("cuda", "xpu") and is_triton_available()
+
+
+def loss_path(trainer: Any, kind: str, parts: DecoderParts) -> tuple[str, bool, bool]:
+    """(description, use leantrain's kept-row loss, does the LM-head work shrink with the kept labels)."""
+    full_logits = getattr(trainer, "compute_loss_func", None) is not None or trainer.label_smoother is not None
+    if kind == "sft":
+        if full_logits:
+            return "full logits (compute_loss_func or label smoothing): no LM-head saving", False, False
+        if _triton_device(trainer):
+            return "TRL fused LM head over kept rows", False, True
+        device = trainer.args.device.type
+        return f"TRL fused LM head, which scores every row on {device}: no LM-head saving", False, False
+    if full_logits:
+        return "stock loss over masked labels (compute_loss_func or label smoothing): no LM-head saving", False, False
+    if "logits_to_keep" not in inspect.signature(parts.model.forward).parameters:
+        return "stock loss over masked labels (the model has no logits_to_keep): no LM-head saving", False, False
+    return "LM head + cross-entropy on kept rows only (logits_to_keep)", True, True
+
+
+def _sequence_parallel(trainer: Any) -> bool:
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    return pc is not None and bool(getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False))
+
+
+@register
+class CGGR(Optimization):
+    name = "cggr"
+    trainer_kinds = ("sft", "trainer")
+    removes_metrics = ("TRL's entropy and mean_token_accuracy cover the kept tokens only",)
+
+    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+        try:
+            parts = decoder_parts(trainer.model)
+        except ValueError as error:
+            return Readiness.no(f"{error}: CGGR needs a decoder-only causal LM")
+        if parts.final_norm is None:
+            return Readiness.no(f"{type(parts.trunk).__name__}: no final norm found, so the router cannot score")
+        layers = config.cggr_router_layers
+        if layers >= parts.num_layers:
+            message = f"cggr_router_layers={layers} must be smaller than the model's {parts.num_layers} decoder layers"
+            if config.sources["cggr_router_layers"] != "default" or config.config.cggr is True:
+                raise UserInputError(message)
+            return Readiness.no(message + ": set cggr_router_layers lower")
+        if _sequence_parallel(trainer):
+            return Readiness.no("sequence/context parallelism splits the labels across ranks: not supported yet")
+        path, _, saves = loss_path(trainer, _kind(trainer), parts)
+        share = head_share(parts.model.config)
+        detail = (
+            f"router: hook after decoder layer {layers} of {parts.num_layers}, scoring={config.cggr_scoring}; "
+            f"loss path: {path}; LM head ~{share:.0%} of matmul work"
+        )
+        if config.config.cggr is None:  # auto: apply only where it cannot make training slower
+            if not saves:
+                reason = f"the active loss path does not skip masked labels ({path}); pass cggr=True to apply anyway"
+                return Readiness((reason,), detail)
+            if share < AUTO_MIN_HEAD_SHARE:
+                reason = (
+                    f"the LM head is ~{share:.0%} of per-token matmul work (< {AUTO_MIN_HEAD_SHARE:.0%}): masking "
+                    "labels saves less than scoring costs; pass cggr=True to apply anyway"
+                )
+                return Readiness((reason,), detail)
+        return Readiness(detail=detail)
+
+    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+        config = ctx.config
+        parts = decoder_parts(trainer.model)
+        path, kept_only, _ = loss_path(trainer, ctx.trainer_kind, parts)
+        settings = Settings(
+            ratio=config.cggr_min_tokens_ratio,
+            router_layers=config.cggr_router_layers,
+            scoring=config.cggr_scoring,
+            warmup=config.cggr_warmup_steps,
+            schedule=config.cggr_ratio_schedule,
+            kept_only=kept_only,
+        )
+        runtime = Runtime(trainer, parts, settings, ctx.fallback)
+        undo = Undo()
+        layer = parts.layers[settings.router_layers - 1]
+        if settings.scoring != "random":  # the random control needs no hidden state
+            handle = layer.register_forward_hook(runtime.hook)
+            undo.push(handle.remove)
+        undo.wrap_method(trainer, "compute_loss", runtime.wrap_compute_loss)
+        undo.wrap_method(trainer, "get_batch_samples", runtime.wrap_get_batch_samples)
+        undo.wrap_method(trainer, "log", runtime.wrap_log)
+        undo.set_attr(trainer, "_leantrain_cggr", runtime)
+        layer_name = f"{type(parts.trunk).__name__}.layers[{settings.router_layers - 1}]"
+        targets = ("trainer.compute_loss", "trainer.get_batch_samples", "trainer.log", f"{layer_name} forward hook")
+        detail = (
+            f"router: hook after decoder layer {settings.router_layers} of {parts.num_layers} "
+            f"(in-forward, scoring={settings.scoring}, ratio={settings.ratio}, warmup={settings.warmup} optimizer "
+            f"steps, {settings.schedule}); loss path: {path}"
+        )
+        return Applied(undo, targets if settings.scoring != "random" else targets[:3], detail)
+
+
+__all__ = ["CGGR", "Runtime", "Settings", "schedule_ratio", "score_tokens", "select_topk", "loss_path"]

@@ -1,0 +1,478 @@
+"""CGGR parity on CPU with tiny models: router scores vs the full model's hidden_states[N], patched training steps vs
+stock steps on hand-masked labels (plain Trainer and TRL SFTTrainer), gradient accumulation, warmup, eval, PEFT,
+gradient checkpointing, fallbacks and undo."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import leantrain
+from leantrain.cggr import router as cggr_router
+from leantrain.cggr import scoring as cggr_scoring
+from leantrain.cggr.selection import select_topk
+from leantrain.models import decoder_parts
+from leantrain.report import Status
+from leantrain.tiny import FAMILIES, tiny_model
+
+
+VOCAB = 512
+OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
+
+
+def tiny(family="llama", layers=4, vocab_size=VOCAB):
+    """A tiny model without dropout (GPT-2 defaults to 0.1), so train-mode forwards are reproducible."""
+    drop = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if family == "gpt2" else {}
+    return tiny_model(family, vocab_size=vocab_size, hidden=64, layers=layers, **drop)
+
+
+def make_batch(rows=4, width=12, seed=0, vocab=VOCAB):
+    """Right-padded rows of different lengths, with -100 on padding and on a short 'prompt' of each row."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (rows, width), generator=g)
+    lengths = torch.tensor([width, width - 3, width - 5, 4, width - 1, 6][:rows])
+    attention_mask = (torch.arange(width) < lengths[:, None]).long()
+    input_ids = input_ids.masked_fill(attention_mask == 0, 0)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :2] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def trainer_for(model, tmp_path, kind="trainer", **args):
+    defaults = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3)
+    defaults.update(args)
+    if kind == "sft":
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        from leantrain.tiny import train_tokenizer
+
+        g = torch.Generator().manual_seed(1)
+        data = Dataset.from_list(
+            [{"input_ids": torch.randint(3, VOCAB, (int(n),), generator=g).tolist()} for n in (9, 12, 7, 11, 12, 8)]
+        )
+        defaults.setdefault("gradient_checkpointing", False)
+        return SFTTrainer(
+            model=model, args=SFTConfig(**defaults), train_dataset=data, processing_class=train_tokenizer()
+        )
+    data = [{k: v[i] for k, v in make_batch(6, 12, seed=5).items()} for i in range(6)]
+    return Trainer(model=model, args=TrainingArguments(**defaults), train_dataset=data, eval_dataset=data)
+
+
+def reference_masked(model, batch, ratio, scoring="entropy", layers=2):
+    """Labels masked by hand from the full model's hidden_states[layers] (no hook involved)."""
+    parts = decoder_parts(model)
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    targets = batch["labels"][:, 1:]
+    scores = cggr_scoring.score_tokens(parts, out.hidden_states[layers], targets, scoring)
+    keep = select_topk(scores, targets != -100, None, ratio)
+    labels = batch["labels"].clone()
+    labels[:, 1:][~keep] = -100
+    return {**batch, "labels": labels}, scores
+
+
+def step(trainer, batches):
+    """One accumulation window through the trainer's own counting and training_step; returns (losses, count)."""
+    samples, count = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
+    losses = [trainer.training_step(trainer.model, b, count) for b in samples]
+    return losses, count
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(a, b, rtol, atol):
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def patched_pair(tmp_path, family="llama", kind="trainer", ratio=0.5, layers=4, **opts):
+    model = tiny(family, layers).train()
+    stock_model = copy.deepcopy(model)
+    patched = trainer_for(model, tmp_path / "p", kind)
+    stock = trainer_for(stock_model, tmp_path / "s", kind)
+    opts = {"cggr_min_tokens_ratio": ratio, "cggr_warmup_steps": 0, **opts}
+    report = leantrain.patch_trainer(patched, cggr=True, **OFF, **opts)
+    return patched, stock, report
+
+
+# ---- scores: the in-forward router equals scoring the full model's hidden_states[N] -------------------------------
+
+
+def capture_scores(monkeypatch):
+    seen = []
+    real = cggr_router.select_topk
+
+    def spy(scores, valid, groups, ratio):
+        seen.append(scores.clone())
+        return real(scores, valid, groups, ratio)
+
+    monkeypatch.setattr(cggr_router, "select_topk", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_scores_equal_full_model_hidden_states(family, tmp_path, monkeypatch):
+    seen = capture_scores(monkeypatch)
+    patched, stock, _ = patched_pair(tmp_path, family)
+    batch = make_batch()
+    masked, ref_scores = reference_masked(stock.model.train(), batch, 0.5)
+    losses, _ = step(patched, [batch])
+    assert len(seen) == 1
+    assert torch.equal(seen[0], ref_scores)  # exact: same hidden state, same scoring function
+    assert torch.isfinite(losses[0])
+
+
+@pytest.mark.parametrize("scoring", ["margin", "loss", "combined"])
+def test_other_scorings_equal_full_model_hidden_states(scoring, tmp_path, monkeypatch):
+    seen = capture_scores(monkeypatch)
+    patched, stock, _ = patched_pair(tmp_path, "gemma2", cggr_scoring=scoring)
+    batch = make_batch()
+    _, ref_scores = reference_masked(stock.model.train(), batch, 0.5, scoring)
+    step(patched, [batch])
+    assert torch.equal(seen[0], ref_scores)
+
+
+@pytest.mark.parametrize("scoring", ["entropy", "margin", "loss", "combined"])
+def test_scores_match_full_logits_reference(scoring):
+    """The chunked / fused scorers against scores computed from full fp32 logits (softcap model: gemma2)."""
+    model = tiny("gemma2", 3)
+    parts = decoder_parts(model)
+    with torch.no_grad():  # peaky distributions: z-scores of near-constant entropies would amplify rounding
+        parts.lm_head.weight.mul_(40)
+    batch = make_batch()
+    with torch.no_grad():
+        hidden = model(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
+        hidden = hidden.hidden_states[2]
+        z = parts.lm_head(parts.final_norm(hidden)).float()[:, :-1]
+        z = torch.tanh(z / parts.softcap) * parts.softcap
+        logp = torch.log_softmax(z, -1)
+        p = logp.exp()
+        entropy = -(p * logp).sum(-1)
+        targets = batch["labels"][:, 1:]
+        loss = -logp.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        top2 = p.topk(2, -1).values
+        margin = top2[..., 0] - top2[..., 1]
+        valid = targets != -100
+
+        def z_row(x):
+            n = valid.sum(1, keepdim=True)
+            mean = (x * valid).sum(1, keepdim=True) / n
+            std = (((x - mean) ** 2 * valid).sum(1, keepdim=True) / n).sqrt()
+            return (x - mean) / std
+
+        want = {"entropy": entropy, "loss": loss, "margin": -margin, "combined": z_row(entropy) - z_row(margin)}
+        got = cggr_scoring.score_tokens(parts, hidden, targets, scoring, chunk_tokens=5)
+    # fp32 reductions in a different order (chunked / online logsumexp): a few ulps of values of size ~6. The
+    # combined score divides those ~1e-6 differences by each row's std of entropy/margin (~0.05 here): 1e-4.
+    tol = 1e-4 if scoring == "combined" else 1e-5
+    torch.testing.assert_close(got[valid], want[scoring][valid], rtol=tol, atol=tol)
+
+
+def test_alignment_score_at_t_selects_label_t_plus_1(tmp_path, monkeypatch):
+    patched, _, _ = patched_pair(tmp_path, ratio=0.01)
+    batch = make_batch(rows=1, width=10)
+    batch["labels"] = batch["input_ids"].clone()
+
+    def fake_scores(parts, hidden, targets, scoring, chunk_tokens=None):
+        scores = torch.zeros(targets.shape)
+        scores[0, 4] = 1.0  # hidden position 4 predicts token 5
+        return scores
+
+    seen = {}
+    real_loss = patched.compute_loss.__leantrain_original__
+
+    def spy(model, inputs, **kw):
+        seen["labels"] = inputs["labels"]
+        return real_loss(model, inputs, **kw)
+
+    monkeypatch.setattr(cggr_scoring, "score_tokens", fake_scores)
+    runtime = patched._leantrain_cggr
+    runtime.settings.kept_only = False  # exercise the masked-labels path so the loss sees the labels
+    patched.compute_loss = runtime.wrap_compute_loss(spy)
+    step(patched, [batch])
+    kept = (seen["labels"][:, 1:] != -100).nonzero() + torch.tensor([0, 1])  # label 0 is never a causal target
+    assert kept.tolist() == [[0, 5]]
+    assert torch.equal(batch["labels"], batch["input_ids"])  # the caller's batch is never modified
+
+
+# ---- end-to-end training steps vs stock on hand-masked labels -----------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_plain_trainer_ratio_half_equals_hand_masked_stock(family, tmp_path):
+    patched, stock, report = patched_pair(tmp_path, family)
+    assert "kept rows only" in report["cggr"].detail
+    batch = make_batch()
+    masked, _ = reference_masked(stock.model.train(), batch, 0.5)
+    (loss_p,), count_p = step(patched, [batch])
+    (loss_s,), count_s = step(stock, [masked])
+    assert count_p.item() == count_s.item() == (masked["labels"][:, 1:] != -100).sum().item()
+    # The kept-row head multiplies fewer rows than the stock full-logits head: fp32 GEMM blocking may differ.
+    torch.testing.assert_close(loss_p, loss_s, rtol=1e-6, atol=1e-6)
+    assert_grads_close(grads(patched.model), grads(stock.model), rtol=1e-5, atol=1e-7)
+
+
+def test_sft_ratio_half_equals_hand_masked_stock(tmp_path):
+    patched, stock, report = patched_pair(tmp_path, kind="sft")
+    assert "TRL fused LM head" in report["cggr"].detail
+    batch = make_batch()
+    masked, _ = reference_masked(stock.model.train(), batch, 0.5)
+    (loss_p,), count_p = step(patched, [batch])
+    (loss_s,), count_s = step(stock, [masked])
+    assert count_p.item() == count_s.item()
+    assert torch.equal(loss_p, loss_s)  # same labels, same TRL loss path: bitwise
+    assert_grads_close(grads(patched.model), grads(stock.model), rtol=0, atol=0)
+    # TRL's token metrics now cover the kept tokens only: same values as the hand-masked stock run
+    assert patched._metrics["train"]["entropy"] == stock._metrics["train"]["entropy"]
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_ratio_one_is_stock_exactly(kind, tmp_path, monkeypatch):
+    """Ratio 1.0 (and every warmup step) runs the stock path: bitwise equal losses and gradients. A ratio just
+    below 1 runs the whole machinery (hook, selection, loss path) and keeps every label."""
+    patched, stock, _ = patched_pair(tmp_path, kind=kind, ratio=1.0)
+    batch = make_batch()
+    (loss_p,), count_p = step(patched, [batch])
+    (loss_s,), count_s = step(stock, [batch])
+    assert torch.equal(loss_p, loss_s) and torch.equal(count_p, count_s)
+    assert_grads_close(grads(patched.model), grads(stock.model), rtol=0, atol=0)
+
+    patched.model.zero_grad()
+    stock.model.zero_grad()
+    monkeypatch.setattr(patched._leantrain_cggr, "ratio_now", lambda: 1 - 1e-9)
+    calls = []
+    real = cggr_scoring.score_tokens
+    monkeypatch.setattr(cggr_scoring, "score_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    (loss_p,), count_p = step(patched, [batch])
+    (loss_s,), count_s = step(stock, [batch])
+    assert calls == [1] and count_p.item() == count_s.item()
+    if kind == "sft":  # labels untouched, TRL loss path unchanged: bitwise
+        assert torch.equal(loss_p, loss_s)
+        assert_grads_close(grads(patched.model), grads(stock.model), rtol=0, atol=0)
+    else:  # kept-row head on the gathered rows vs the full-logits head: fp32 GEMM shapes differ
+        torch.testing.assert_close(loss_p, loss_s, rtol=1e-6, atol=1e-6)
+        assert_grads_close(grads(patched.model), grads(stock.model), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_gradient_accumulation_two_equals_one_big_batch(kind, tmp_path):
+    model = tiny().train()
+    big = trainer_for(copy.deepcopy(model), tmp_path / "big", kind)
+    accum = trainer_for(model, tmp_path / "ga", kind, gradient_accumulation_steps=2)
+    for t in (big, accum):
+        leantrain.patch_trainer(t, cggr=True, cggr_min_tokens_ratio=0.3, cggr_warmup_steps=0, **OFF)
+    batch = make_batch(rows=4)
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    _, count_big = step(big, [batch])
+    _, count_ga = step(accum, halves)
+    assert count_big.item() == count_ga.item()
+    # Same kept labels (per-row selection); losses summed over kept tokens / the window's kept count. Rows are
+    # computed in different batch shapes, so fp32 sums differ in the last bits.
+    assert_grads_close(grads(big.model), grads(accum.model), rtol=1e-5, atol=1e-7)
+
+
+def test_peft_lora_model(tmp_path, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    seen = capture_scores(monkeypatch)
+    base = tiny()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+    model = get_peft_model(base, lora).train()
+    stock_model = copy.deepcopy(model)
+    patched = trainer_for(model, tmp_path / "p")
+    stock = trainer_for(stock_model, tmp_path / "s")
+    leantrain.patch_trainer(patched, cggr=True, cggr_min_tokens_ratio=0.5, cggr_warmup_steps=0, **OFF)
+    batch = make_batch()
+    masked, ref_scores = reference_masked(stock.model.train(), batch, 0.5)
+    (loss_p,), _ = step(patched, [batch])
+    (loss_s,), _ = step(stock, [masked])
+    assert torch.equal(seen[0], ref_scores)  # the router scored with the active adapters (LoRA on lm_head too)
+    torch.testing.assert_close(loss_p, loss_s, rtol=1e-6, atol=1e-6)  # kept-row head GEMM shape, as above
+    assert_grads_close(grads(patched.model), grads(stock.model), rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_checkpointing_scores_once(tmp_path, monkeypatch):
+    calls = []
+    real = cggr_scoring.score_tokens
+    monkeypatch.setattr(cggr_scoring, "score_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    patched, plain, _ = patched_pair(tmp_path)
+    leantrain.patch_trainer(plain, cggr=True, cggr_min_tokens_ratio=0.5, cggr_warmup_steps=0, **OFF)
+    patched.model.activation_checkpointing_enable({"use_reentrant": False})
+    assert all(layer.gradient_checkpointing for layer in decoder_parts(patched.model).layers)
+    batch = make_batch()
+    (loss_gc,), _ = step(patched, [batch])
+    assert len(calls) == 1  # the layer re-runs in backward, the slot is already consumed
+    (loss_plain,), _ = step(plain, [batch])
+    assert torch.equal(loss_gc, loss_plain)  # recompute gives the same forward values on CPU
+    assert_grads_close(grads(patched.model), grads(plain.model), rtol=0, atol=0)
+
+
+# ---- training loop: warmup in optimizer steps, logging, eval never masked -----------------------------------------
+
+
+def test_warmup_counts_optimizer_steps_and_logs(tmp_path):
+    model = tiny()
+    trainer = trainer_for(
+        model, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, logging_steps=1
+    )
+    leantrain.patch_trainer(trainer, cggr=True, cggr_min_tokens_ratio=0.25, cggr_warmup_steps=2, **OFF)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    fractions = [h["cggr/kept_fraction"] for h in logs]
+    assert fractions[:2] == [1.0, 1.0]  # 2 optimizer steps = 4 micro-batches of warmup
+    assert 0.25 <= fractions[2] < 0.5
+    assert logs[2]["cggr/score_ms"] > 0
+
+
+def test_linear_schedule_ramps(tmp_path):
+    model = tiny()
+    trainer = trainer_for(model, tmp_path, per_device_train_batch_size=3, max_steps=4, logging_steps=1)
+    leantrain.patch_trainer(
+        trainer, cggr=True, cggr_min_tokens_ratio=0.2, cggr_warmup_steps=4, cggr_ratio_schedule="linear", **OFF
+    )
+    trainer.train()
+    fractions = [h["cggr/kept_fraction"] for h in trainer.state.log_history if "loss" in h]
+    assert fractions[0] == 1.0 and all(a > b for a, b in zip(fractions, fractions[1:]))
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_eval_never_masked(kind, tmp_path):
+    patched, stock, _ = patched_pair(tmp_path, kind=kind, ratio=0.25)
+    batch = make_batch()
+    step(patched, [batch])  # past warmup (0), training active
+    for t in (patched, stock):
+        t.model.eval()
+    loss_p = patched.prediction_step(patched.model, batch, prediction_loss_only=True)[0]
+    # the patched model took one training step: compare against the stock model carrying the same weights
+    stock.model.load_state_dict(patched.model.state_dict())
+    loss_s = stock.prediction_step(stock.model, batch, prediction_loss_only=True)[0]
+    assert torch.equal(loss_p, loss_s)
+
+
+# ---- inputs, probe, fallback, undo --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"cggr_min_tokens_ratio": 0.0},
+        {"cggr_min_tokens_ratio": 1.5},
+        {"cggr_scoring": "hardest"},
+        {"cggr_router_layers": 0},
+        {"cggr_router_layers": 4},  # == layer count
+        {"cggr_ratio_schedule": "cosine"},
+        {"cggr_warmup_steps": -1},
+    ],
+)
+def test_bad_inputs_raise_value_error(opts, tmp_path):
+    trainer = trainer_for(tiny(), tmp_path)
+    with pytest.raises(ValueError):
+        leantrain.patch_trainer(trainer, cggr=True, **OFF, **opts)
+    assert "compute_loss" not in trainer.__dict__
+
+
+def test_probe_decisions(tmp_path):
+    # small LM head (vocab 64 vs hidden 64 x 4 layers): auto declines with the share, True applies anyway
+    small_head = tiny(vocab_size=64)
+    report = leantrain.patch_trainer(trainer_for(small_head, tmp_path / "a"), **OFF)
+    assert report["cggr"].status is Status.SKIPPED and "of per-token matmul work" in report["cggr"].reasons[0]
+    report = leantrain.patch_trainer(trainer_for(small_head, tmp_path / "b"), cggr=True, **OFF)
+    assert report["cggr"].status is Status.APPLIED
+    # large head, plain Trainer: the kept-row loss path saves head work, auto applies
+    big_head = tiny(vocab_size=2048)
+    report = leantrain.patch_trainer(trainer_for(big_head, tmp_path / "c"), **OFF)
+    assert report["cggr"].status is Status.APPLIED and "kept rows only" in report["cggr"].detail
+    # SFT on CPU: TRL's fused head scores every row, so masking saves nothing: auto declines and says why
+    report = leantrain.patch_trainer(trainer_for(copy.deepcopy(big_head), tmp_path / "d", "sft"), **OFF)
+    assert report["cggr"].status is Status.SKIPPED and "does not skip masked labels" in report["cggr"].reasons[0]
+    # default router_layers (2) on a 2-layer model: auto declines instead of raising
+    two = tiny(layers=2)
+    report = leantrain.patch_trainer(trainer_for(two, tmp_path / "e"), **OFF)
+    assert report["cggr"].status is Status.SKIPPED and "cggr_router_layers" in report["cggr"].reasons[0]
+    # label smoothing needs full logits: reported as the loss path
+    report = leantrain.patch_trainer(
+        trainer_for(copy.deepcopy(big_head), tmp_path / "f", label_smoothing_factor=0.1), cggr=True, **OFF
+    )
+    assert "label smoothing" in report["cggr"].detail
+
+
+def test_runtime_fallback(tmp_path, monkeypatch):
+    patched, stock, _ = patched_pair(tmp_path, ratio=0.25)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected scorer failure")
+
+    monkeypatch.setattr(cggr_scoring, "score_tokens", boom)
+    batch = make_batch()
+    with pytest.warns(RuntimeWarning, match="injected scorer failure"):
+        (loss_p,), _ = step(patched, [batch])
+    (loss_s,), _ = step(stock, [batch])
+    assert torch.equal(loss_p, loss_s)  # the failed window falls back to the unmasked labels and the stock count
+    report = leantrain.patching.current_report(patched)
+    assert report["cggr"].status is Status.FAILED and "injected" in report["cggr"].reasons[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        (loss_p,), _ = step(patched, [batch])
+    patched.train()  # training goes on
+    assert patched.state.global_step > 0
+
+
+def test_patch_unpatch_identity(tmp_path):
+    model = tiny()
+    trainer = trainer_for(model, tmp_path)
+    layer = decoder_parts(model).layers[1]
+    before = {name: getattr(trainer, name) for name in ("compute_loss", "get_batch_samples", "log")}
+    leantrain.patch_trainer(trainer, cggr=True, **OFF)
+    assert trainer.compute_loss.__leantrain_original__ == before["compute_loss"]
+    assert len(layer._forward_hooks) == 1
+    print(model)
+    leantrain.unpatch_trainer(trainer)
+    for name, method in before.items():
+        assert name not in trainer.__dict__ and getattr(trainer, name) == method
+        assert getattr(trainer, name).__func__ is getattr(type(trainer), name)
+    assert len(layer._forward_hooks) == 0 and not hasattr(trainer, "_leantrain_cggr")
+
+
+def test_random_control_keeps_same_count_and_leaves_rng(tmp_path):
+    patched, stock, _ = patched_pair(tmp_path, cggr_scoring="random")
+    batch = make_batch()
+    masked, _ = reference_masked(stock.model.train(), batch, 0.5)
+    state = torch.get_rng_state()
+    _, count_random = step(patched, [batch])
+    _, count_ref = step(stock, [masked])
+    assert count_random.item() == count_ref.item()
+    assert torch.equal(torch.get_rng_state(), state)  # private generator: dropout streams unchanged
+
+
+def test_packed_rows_select_per_document(tmp_path):
+    """Padding-free rows (position_ids restart per document): kept counts per document, kept-row head by mask."""
+    patched, stock, _ = patched_pair(tmp_path, ratio=0.3)
+    batch = make_batch(rows=2, width=14)
+    position_ids = torch.tensor(
+        [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4]]
+    )
+    labels = batch["input_ids"].masked_fill(position_ids == 0, -100)  # like TRL's padding-free collator
+    batch = {"input_ids": batch["input_ids"], "position_ids": position_ids, "labels": labels}
+    parts = decoder_parts(stock.model)
+    with torch.no_grad():
+        hidden = stock.model.train()(
+            input_ids=batch["input_ids"], position_ids=position_ids, output_hidden_states=True
+        )
+    targets = labels[:, 1:]
+    scores = cggr_scoring.score_tokens(parts, hidden.hidden_states[2], targets, "entropy")
+    groups = torch.cumsum(position_ids == 0, dim=1)[:, :-1]
+    keep = select_topk(scores, targets != -100, groups, 0.3)
+    masked = labels.clone()
+    masked[:, 1:][~keep] = -100
+    (loss_p,), count_p = step(patched, [batch])
+    (loss_s,), count_s = step(stock, [{**batch, "labels": masked}])
+    # documents of 3/5/3 and 8/4 valid labels: ceil(0.3 n) = 1+2+1 and 3+2
+    assert count_p.item() == count_s.item() == 9
+    torch.testing.assert_close(loss_p, loss_s, rtol=1e-6, atol=1e-6)  # kept-row head GEMM shape, as above
+    assert_grads_close(grads(patched.model), grads(stock.model), rtol=1e-5, atol=1e-7)
