@@ -63,7 +63,7 @@ def git_commit() -> str:
             check=True,
         ).stdout.strip()
     except Exception:
-        return os.environ.get("LEANTRAIN_COMMIT", "unknown")
+        return os.environ.get("BENCH_COMMIT", "unknown")
 
 
 def _sync() -> None:
@@ -141,7 +141,7 @@ class Row:
 
 def write_results(name: str, rows: Sequence[Row], table: str, out_dir: Path | None = None) -> Path:
     """Write ``<name>.json`` (rows) and ``<name>.md`` (header with device/versions/date + the table)."""
-    out_dir = Path(out_dir or os.environ.get("LEANTRAIN_RESULTS", RESULTS))
+    out_dir = Path(out_dir or os.environ.get("BENCH_RESULTS", RESULTS))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str))
     head = rows[0] if rows else Row(name, "", "", "", "", "", "", 0.0)

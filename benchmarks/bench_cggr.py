@@ -10,7 +10,7 @@ for a fixed number of steps; eval loss over all held-out tokens.
     python benchmarks/bench_cggr.py            # CUDA, full size (< 4 min on an H100)
     python benchmarks/bench_cggr.py --smoke    # CPU, tiny shapes (< 60 s)
 
-Writes ``bench_cggr.json`` / ``.md`` / ``.png`` into ``$LEANTRAIN_RESULTS`` or ``benchmarks/results/``.
+Writes ``bench_cggr.json`` / ``.md`` / ``.png`` into ``$BENCH_RESULTS`` or ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from leantrain.cggr.selection import select_topk, targets_of  # noqa: E402
 
 
 OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
-# patch_trainer rejects unknown LEANTRAIN_* variables; the harness's LEANTRAIN_RESULTS is not a leantrain option
-ENV = {k: v for k, v in os.environ.items() if k != "LEANTRAIN_RESULTS"}
 SHAPES = {  # (config class, fields); vocab 151936 for the Qwen shapes, tied embeddings like the released models
     "smollm2-135m": (
         "LlamaConfig",
@@ -194,7 +192,6 @@ def speed(args, rows: list[Row], table: list[list]) -> None:
                     cggr_min_tokens_ratio=ratio,
                     cggr_scoring=scoring,
                     cggr_warmup_steps=0,
-                    environ=ENV,
                     **OFF,
                 )
                 runtime = trainer._leantrain_cggr
@@ -306,7 +303,6 @@ def quality(args, rows: list[Row], table: list[list]) -> None:
                 cggr_min_tokens_ratio=ratio,
                 cggr_scoring=scoring,
                 cggr_warmup_steps=steps // 10,
-                environ=ENV,
                 **OFF,
             )
         t0 = time.perf_counter()
@@ -325,7 +321,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b,qwen2.5-1.5b")
     parser.add_argument("--budget-s", type=float, default=150.0, help="skip further shapes after this many seconds")
     parser.add_argument("--skip-quality", action="store_true")
-    parser.add_argument("--out", default=os.environ.get("LEANTRAIN_RESULTS", str(RESULTS)))
+    parser.add_argument("--out", default=os.environ.get("BENCH_RESULTS", str(RESULTS)))
     args = parser.parse_args()
     if args.smoke:
         torch.set_num_threads(min(2, os.cpu_count() or 1))

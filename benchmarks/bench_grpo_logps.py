@@ -5,7 +5,7 @@ plus CUDA parity (max |Δlogp| vs fp64 on a slice).
     python benchmarks/bench_grpo_logps.py            # CUDA, full shapes (H100: < 4 min)
     python benchmarks/bench_grpo_logps.py --smoke    # tiny shapes, CPU or GPU, < 60 s
 
-Writes grpo_logps.json / .md / .png into $LEANTRAIN_RESULTS or benchmarks/results/.
+Writes grpo_logps.json / .md / .png into $BENCH_RESULTS or benchmarks/results/.
 """
 
 from __future__ import annotations

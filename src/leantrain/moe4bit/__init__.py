@@ -1,1 +1,126 @@
-"""Placeholder: this optimization registers itself here once built."""
+"""Grouped 4-bit MoE experts: one dequantize per projection stack and two grouped GEMMs instead of the
+per-expert loop (a dequantize and two matmuls per expert), with the loop kept as the fallback.
+
+Serves frozen bitsandbytes 4-bit experts in two layouts: per-expert ``Linear4bit`` lists (community pre-quantized
+gpt-oss checkpoints) and stock transformers 3-D experts quantized by :func:`quantize_experts_4bit`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from .._patching import Undo
+from .._registry import Applied, Optimization, PatchContext, Readiness, optional_import_reason, register
+from ..config import ResolvedConfig
+from ..models import unwrap_model
+from .quantize import QuantizeReport, quantize_experts_4bit
+
+
+__all__ = ["Moe4bit", "QuantizeReport", "quantize_experts_4bit"]
+
+ROUTING_INDEX_NAMES = ("router_indices", "top_k_index")
+ROUTING_WEIGHT_NAMES = ("routing_weights", "top_k_weights")
+
+
+def _bnb_reason() -> str | None:
+    return optional_import_reason("bitsandbytes", "bnb")
+
+
+def _group(reasons: list[tuple[str, str]]) -> tuple[str, ...]:
+    """One sentence per distinct reason, naming how many modules it affects and the first of them."""
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for name, reason in reasons:
+        by_reason[reason].append(name)
+    return tuple(
+        f"{reason} ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''})"
+        for reason, names in by_reason.items()
+    )
+
+
+def readiness(model: Any) -> Readiness:
+    """The probe on a model: not applicable without 4-bit MoE experts, else every reason the path cannot run."""
+    from . import _layouts
+
+    model = unwrap_model(model)
+    found = _layouts.find_experts(model)
+    if not found:
+        return Readiness.not_applicable(f"{type(model).__name__} has no MoE experts module")
+    reason = _bnb_reason()
+    if reason:
+        return Readiness.no(reason)
+    quantized = [f for f in found if _layouts.is_4bit(f)]
+    if not quantized:
+        return Readiness.not_applicable(_layouts.NOT_4BIT_REASON)
+    wrapped = _layouts._wrapped_ids(model)
+    problems = [(f.name, _layouts.NOT_4BIT_REASON) for f in found if f not in quantized]
+    problems += [(f.name, r) for f in quantized if (r := _layouts.module_reason(f, wrapped)) is not None]
+    if problems:
+        return Readiness.no(*_group(problems))
+    details = set()
+    for f in quantized:
+        ok, detail = _layouts.grouped_mm_status(*_layouts.compute_dtype(f))
+        if not ok:
+            return Readiness.no(detail)
+        details.add(detail)
+    layouts = sorted({f.layout for f in quantized})
+    return Readiness(detail=f"{len(quantized)} experts modules ({', '.join(layouts)}); {'; '.join(sorted(details))}")
+
+
+def _routing_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """(expert ids, routing weights) from an experts forward call, positional or by any stock keyword."""
+    rest = list(args)
+    indices = rest.pop(0) if rest else next((kwargs[n] for n in ROUTING_INDEX_NAMES if n in kwargs), None)
+    weights = rest.pop(0) if rest else next((kwargs[n] for n in ROUTING_WEIGHT_NAMES if n in kwargs), None)
+    if indices is None or weights is None:
+        raise TypeError("experts forward called without expert indices and routing weights")
+    return indices, weights
+
+
+def _patched_forward(plan, check, fallback):
+    from ._grouped import grouped_forward
+
+    def make(original):
+        def fast(hidden_states, *args, **kwargs):
+            check()
+            indices, weights = _routing_args(args, kwargs)
+            return grouped_forward(plan, hidden_states, indices, weights)
+
+        def forward(hidden_states, *args, **kwargs):
+            return fallback.call(fast, original, hidden_states, *args, **kwargs)
+
+        return forward
+
+    return make
+
+
+@register
+class Moe4bit(Optimization):
+    """Grouped 4-bit MoE experts (see the module docstring); ``moe_recompute`` re-dequantizes in backward."""
+
+    name = "moe4bit"
+
+    def check_environment(self) -> tuple[str, ...]:
+        reason = _bnb_reason()
+        return (reason,) if reason else ()
+
+    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+        return readiness(trainer.model)
+
+    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+        from . import _layouts
+
+        model = unwrap_model(trainer.model)
+        recompute = bool(ctx.config.moe_recompute)
+        undo = Undo()
+        targets = []
+        try:
+            for found in _layouts.find_experts(model):
+                plan, check = _layouts.build_plan(found, undo, recompute)
+                undo.wrap_method(found.module, "forward", _patched_forward(plan, check, ctx.fallback))
+                targets.append(found.name)
+        except BaseException:
+            undo()
+            raise
+        detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"
+        return Applied(undo, tuple(targets), detail)

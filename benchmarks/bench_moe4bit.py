@@ -1,0 +1,290 @@
+"""Grouped 4-bit MoE experts vs the per-expert bitsandbytes loop (and the bf16 grouped floor).
+
+Layer benchmark at gpt-oss-20b expert shapes (E=32, top-4, H=I=2880; bf16; fwd+bwd into hidden states and router
+weights) at 512 / 4096 / 16384 tokens:
+- ``bnb loop``: per-expert ``bnb.nn.Linear4bit`` lists with the stock per-expert loop (community 4-bit gpt-oss);
+- ``leantrain grouped``: the same modules patched (one dequantize per stack + grouped GEMMs), recompute on / off;
+- ``leantrain grouped (stacked)``: stock 3-D experts after ``leantrain.quantize_experts_4bit``;
+- ``transformers grouped_mm (4-bit stacked)``: the stock path of that module (dequantize-on-access parametrization);
+- ``grouped floor (pre-dequantized)``: leantrain's grouped path on pre-dequantized bf16 stacks (no dequantize);
+- ``transformers grouped_mm (dense weights)``: HF's grouped experts on bf16 3-D weights (peer).
+Plus peak memory per provider and a whole small gpt-oss-shaped model training step (loop vs grouped).
+
+    python benchmarks/bench_moe4bit.py            # CUDA, full size (< 4 minutes on an H100)
+    python benchmarks/bench_moe4bit.py --smoke    # CPU, tiny shapes (< 60 s)
+
+Writes ``moe4bit.json`` / ``.md`` / ``.png`` into ``$BENCH_RESULTS`` or ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
+
+import leantrain  # noqa: E402
+from leantrain._patching import Undo  # noqa: E402
+from leantrain.moe4bit import _grouped, _layouts  # noqa: E402
+from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
+from leantrain.tiny import tiny_model  # noqa: E402
+
+
+NAME = "moe4bit"
+LOOP, GROUPED, FLOOR = "bnb loop", "leantrain grouped", "grouped floor (pre-dequantized)"
+
+
+@dataclasses.dataclass
+class Setup:
+    device: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    tokens: tuple[int, ...]
+    warmup: int
+    reps: int
+    model: dict  # whole-model step: tiny_config overrides + batch shape
+    dtype: torch.dtype = torch.bfloat16
+
+
+FULL = Setup(
+    "cuda",
+    32,
+    4,
+    2880,
+    2880,
+    (512, 4096, 16384),
+    3,
+    10,
+    {"hidden": 1024, "inter": 1024, "layers": 4, "vocab": 8192, "batch": 4, "seq": 1024},
+)
+SMOKE = Setup(  # fp32: CPUs without bf16 matmul units run bf16 slowly, and the smoke run only checks the script
+    "cpu",
+    8,
+    4,
+    128,
+    128,
+    (32, 128),
+    1,
+    2,
+    {"hidden": 128, "inter": 128, "layers": 2, "vocab": 512, "batch": 2, "seq": 32},
+    torch.float32,
+)
+
+
+class Dense:
+    """A 'stack' that is already dequantized: the grouped path minus the dequantize (the floor)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight
+
+
+def stock_gpt_oss_experts(s: Setup) -> torch.nn.Module:
+    config = transformers.GptOssConfig(
+        hidden_size=s.hidden, intermediate_size=s.inter, num_local_experts=s.experts, num_experts_per_tok=s.top_k
+    )
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    module = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02)
+    return module.to(device=s.device, dtype=s.dtype).requires_grad_(False)
+
+
+def providers(s: Setup) -> dict[str, object]:
+    """name -> callable(x, idx, weights) for every provider (built once; the loop module is timed unpatched)."""
+    stock = stock_gpt_oss_experts(s)
+    loop = linear4bit_experts_from(stock, quant_type="nf4", blocksize=64, compress_statistics=True)
+    # The grouped path consolidates the loop module's stacks in place (views): the loop keeps working unchanged.
+    plan, _ = _layouts.build_plan(_layouts.Found("experts", loop, "linear4bit"), Undo(), recompute=True)
+    no_recompute = dataclasses.replace(plan, recompute=False)
+    floor = dataclasses.replace(
+        plan,
+        gate_up=dataclasses.replace(plan.gate_up, stack=Dense(plan.gate_up.stack.dequantize(s.dtype))),
+        down=dataclasses.replace(plan.down, stack=Dense(plan.down.stack.dequantize(s.dtype))),
+    )
+    stacked = copy.deepcopy(stock)
+    leantrain.quantize_experts_4bit(stacked, compress_statistics=True)
+    stacked_plan, _ = _layouts.build_plan(_layouts.Found("experts", stacked, "stacked"), Undo(), recompute=True)
+
+    def grouped(p):
+        return lambda x, idx, w: _grouped.grouped_forward(p, x, idx, w)
+
+    return {
+        LOOP: loop,
+        GROUPED: grouped(plan),
+        f"{GROUPED} (no recompute)": grouped(no_recompute),
+        f"{GROUPED} (stacked)": grouped(stacked_plan),
+        "transformers grouped_mm (4-bit stacked)": stacked,
+        FLOOR: grouped(floor),
+        "transformers grouped_mm (dense weights)": stock,
+    }
+
+
+def layer_inputs(s: Setup, tokens: int, dense: bool):
+    gen = torch.Generator(device=s.device).manual_seed(tokens)
+    x = torch.randn(tokens, s.hidden, device=s.device, dtype=s.dtype, generator=gen).requires_grad_()
+    logits = torch.randn(tokens, s.experts, device=s.device, dtype=s.dtype, generator=gen)
+    top, idx = logits.topk(s.top_k, dim=1)
+    weights = top.softmax(-1)
+    if dense:  # the community layout's router returns dense [T, E] scores
+        weights = torch.zeros_like(logits).scatter(1, idx, weights)
+    grad = torch.randn(tokens, s.hidden, device=s.device, dtype=s.dtype, generator=gen)
+    return x, idx, weights.requires_grad_(), grad
+
+
+def bench_layers(s: Setup, rows: list[Row]) -> dict[str, dict[int, float]]:
+    fns = providers(s)
+    medians: dict[str, dict[int, float]] = {name: {} for name in fns}
+    dtype = str(s.dtype).replace("torch.", "")
+    config = {"experts": s.experts, "top_k": s.top_k, "hidden": s.hidden, "intermediate": s.inter, "dtype": dtype}
+    for tokens in s.tokens:
+        for name, fn in fns.items():
+            x, idx, weights, grad = layer_inputs(s, tokens, dense=name in (LOOP, GROUPED))
+
+            def step(_i: int = 0, fn=fn, x=x, idx=idx, weights=weights, grad=grad) -> None:
+                x.grad = weights.grad = None
+                fn(x, idx, weights).backward(grad)
+
+            t = time_fn(step, warmup=s.warmup, reps=s.reps)
+            medians[name][tokens] = t.p50
+            rows.append(Row.timing(NAME, name, "fwd+bwd", "tokens", tokens, t, **config))
+            mem = peak_memory(step)
+            rows.append(Row(NAME, name, "fwd+bwd", "memory", "GiB", "tokens", tokens, mem, config=config))
+            print(f"{tokens:>6} tokens  {name:<42} {t.p50:9.3f} ms  peak {mem:.3f} GiB", flush=True)
+    return medians
+
+
+def whole_model(s: Setup, layout_patch: bool, tmp: str):
+    cfg = s.model
+    model = tiny_model(
+        "gpt_oss",
+        seed=0,
+        dtype=s.dtype,
+        hidden=cfg["hidden"],
+        layers=cfg["layers"],
+        vocab_size=cfg["vocab"],
+        intermediate_size=cfg["inter"],
+        num_local_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+    ).to(s.device)
+    convert_model_to_linear4bit_experts(model)
+    model.train()
+    args = transformers.TrainingArguments(output_dir=tmp, report_to=[], use_cpu=s.device == "cpu", save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args)
+    if layout_patch:
+        report = leantrain.patch_trainer(trainer, moe4bit=True, cggr=False, grpo_logps=False, osft=False)
+        print(report, flush=True)
+    ids = torch.randint(3, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=s.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-4)
+
+    def step(_i: int = 0) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def bench_model(s: Setup, rows: list[Row]) -> dict[str, float]:
+    cfg = s.model
+    dtype = str(s.dtype).replace("torch.", "")
+    config = {**cfg, "experts": s.experts, "top_k": s.top_k, "dtype": dtype, "layout": "linear4bit"}
+    tokens = cfg["batch"] * cfg["seq"]
+    out = {}
+    for name, patch in ((LOOP, False), (GROUPED, True)):
+        with tempfile.TemporaryDirectory() as tmp:
+            step = whole_model(s, patch, tmp)
+        t = time_fn(step, warmup=s.warmup, reps=s.reps)
+        mem = peak_memory(step)
+        out[name] = t.p50
+        rows.append(Row.timing(NAME, name, "train step", "tokens", tokens, t, **config))
+        rows.append(Row(NAME, name, "train step", "memory", "GiB", "tokens", tokens, mem, config=config))
+        print(f"model step {name:<20} {t.p50:9.2f} ms  peak {mem:.3f} GiB", flush=True)
+        del step
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def summary(s: Setup, medians: dict[str, dict[int, float]], rows: list[Row], model: dict[str, float]) -> str:
+    mem = {(r.provider, r.x_value): r.p50 for r in rows if r.metric == "memory" and r.mode == "fwd+bwd"}
+    header = ["provider", *(f"{t} tok ms" for t in s.tokens), *(f"{t} tok GiB" for t in s.tokens)]
+    table = [[name, *(v[t] for t in s.tokens), *(mem[(name, t)] for t in s.tokens)] for name, v in medians.items()]
+    lines = [markdown_table(header, table), ""]
+    no_rc = f"{GROUPED} (no recompute)"
+    header = ["tokens", "loop / grouped", "grouped / floor", "no-recompute / floor", "recompute saves GiB"]
+    ratios = [
+        [
+            t,
+            medians[LOOP][t] / medians[GROUPED][t],
+            medians[GROUPED][t] / medians[FLOOR][t],
+            medians[no_rc][t] / medians[FLOOR][t],
+            mem[(no_rc, t)] - mem[(GROUPED, t)],
+        ]
+        for t in s.tokens
+    ]
+    lines += [markdown_table(header, ratios), ""]
+    mid = s.tokens[len(s.tokens) // 2]
+    speedup, over_floor = medians[LOOP][mid] / medians[GROUPED][mid], medians[GROUPED][mid] / medians[FLOOR][mid]
+    lines.append(
+        f"At {mid} tokens (recompute on, the default): {speedup:.2f}x the loop (target >= 5.5x: "
+        f"{'met' if speedup >= 5.5 else 'NOT met'}), {over_floor:.2f}x the pre-dequantized floor (target <= 1.1x: "
+        f"{'met' if over_floor <= 1.1 else 'NOT met'}); without recompute "
+        f"{medians[no_rc][mid] / medians[FLOOR][mid]:.2f}x the floor."
+    )
+    if model:
+        lines.append(
+            f"Whole-model training step ({s.model['layers']} gpt-oss-shaped layers, {s.experts} experts, top-"
+            f"{s.top_k}, {s.model['batch']}x{s.model['seq']} tokens): loop {model[LOOP]:.1f} ms, grouped "
+            f"{model[GROUPED]:.1f} ms ({model[LOOP] / model[GROUPED]:.2f}x)."
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI smoke run)")
+    parser.add_argument("--no-model", action="store_true", help="skip the whole-model training step")
+    args = parser.parse_args()
+    s = SMOKE if args.smoke or not torch.cuda.is_available() else FULL
+    if s is SMOKE:
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    rows: list[Row] = []
+    medians = bench_layers(s, rows)
+    model = {} if args.no_model else bench_model(s, rows)
+    table = summary(s, medians, rows, model)
+    out_dir = write_results(NAME, rows, table, out_dir)
+    shown = [LOOP, GROUPED, f"{GROUPED} (stacked)", FLOOR]
+    bar_plot(
+        out_dir / f"{NAME}.png",
+        f"MoE layer E={s.experts} top-{s.top_k} H=I={s.hidden} {str(s.dtype).replace('torch.', '')} fwd+bwd",
+        [f"{t} tok" for t in s.tokens],
+        {name: [medians[name][t] for t in s.tokens] for name in shown},
+        "ms (median)",
+    )
+    print(table)
+    print(f"wrote {out_dir / NAME}.json/.md/.png")
+
+
+if __name__ == "__main__":
+    main()

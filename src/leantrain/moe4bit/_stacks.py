@@ -1,0 +1,156 @@
+"""Packed 4-bit expert stacks: one contiguous buffer of packed bytes + absmax per projection, dequantized by one
+bitsandbytes call (chunked past bitsandbytes' 32-bit element count).
+
+bitsandbytes packs row-major, two elements per byte, one absmax per ``blocksize`` consecutive elements. So the
+concatenation of per-expert packed bytes and absmax is the packed form of the stacked ``[E, rows, cols]`` tensor
+whenever each expert's element count is a multiple of the blocksize (checked by the probe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._patching import Undo
+
+
+# bitsandbytes' CUDA dequantize entry points take a C ``int n``: stay strictly below 2**31 elements per call.
+MAX_ELEMENTS_PER_CALL = 2**31 - 1
+NESTED_BLOCKSIZE = 256  # bitsandbytes' double quantization always uses 256-element absmax blocks
+
+
+@dataclass
+class NestedAbsmax:
+    """Double-quantized absmax of a stack: uint8 codes ``[G, nb_pad]`` (each group padded to whole 256-blocks),
+    the concatenated second-level fp32 absmax, the shared 8-bit code and one offset per group ``[G, 1]``."""
+
+    codes: torch.Tensor
+    absmax2: torch.Tensor
+    code: torch.Tensor
+    offsets: torch.Tensor
+    per_group: int  # real (unpadded) absmax entries per group
+
+    def decode(self) -> torch.Tensor:
+        """fp32 absmax, exactly as bitsandbytes decodes each group (``dequantize_blockwise(...) + offset``)."""
+        import bitsandbytes.functional as bnbf
+
+        state2 = bnbf.QuantState(absmax=self.absmax2, code=self.code, blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+        flat = bnbf.dequantize_blockwise(self.codes.reshape(-1), state2)
+        return (flat.view(self.codes.shape[0], -1)[:, : self.per_group] + self.offsets).reshape(-1)
+
+
+@dataclass
+class PackedStack:
+    """A frozen ``[E, rows, cols]`` weight stack in bitsandbytes 4-bit form."""
+
+    data: torch.Tensor  # uint8, flat, E*rows*cols/2 bytes
+    shape: tuple[int, int, int]
+    blocksize: int
+    quant_type: str
+    absmax: torch.Tensor | None  # fp32 [E*rows*cols/blocksize] when not nested
+    nested: NestedAbsmax | None = None
+
+    @property
+    def numel(self) -> int:
+        e, r, c = self.shape
+        return e * r * c
+
+    def absmax_fp32(self) -> torch.Tensor:
+        return self.nested.decode() if self.nested is not None else self.absmax
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole stack in ``dtype``: one ``dequantize_4bit`` call, or one per chunk of experts past 2**31."""
+        import bitsandbytes.functional as bnbf
+
+        experts, rows, cols = self.shape
+        per_expert, bs = rows * cols, self.blocksize
+        absmax = self.absmax_fp32()
+        step = max(1, MAX_ELEMENTS_PER_CALL // per_expert)
+
+        def state(n: int, part: torch.Tensor) -> bnbf.QuantState:
+            # Shape (blocks, blocksize): every row is one whole block, which also sidesteps bitsandbytes' CPU kernel
+            # bug for rows that are not a multiple of the blocksize; on CUDA the shape is only the element count.
+            return bnbf.QuantState(
+                absmax=part, shape=(n // bs, bs), blocksize=bs, quant_type=self.quant_type, dtype=dtype
+            )
+
+        if step >= experts:
+            flat = bnbf.dequantize_4bit(self.data.view(-1, 1), state(self.numel, absmax))
+            return flat.view(experts, rows, cols)
+        out = torch.empty(experts, rows, cols, dtype=dtype, device=self.data.device)
+        for first in range(0, experts, step):  # a handful of chunks, only for stacks past 2**31 elements
+            last = min(experts, first + step)
+            n, lo = (last - first) * per_expert, first * per_expert
+            packed = self.data[lo // 2 : (lo + n) // 2].view(-1, 1)
+            qs = state(n, absmax[lo // bs : (lo + n) // bs])
+            target = out[first:last].view(n // bs, bs)
+            if self.data.device.type == "cuda":
+                bnbf.dequantize_4bit(packed, qs, out=target)
+            else:  # bitsandbytes registers no out= kernel on CPU
+                target.copy_(bnbf.dequantize_4bit(packed, qs))
+        return out
+
+
+def _concat_nested(states: list, undo: Undo) -> NestedAbsmax:
+    """Move each expert's uint8 absmax into one padded buffer and its second-level absmax into another; re-point
+    every expert's quant state at its slice (bitwise the same values, no persistent extra memory)."""
+    first = states[0]
+    per_group = first.absmax.numel()
+    padded = -(-per_group // NESTED_BLOCKSIZE) * NESTED_BLOCKSIZE
+    codes = torch.zeros(len(states), padded, dtype=torch.uint8, device=first.absmax.device)
+    codes[:, :per_group] = torch.stack([qs.absmax for qs in states])
+    absmax2 = torch.cat([qs.state2.absmax.reshape(-1) for qs in states])
+    offsets = torch.stack([torch.as_tensor(qs.offset, dtype=torch.float32).reshape(()) for qs in states]).view(-1, 1)
+    per2 = first.state2.absmax.numel()
+    for e, qs in enumerate(states):
+        _repoint(undo, qs, "absmax", codes[e, :per_group])
+        _repoint(undo, qs.state2, "absmax", absmax2[e * per2 : (e + 1) * per2])
+    return NestedAbsmax(codes, absmax2, first.state2.code, offsets.to(first.absmax.device), per_group)
+
+
+def _repoint(undo: Undo, obj: object, name: str, view: torch.Tensor) -> None:
+    """Point ``obj.name`` at a view of a shared buffer; undo gives it a private copy again (the old tensor is not
+    kept alive, so consolidation costs no memory while patched)."""
+    setattr(obj, name, view)
+    undo.push(lambda: setattr(obj, name, getattr(obj, name).clone()))
+
+
+def consolidate_linear4bit(linears: list, undo: Undo) -> PackedStack:
+    """One contiguous stack from per-expert ``bnb.nn.Linear4bit`` modules; every expert's ``weight.data`` (and
+    absmax) becomes a view into it, so the per-expert modules keep working for the stock loop."""
+    weights = [m.weight for m in linears]
+    states = [w.quant_state for w in weights]
+    rows, cols = (int(s) for s in states[0].shape)
+    half = rows * cols // 2
+    data = torch.cat([w.data.reshape(-1) for w in weights])
+    for e, w in enumerate(weights):
+        old_shape = w.data.shape
+        w.data = data[e * half : (e + 1) * half].view(old_shape)
+        undo.push(lambda w=w: setattr(w, "data", w.data.clone()))
+    if states[0].nested:
+        absmax, nested = None, _concat_nested(states, undo)
+    else:
+        nested = None
+        absmax = torch.cat([qs.absmax.reshape(-1) for qs in states])
+        per = states[0].absmax.numel()
+        for e, qs in enumerate(states):
+            _repoint(undo, qs, "absmax", absmax[e * per : (e + 1) * per])
+    first = states[0]
+    return PackedStack(data, (len(linears), rows, cols), int(first.blocksize), first.quant_type, absmax, nested)
+
+
+def stack_from_quant_state(packed: torch.Tensor, qs) -> PackedStack:
+    """A view of one packed 3-D stack (``leantrain.quantize_experts_4bit`` / bitsandbytes' parametrization)."""
+    experts, rows, cols = (int(s) for s in qs.shape)
+    nested = None
+    absmax = qs.absmax
+    if qs.nested:
+        per_group = qs.absmax.numel()
+        padded = -(-per_group // NESTED_BLOCKSIZE) * NESTED_BLOCKSIZE
+        codes = qs.absmax.reshape(1, -1)
+        if padded != per_group:  # a single group: pad a copy of the (tiny) uint8 codes to whole 256-blocks
+            codes = torch.nn.functional.pad(codes, (0, padded - per_group))
+        offset = torch.as_tensor(qs.offset, dtype=torch.float32, device=qs.absmax.device).reshape(1, 1)
+        nested, absmax = NestedAbsmax(codes, qs.state2.absmax, qs.state2.code, offset, per_group), None
+    return PackedStack(packed.reshape(-1), (experts, rows, cols), int(qs.blocksize), qs.quant_type, absmax, nested)
