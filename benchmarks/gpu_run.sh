@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run on the GPU machine from the repo root: install the pinned wheels carried in .whl/, then run the named
+# benchmarks (and the CUDA parity tests with "parity"). Results are tarred into $OUT/results.tgz, logs into $OUT.
+#   bash benchmarks/gpu_run.sh parity grpo_logps moe4bit
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1
+export BENCH_RESULTS=${OUT:-/tmp/out}/results BENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+mkdir -p "$BENCH_RESULTS"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
+status=0
+for job in "$@"; do
+  start=$(date +%s)
+  echo "=== $job"
+  case $job in
+    parity) python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 30 ;;
+    *) python3 "benchmarks/bench_$job.py" 2>&1 | tee "${OUT:-/tmp/out}/$job.log" | tail -n 60 ;;
+  esac
+  rc=${PIPESTATUS[0]}
+  echo "=== $job rc=$rc in $(( $(date +%s) - start )) s"
+  [ "$rc" = 0 ] || status=1
+done
+tar czf "${OUT:-/tmp/out}/results.tgz" -C "$BENCH_RESULTS" .
+exit $status
