@@ -1,0 +1,297 @@
+"""Keep the trainable factors orthogonal to the frozen subspace, batched over every target, shard-correct.
+
+Per target (factored; never an M×M or N×N Gram matrix):
+    dU ← dU − U_high (U_highᵀ dU)        coefficient k_high×k_low
+    dV ← dV − (dV V_highᵀ) V_high        coefficient k_low×k_high
+applied to the gradients before ``optimizer.step()`` and to the parameters after it (AdamW's elementwise update
+leaks into the frozen subspace otherwise).
+
+Layouts, detected per target from the DTensor placements at call time (rank-uniform: placements and global shapes
+are the same on every rank):
+- plain tensors (single process, DDP: gradients already averaged): local, no collective;
+- U Shard(0) (FSDP2 default): ``U_highᵀ dU`` contracts over the sharded N, so per-rank products are partial sums;
+- V Shard(1) (``leantrain.osft.fully_shard``): ``dV V_highᵀ`` contracts over the sharded M: partial sums too.
+  Every partial coefficient of every target goes into one flat buffer and one all-reduce (per ``bucket_mib``);
+- V Shard(0) (accelerate's default FSDP2 prepare): the local block ``dV_p V_high,pᵀ`` is only a diagonal block,
+  so all-reducing it is wrong; instead V_high is all-gathered (one padded collective per bucket of targets) and
+  each rank projects its own rows of dV exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .linear import OSFTLinear
+
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+class LayoutError(RuntimeError):
+    """A sharding of the OSFT factors that the projection cannot handle exactly."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one factor lives: ``dim`` is the sharded tensor dim (None: whole tensor on every rank)."""
+
+    dim: int | None = None
+    group: Any = None
+    size: int = 1
+
+
+def layout(t: torch.Tensor) -> Layout:
+    if not isinstance(t, DTensor):
+        return Layout()
+    shards = [(i, p.dim) for i, p in enumerate(t.placements) if p.is_shard()]
+    if not shards:
+        return Layout()
+    if len(shards) > 1:
+        raise LayoutError(f"OSFT factor sharded on more than one mesh dimension: {t.placements}")
+    mesh_dim, dim = shards[0]
+    mesh = t.device_mesh
+    return Layout(dim, mesh.get_group(mesh_dim), mesh.size(mesh_dim))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard as a view (in-place edits reach the parameter / gradient storage)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def matmul_tf32(enabled: bool) -> Iterator[None]:
+    """Let fp32 projection GEMMs use TF32 on CUDA for the duration (restored after)."""
+    if not enabled or not torch.cuda.is_available():
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    try:
+        old, matmul.fp32_precision = matmul.fp32_precision, "tf32"
+        legacy = False
+    except (AttributeError, RuntimeError):  # older torch, or the legacy flag was used in this process
+        old, matmul.allow_tf32, legacy = matmul.allow_tf32, True, True
+    try:
+        yield
+    finally:
+        if legacy:
+            matmul.allow_tf32 = old
+        else:
+            matmul.fp32_precision = old
+
+
+@dataclass
+class _Job:
+    """One coefficient: side 'u' → C = basisᵀ·target, target −= basis·C; side 'v' → C = target·basisᵀ,
+    target −= C·basis. ``target`` None (no gradient here) still reserves its slot so buffers stay rank-uniform."""
+
+    side: str
+    basis: torch.Tensor
+    target: torch.Tensor | None
+    shape: tuple[int, int]
+    dtype: torch.dtype  # of the coefficient: the target's (fast path) or float32 (simple path)
+    group: Any = None
+
+    def coefficient(self, out: torch.Tensor) -> None:
+        if self.target is None:
+            out.zero_()
+            return
+        basis, target = self.basis.to(out.dtype), self.target.to(out.dtype)
+        if self.side == "u":
+            torch.mm(basis.t(), target, out=out)
+        else:
+            torch.mm(target, basis.t(), out=out)
+
+    def apply(self, coeff: torch.Tensor) -> None:
+        if self.target is None:
+            return
+        basis = self.basis.to(coeff.dtype)
+        if coeff.dtype == self.target.dtype:
+            if self.side == "u":
+                self.target.addmm_(basis, coeff, alpha=-1)
+            else:
+                self.target.addmm_(coeff, basis, alpha=-1)
+        else:  # simple path: the correction in float32, rounded once
+            correction = basis @ coeff if self.side == "u" else coeff @ basis
+            self.target.sub_(correction.to(self.target.dtype))
+
+    def run_local(self) -> None:
+        if self.target is None:
+            return
+        coeff = torch.empty(self.shape, dtype=self.dtype, device=self.target.device)
+        self.coefficient(coeff)
+        self.apply(coeff)
+
+
+@dataclass
+class _Gather:
+    """A Shard(0) V: gather V_high (padded to ceil(k_high/P) rows per rank), then project locally."""
+
+    v_high: torch.Tensor  # local rows
+    k_high: int
+    target: torch.Tensor | None
+    layout: Layout
+
+    @property
+    def rows(self) -> int:
+        return math.ceil(self.k_high / self.layout.size)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.v_high.shape[1]
+
+
+class Projector:
+    """Projects the gradients (pre-step) or parameters (post-step) of a list of ``OSFTLinear`` layers.
+
+    ``batched=False`` is the simple path used as the run-time fallback: coefficients in float32 whatever the factor
+    dtype, one collective per coefficient / per gathered V_high, no flat buffers. ``tf32`` lets fp32 projection
+    GEMMs use TF32 (CUDA only).
+    """
+
+    def __init__(
+        self, layers: Sequence[OSFTLinear], *, tf32: bool = False, bucket_mib: float = 256, batched: bool = True
+    ) -> None:
+        self.layers = list(layers)
+        self.tf32 = tf32
+        self.bucket_bytes = int(bucket_mib * 2**20)
+        self.batched = batched
+
+    def project_gradients(self) -> None:
+        self._run(grad=True)
+
+    def project_parameters(self) -> None:
+        self._run(grad=False)
+
+    def uses_collectives(self) -> bool:
+        return any(layout(t).dim is not None for layer in self.layers for t in (layer.U_high, layer.V_high))
+
+    @torch.no_grad()
+    def _run(self, grad: bool) -> None:
+        reduce_jobs: list[_Job] = []
+        gathers: list[_Gather] = []
+        with matmul_tf32(self.tf32):
+            for layer in self.layers:
+                self._plan(layer, grad, reduce_jobs, gathers)
+            self._gather_and_project(gathers)
+            self._reduce_and_project(reduce_jobs)
+
+    def _plan(self, layer: OSFTLinear, grad: bool, reduce_jobs: list[_Job], gathers: list[_Gather]) -> None:
+        if layer.k_high == 0:
+            return  # ratio 1.0: nothing frozen, nothing to project
+        u_low, v_low = layer.U_low, layer.V_low
+        u_t = u_low.grad if grad else u_low.detach()
+        v_t = v_low.grad if grad else v_low.detach()
+        lu_high, lu_low, lv_high, lv_low = (layout(t) for t in (layer.U_high, u_low, layer.V_high, v_low))
+        if (lu_high.dim, lu_low.dim) not in ((None, None), (0, 0)):
+            raise LayoutError(f"U factors sharded as {lu_high.dim}/{lu_low.dim}: only Shard(0) is exact")
+        if lv_high.dim != lv_low.dim or lv_high.dim not in (None, 0, 1):
+            raise LayoutError(f"V factors sharded as {lv_high.dim}/{lv_low.dim}: use Shard(0) or Shard(1) for both")
+        u_target = None if u_t is None else _local(u_t)
+        v_target = None if v_t is None else _local(v_t)
+        k_high, k_low = layer.k_high, layer.k_low
+        dtype = u_low.dtype if self.batched else torch.float32
+        u_job = _Job("u", _local(layer.U_high), u_target, (k_high, k_low), dtype, lu_high.group)
+        if lu_high.dim is None:
+            u_job.run_local()
+        else:
+            reduce_jobs.append(u_job)
+        if lv_high.dim == 0:
+            gathers.append(_Gather(_local(layer.V_high), k_high, v_target, lv_high))
+            return
+        v_job = _Job("v", _local(layer.V_high), v_target, (k_low, k_high), dtype, lv_high.group)
+        if lv_high.dim is None:
+            v_job.run_local()
+        else:
+            reduce_jobs.append(v_job)
+
+    def _buckets(self, items: list[Any], key, size) -> Iterator[list[Any]]:
+        """Consecutive runs of same-key items up to the byte cap (one item each when not batched)."""
+        groups: dict[Any, list[Any]] = {}
+        for item in items:
+            groups.setdefault(key(item), []).append(item)
+        for members in groups.values():
+            bucket: list[Any] = []
+            total = 0
+            for item in members:
+                if bucket and (not self.batched or total + size(item) > self.bucket_bytes):
+                    yield bucket
+                    bucket, total = [], 0
+                bucket.append(item)
+                total += size(item)
+            if bucket:
+                yield bucket
+
+    def _reduce_and_project(self, jobs: list[_Job]) -> None:
+        key = lambda j: (id(j.group), j.dtype)  # noqa: E731
+        size = lambda j: j.shape[0] * j.shape[1] * j.dtype.itemsize  # noqa: E731
+        for bucket in self._buckets(jobs, key, size):
+            first = bucket[0]
+            device = first.basis.device
+            flat = torch.empty(sum(j.shape[0] * j.shape[1] for j in bucket), dtype=first.dtype, device=device)
+            views, offset = [], 0
+            for job in bucket:
+                n = job.shape[0] * job.shape[1]
+                views.append(flat[offset : offset + n].view(job.shape))
+                job.coefficient(views[-1])
+                offset += n
+            dist.all_reduce(flat, group=first.group)
+            for job, coeff in zip(bucket, views):
+                job.apply(coeff)
+
+    def _gather_and_project(self, gathers: list[_Gather]) -> None:
+        key = lambda g: (id(g.layout.group), g.v_high.dtype)  # noqa: E731
+        size = lambda g: g.numel * g.v_high.dtype.itemsize * g.layout.size  # noqa: E731
+        for bucket in self._buckets(gathers, key, size):
+            first = bucket[0]
+            world = first.layout.size
+            local = torch.zeros(sum(g.numel for g in bucket), dtype=first.v_high.dtype, device=first.v_high.device)
+            offset = 0
+            for g in bucket:
+                local[offset : offset + g.v_high.numel()].copy_(g.v_high.reshape(-1))  # pad rows at the end
+                offset += g.numel
+            out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(out, local, group=first.layout.group)
+            out = out.view(world, -1)
+            offset = 0
+            for g in bucket:
+                m = g.v_high.shape[1]
+                # torch.chunk layout: rank r holds rows [r·c, r·c + len_r), only the tail is short or empty, so
+                # the first k_high rows of the rank-major concatenation are V_high in order.
+                full = out[:, offset : offset + g.numel].reshape(world * g.rows, m)[: g.k_high]
+                offset += g.numel
+                if g.target is not None:
+                    dtype = g.target.dtype if self.batched else torch.float32
+                    _Job("v", full, g.target, (g.target.shape[0], g.k_high), dtype).run_local()
+
+
+@torch.no_grad()
+def frozen_overlap(layer: OSFTLinear) -> float:
+    """Largest |cos| between a frozen singular direction and a trainable one (U columns, V rows); 0 is exact.
+
+    Gathers full tensors if sharded (a collective: every rank calls it).
+    """
+    if layer.k_high == 0:
+        return 0.0
+    full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).double()  # noqa: E731
+    u_high, u_low = full(layer.U_high), full(layer.U_low)
+    v_high, v_low = full(layer.V_high), full(layer.V_low)
+    unit_cols = lambda t: t / t.norm(dim=0, keepdim=True).clamp_min(1e-30)  # noqa: E731
+    u_cos = unit_cols(u_high).t() @ unit_cols(u_low)
+    v_cos = unit_cols(v_low.t()).t() @ unit_cols(v_high.t())
+    return float(max(u_cos.abs().max(), v_cos.abs().max()))
+
+
+def gram_project(dU: torch.Tensor, dV: torch.Tensor, U_high: torch.Tensor, V_high: torch.Tensor):
+    """Reference only (tests, benchmark): the Gram form ``dU − (U_high U_highᵀ) dU``, ``dV − dV (V_highᵀ V_high)``
+    that PEFT's utilities and older mini_trainer use; forms N×N and M×M matrices."""
+    return dU - (U_high @ U_high.t()) @ dU, dV - dV @ (V_high.t() @ V_high)
