@@ -2,10 +2,11 @@
 # Run on the GPU machine from the repo root: install the pinned wheels carried in .whl/, then run the named
 # benchmarks (and the CUDA parity tests with "parity"). Results are tarred into $OUT/results.tgz, logs into $OUT.
 #   bash benchmarks/gpu_run.sh parity grpo_logps moe4bit
+# The device copy has no .git: write `git rev-parse --short HEAD > .bench_commit` first and carry it with .whl.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1
-export BENCH_RESULTS=${OUT:-/tmp/out}/results BENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export BENCH_RESULTS=${OUT:-/tmp/out}/results BENCH_COMMIT=$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 mkdir -p "$BENCH_RESULTS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
