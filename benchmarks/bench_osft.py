@@ -1,15 +1,17 @@
 """OSFT benchmark: projection, factored linear, whole training step; leantrain vs mini_trainer 0.9.0 vs PEFT OSF.
 
 1. Projection of one target's gradients (U and V; and V alone, the anchor shape), Llama-3.1-8B shapes 4096×4096,
-   14336×4096, 4096×14336 at unfrozen ratio 0.5: leantrain factored (fp32, TF32, bf16) vs the Gram form vs
+   14336×4096, 4096×14336 at unfrozen ratio 0.5: leantrain factored (fp32, TF32, bf16 factors, and the split
+   tf32x3 / bf16x3 products, leantrain only) vs the Gram form vs
    mini_trainer 0.9.0's ``project_gradient_to_orthogonal_space`` vs PEFT's; with the residual left in the frozen
    subspace, max(|U_highᵀ dU′|, |dV′ V_highᵀ|) / max|d·|, per precision (what TF32 costs in orthogonality).
 2. Forward + backward of one factored linear, 16,384 tokens, bf16: leantrain ``OSFTLinear`` (eager and compiled)
    vs mini_trainer's ``_factorized_linear`` vs PEFT's OSF ``Linear`` (dense base + delta; its backward hooks
    project per micro-batch) vs a dense ``nn.Linear``.
 3. Training step of a ~1B Llama shape (hidden 2048, 16 layers, vocab 32000), batch 4×2048, fp32 master weights
-   under bf16 autocast (the HF Trainer ``bf16=True`` setup), AdamW: dense vs leantrain OSFT (fp32 / TF32
-   projection) vs mini_trainer 0.9.0 (same factors, its own forward and ``optim_wrapper`` projections).
+   under bf16 autocast (the HF Trainer ``bf16=True`` setup), AdamW: dense vs leantrain OSFT (projection GEMMs
+   tf32x3 (default), fp32, one-pass TF32, bf16x3) vs mini_trainer 0.9.0 (same factors, its own forward and
+   ``optim_wrapper`` projections).
    Tokens/s, peak memory, projection time, frozen/trainable max |cos| after the timed steps.
 
     python benchmarks/bench_osft.py            # CUDA, full size (< 4 min on an H100)
@@ -66,6 +68,16 @@ FULL = {
     "reps": 20,
     "steps": (2, 8),  # warm-up, timed
 }
+# Projection GEMMs (fp32 factors unless "bf16"): fp32 exact; tf32 / bf16 one reduced-precision pass; tf32x3 /
+# bf16x3 hi·hi + hi·lo + lo·hi split products (tf32x3 is patch_trainer's default on CUDA).
+PROJECTION_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
+TRAIN_PRECISIONS = {
+    "leantrain": "tf32x3",  # the default
+    "leantrain_fp32proj": "fp32",
+    "leantrain_tf32proj": "tf32",
+    "leantrain_bf16x3proj": "bf16x3",
+}
+EMULATE = not torch.cuda.is_available()  # --smoke on CPU: reduced-precision GEMMs emulated (residuals meaningful)
 SMOKE = {
     "shapes": [(96, 96), (160, 96), (96, 160)],
     "tokens": 256,
@@ -181,12 +193,13 @@ def bench_projection(cfg: dict, rows: list[Row], mt: Any, peft: Any) -> None:
         du0 = torch.randn(f32["U_low"].shape, device=dev, generator=g)
         dv0 = torch.randn(f32["V_low"].shape, device=dev, generator=g)
         shape = f"{n}x{m}"
-        for precision in ("fp32", "tf32", "bf16"):
+        for precision in PROJECTION_PRECISIONS:
             dtype = torch.bfloat16 if precision == "bf16" else torch.float32
             tf32 = precision == "tf32"
             f = {k: v.to(dtype) for k, v in f32.items()}
             layer = make_layer(f32, dtype)
-            projector = Projector([layer], tf32=tf32)
+            # "bf16": bf16 factors (their own GEMMs); "tf32x3" / "bf16x3": fp32 factors, split reduced-precision GEMMs
+            projector = Projector([layer], precision="fp32" if precision == "bf16" else precision, emulate=EMULATE)
 
             def leantrain_call(i: int, layer=layer, projector=projector, dtype=dtype) -> None:
                 layer.U_low.grad, layer.V_low.grad = du0.to(dtype), dv0.to(dtype)
@@ -206,7 +219,10 @@ def bench_projection(cfg: dict, rows: list[Row], mt: Any, peft: Any) -> None:
                     dv0.to(dtype) @ (f["V_high"].t() @ f["V_high"])
 
             calls: dict[str, Callable[[int], Any]] = {"leantrain": leantrain_call, "gram": gram_call}
-            if mt is not None:
+            split = precision.endswith("x3")  # leantrain only: the peers have no split-precision mode
+            if split:
+                del calls["gram"]
+            if mt is not None and not split:
                 sd = svd_dict(f32, dtype)
 
                 def mt_call(i: int, sd=sd, dtype=dtype, tf32=tf32) -> None:
@@ -215,7 +231,7 @@ def bench_projection(cfg: dict, rows: list[Row], mt: Any, peft: Any) -> None:
                         mt.project_gradient_to_orthogonal_space(sd)
 
                 calls["mini_trainer"] = mt_call
-            if peft is not None:
+            if peft is not None and not split:
                 psd = svd_dict(f32, dtype)
 
                 def peft_call(i: int, sd=psd, dtype=dtype, tf32=tf32) -> None:
@@ -238,7 +254,7 @@ def bench_projection(cfg: dict, rows: list[Row], mt: Any, peft: Any) -> None:
                 rows.append(Row.timing(BENCH, provider, "projection U+V", "shape", shape, t, precision=precision))
                 rows.append(Row(BENCH, provider, "projection U+V", "quality", "residual", "shape", shape, res,
                                 config={"precision": precision}))  # fmt: skip
-            for provider, call in (("leantrain", v_only), ("gram", v_gram)):
+            for provider, call in () if split else (("leantrain", v_only), ("gram", v_gram)):
                 t = time_fn(call, warmup=3, reps=cfg["reps"])
                 rows.append(Row.timing(BENCH, provider, "projection V", "shape", shape, t, precision=precision))
         empty_cache()
@@ -403,8 +419,8 @@ def bench_training(cfg: dict, rows: list[Row], mt: Any, mt_reason: str) -> None:
     svd_s = time.perf_counter() - t0
     layers = conversion.layers
     cpu_layers = {n: copy.deepcopy(layer).cpu() for n, layer in layers.items()} if mt is not None else {}
-    for label, tf32 in (("leantrain", False), ("leantrain_tf32proj", True)):
-        projector = Projector(list(layers.values()), tf32=tf32)
+    for label, precision in TRAIN_PRECISIONS.items():
+        projector = Projector(list(layers.values()), precision=precision, emulate=EMULATE)
         results[label] = train_steps(model, cfg, projector.project_gradients, projector.project_parameters)
         results[label]["overlap"] = max(frozen_overlap(layer) for layer in layers.values())
     del model, layers, conversion

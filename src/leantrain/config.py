@@ -64,7 +64,12 @@ class LeantrainConfig:
     # OSFT
     osft_unfrozen_rank_ratio: float = _opt(0.5, "float", "fraction of each target's rank that trains", _ratio)
     osft_targets: tuple[str, ...] | None = _opt(None, "names", "target module name patterns (comma-separated)")
-    osft_projection_tf32: bool = _opt(False, "bool", "TF32 for the fp32 OSFT projection GEMMs (CUDA)")
+    osft_projection_precision: str = _opt(
+        "tf32x3",
+        "str",
+        "projection GEMMs for fp32 factors on CUDA (tf32x3: split TF32, fp32-level orthogonality)",
+        _one_of("fp32", "tf32", "bf16", "tf32x3", "bf16x3"),
+    )
     # MoE 4-bit
     moe_recompute: bool = _opt(True, "bool", "re-dequantize expert stacks in backward instead of saving them")
 

@@ -3,13 +3,18 @@ export (merge → save → from_pretrained), undo by identity, torch.compile. CP
 
 from __future__ import annotations
 
+import functools
+import socket
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
 from torch import nn
 
 from leantrain.osft import OSFTLinear, Projector, convert, dense_state_dict, frozen_overlap, merge, osft_layers
-from leantrain.osft.projection import gram_project
+from leantrain.osft.projection import PRECISIONS, check_precision, gram_project
 from leantrain.osft.targets import find_targets
 from leantrain.tiny import tiny_model
 
@@ -207,9 +212,9 @@ def test_factored_projection_equals_gram_form(shape, k_high):
     assert err(layer.U_low.grad, ref_u, du) <= 1e-6 and err(layer.V_low.grad, ref_v, dv) <= 1e-6
 
 
-def _train(model, steps: int, *, pre: bool = True, post: bool = True, lr: float = 1e-2, seed: int = 0):
+def _train(model, steps: int, *, pre: bool = True, post: bool = True, lr: float = 1e-2, seed: int = 0, **kw):
     layers = list(osft_layers(model).values())
-    projector = Projector(layers)
+    projector = Projector(layers, **kw)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     generator = torch.Generator().manual_seed(seed)
     losses = []
@@ -257,6 +262,132 @@ def test_bf16_factors_stay_orthogonal_to_bf16_rounding():
     _train(model, 4)
     # bf16 U_high itself is orthonormal only to ~4e-3 (8-bit mantissa): the projection is exact up to that.
     assert max(frozen_overlap(layer) for layer in layers.values()) <= 2e-2
+
+
+# -- reduced-precision projection (tf32x3 / bf16x3), emulated on CPU ---------------------------------------------
+
+
+def _residual(layer: OSFTLinear, du: torch.Tensor, dv: torch.Tensor) -> float:
+    """max(|U_highᵀ dU′|, |dV′ V_highᵀ|) / max|d·| in float64: what the projection left in the frozen subspace."""
+    u, v = layer.U_high.double(), layer.V_high.double()
+    ru = (u.t() @ layer.U_low.grad.double()).abs().max() / du.abs().max()
+    rv = (layer.V_low.grad.double() @ v.t()).abs().max() / dv.abs().max()
+    return float(max(ru, rv))
+
+
+def _project(layer, du, dv, passes: int = 1, **kw) -> float:
+    layer.U_low.grad, layer.V_low.grad = du.clone(), dv.clone()
+    for _ in range(passes):
+        Projector([layer], **kw).project_gradients()
+    return _residual(layer, du, dv)
+
+
+@pytest.mark.parametrize("shape", [(160, 96), (96, 160)])
+def test_split_precision_projection_reaches_fp32_orthogonality(shape):
+    n, m = shape
+    torch.manual_seed(2)
+    layer, _ = OSFTLinear.from_module(nn.Linear(m, n, bias=False), 0.5)
+    du, dv = torch.randn_like(layer.U_low), torch.randn_like(layer.V_low)
+    res = {p: _project(layer, du, dv, precision=p, emulate=True) for p in PRECISIONS}
+    exact = res["fp32"]
+    # The floor: U_high/V_high from the fp32 SVD are orthonormal to ~1e-6, measured 1.0e-6 (fp32 GEMMs as well).
+    assert exact <= 3e-6
+    # One reduced-precision pass leaves ~eps of the gradient (measured tf32 6e-4, bf16 4e-3) ...
+    assert res["tf32"] > 1e-4 and res["bf16"] > 1e-3
+    # ... a second identical pass does not fix it: the operands of B_highᵀ·G₁ are O(1), only their product is
+    # small, so rounding them leaves ~eps again (measured tf32 2e-4, bf16 2e-3) ...
+    assert _project(layer, du, dv, passes=2, precision="tf32", emulate=True) > 5e-5
+    assert _project(layer, du, dv, passes=2, precision="bf16", emulate=True) > 5e-4
+    # ... while splitting every operand into head + tail (3 products each) leaves ~eps²: tf32x3 at the fp32 floor
+    # (measured 1.00e-6 vs 1.02e-6), bf16x3 ~eps_bf16² (measured 6.6e-6).
+    assert res["tf32x3"] <= 1.5 * exact
+    assert res["bf16x3"] <= 2e-5
+    # and the result is the fp32 projection, not just any orthogonal vector (relative to the input gradient).
+    _project(layer, du, dv, precision="fp32")
+    ref_u, ref_v = layer.U_low.grad.clone(), layer.V_low.grad.clone()
+    _project(layer, du, dv, precision="tf32x3", emulate=True)
+    assert rel(layer.U_low.grad, ref_u) <= 1e-5 and rel(layer.V_low.grad, ref_v) <= 1e-5
+
+
+def test_split_precision_off_cuda_is_the_fp32_path_bitwise():
+    torch.manual_seed(3)
+    layer, _ = OSFTLinear.from_module(nn.Linear(48, 40, bias=False), 0.5)
+    du, dv = torch.randn_like(layer.U_low), torch.randn_like(layer.V_low)
+    _project(layer, du, dv, precision="fp32")
+    ref_u, ref_v = layer.U_low.grad.clone(), layer.V_low.grad.clone()
+    for precision in ("tf32x3", "bf16x3", "tf32"):  # no emulation: reduced precision is CUDA-only
+        _project(layer, du, dv, precision=precision)
+        assert torch.equal(layer.U_low.grad, ref_u) and torch.equal(layer.V_low.grad, ref_v), precision
+
+
+def test_precision_option_resolution():
+    from leantrain.config import resolve_config
+
+    assert resolve_config({}, environ={}).osft_projection_precision == "tf32x3"  # the default
+    assert check_precision("fp32") == "fp32"
+    assert Projector([], tf32=True).precision == "tf32"
+    for bad in ("fp16", "tf32x2", ""):
+        with pytest.raises(ValueError, match="precision must be one of"):
+            check_precision(bad)
+        with pytest.raises(ValueError, match="precision must be one of"):
+            Projector([], precision=bad)
+        with pytest.raises(ValueError, match="OSFT_PROJECTION_PRECISION must be one of"):
+            resolve_config({}, environ={"LEANTRAIN_OSFT_PROJECTION_PRECISION": bad or "x"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,max_leak,max_overlap", [("tf32x3", 5e-6, 5e-7), ("bf16x3", 5e-5, 2e-5)])
+def test_adamw_steps_with_split_precision_keep_the_frozen_subspace(precision, max_leak, max_overlap):
+    model = tiny_model("llama", layers=1).train()
+    convert(model, unfrozen_rank_ratio=0.5, progress=False)
+    layers = osft_layers(model)
+    w0 = {n: layer.dense_weight(torch.float64) for n, layer in layers.items()}
+    _train(model, 6, precision=precision, emulate=True)  # gradients and parameters, emulated GEMMs
+    leak = max(subspace_leak(layer, w0[n])[0] for n, layer in layers.items())
+    overlap = max(frozen_overlap(layer) for layer in layers.values())
+    # Measured after 6 steps: fp32 GEMMs leak 7.9e-7 / overlap 5.8e-8; tf32x3 7.9e-7 / 8.2e-8 (fp32 level);
+    # bf16x3 7.2e-6 / 2.9e-6 (~eps_bf16²); one-pass tf32 4.8e-4 / 1.5e-4. Bounds: ~6x the measured value.
+    assert leak <= max_leak and overlap <= max_overlap, (leak, overlap)
+
+
+def _emulated_worker(rank: int, world: int, port: int, scenario: str, out: str, precision: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    import _osft_worker as worker
+
+    worker.Projector = functools.partial(Projector, precision=precision, emulate=True)
+    worker.run(rank, world, port, scenario, out)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_split_precision_under_fsdp2_both_layouts(tmp_path):
+    """Shard(1) (coefficients all-reduced: per-rank partial products in split precision) and Shard(0) (V_high
+    gathered) with emulated tf32x3 match the single-process emulated run."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    import _osft_worker as worker
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "fsdp.pt")
+    mp.spawn(_emulated_worker, args=(2, port, "fsdp", out, "tf32x3"), nprocs=2, join=True)
+    results = torch.load(out, weights_only=False)
+    original = worker.Projector
+    worker.Projector = functools.partial(Projector, precision="tf32x3", emulate=True)
+    try:
+        reference = worker.train("single")
+    finally:
+        worker.Projector = original
+    for mode in ("fsdp_shard1", "fsdp_default"):
+        result = results[mode]
+        assert result["collectives"], mode
+        for name, value in reference["params"].items():
+            # as the fp32 distributed test: summation order of the rank halves and of the partial coefficients
+            assert torch.allclose(result["params"][name], value, rtol=1e-5, atol=1e-6), (mode, name)
+        assert result["overlap"] <= 1e-6, mode  # fp32-level orthogonality through the sharded split products
+    assert results["naive"]["leantrain"] <= 1e-5
 
 
 # -- export and undo ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from ..models import unwrap_model
 from .core import Conversion, convert, dense_state_dict, merge, osft_layers, plan_targets
 from .distributed import fully_shard, shard_placement_fn
 from .linear import OSFTLinear
-from .projection import Projector, frozen_overlap
+from .projection import Projector, check_precision, frozen_overlap
 from .targets import default_patterns
 
 
@@ -116,10 +116,10 @@ class OSFT(Optimization):
         undo = Undo()
         undo.extend(conversion.undo)
         layers = list(conversion.layers.values())
-        tf32 = cfg.config.osft_projection_tf32
+        precision = check_precision(cfg.config.osft_projection_precision)  # ValueError on a bad value, at patch time
         from .callback import OSFTCallback
 
-        callback = OSFTCallback(Projector(layers, tf32=tf32), Projector(layers, batched=False), ctx.fallback)
+        callback = OSFTCallback(Projector(layers, precision=precision), Projector(layers, batched=False), ctx.fallback)
         undo.add_callback(trainer, callback)
         _wrap_dense_save(trainer, undo)
         short = sorted({name.rsplit(".", 1)[-1] for name in conversion.layers})
@@ -127,7 +127,8 @@ class OSFT(Optimization):
             f"{len(layers)} OSFTLinear ({', '.join(short)}), k_high = floor(min(N, M)·"
             f"{1 - cfg.osft_unfrozen_rank_ratio:.3g}), max reconstruction error {conversion.max_error:.2e} "
             f"(relative Frobenius, {layers[0].U_low.dtype if layers else 'n/a'} factors); factored projection "
-            f"{'(TF32) ' if tf32 else ''}before and after optimizer.step(), batched, shard layout detected per step"
+            f"({precision} GEMMs for fp32 factors on CUDA) before and after optimizer.step(), batched, shard layout "
+            "detected per step"
         )
         if conversion.skipped:
             detail += f"; skipped {len(conversion.skipped)}: " + "; ".join(

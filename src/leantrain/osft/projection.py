@@ -15,6 +15,16 @@ are the same on every rank):
 - V Shard(0) (accelerate's default FSDP2 prepare): the local block ``dV_p V_high,pᵀ`` is only a diagonal block,
   so all-reducing it is wrong; instead V_high is all-gathered (one padded collective per bucket of targets) and
   each rank projects its own rows of dV exactly.
+
+Precision of fp32 targets (``precision``; bf16 factors always use their own dtype): ``fp32`` exact reference;
+``tf32`` / ``bf16`` one pass of reduced-precision GEMMs (leaves ~eps of the gradient in the frozen subspace:
+5e-4 / 4e-3); ``tf32x3`` / ``bf16x3`` split each operand into a reduced-precision head and tail (x = hi + lo) and
+form every product as hi·hi + hi·lo + lo·hi, three reduced-precision GEMMs accumulated in fp32, for both the
+coefficient and the update: residual ~eps² (tf32x3: fp32 level; bf16x3 ~1e-5) at 6 cheap GEMMs instead of 2 fp32
+ones, one pass, so sharded layouts keep one collective. Re-projecting with rounded GEMMs (iterative refinement)
+does not help: the second coefficient ``B_highᵀ·G₁`` is small but its operands are not, so rounding B and G₁ alone
+leaves ~eps again (measured: tf32 4.1e-4 → 2.4e-4, bf16 2.9e-3 → 2.2e-3). Reduced precision only runs on CUDA
+(elsewhere the fp32 GEMMs are used) unless ``emulate=True`` rounds the GEMM inputs in software (tests).
 """
 
 from __future__ import annotations
@@ -89,6 +99,79 @@ def matmul_tf32(enabled: bool) -> Iterator[None]:
             matmul.fp32_precision = old
 
 
+PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"osft projection precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def _round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """Nearest TF32 value (10-bit mantissa) as float32: a TF32 GEMM reads it unchanged, whatever its rounding."""
+    return torch.bitwise_and(x.view(torch.int32) + 0x1000, -0x2000).view(torch.float32)
+
+
+Parts = tuple[torch.Tensor, "torch.Tensor | None"]  # (head, tail) of a split operand; tail None: one product
+
+
+@dataclass(frozen=True)
+class _Gemm:
+    """Reduced-precision GEMMs with fp32 accumulation into an fp32 ``out``: ``kind`` 'tf32' or 'bf16', ``splits``
+    1 (one product) or 3 (hi·hi + hi·lo + lo·hi); ``emulate`` rounds the inputs in software (exact emulation of a
+    tensor-core GEMM up to the accumulation order)."""
+
+    kind: str
+    splits: int
+    emulate: bool
+
+    def _read(self, x: torch.Tensor) -> torch.Tensor:
+        """The operand as the GEMM reads it. TF32 on CUDA rounds in hardware; bf16 operands are cast."""
+        if self.kind == "bf16":
+            return x.bfloat16().float() if self.emulate else x.bfloat16()
+        return _round_tf32(x) if self.emulate else x
+
+    def split(self, x: torch.Tensor) -> Parts:
+        if self.splits == 1:
+            return self._read(x), None
+        hi = _round_tf32(x) if self.kind == "tf32" else x.bfloat16().float()  # exactly representable head
+        lo = x - hi  # exact in fp32 (|lo| ≤ ulp(hi)/2); its own rounding costs ~eps² of x
+        return self._read(hi), self._read(lo)
+
+    @staticmethod
+    def _mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, beta: float) -> None:
+        if a.dtype == torch.bfloat16:  # CUDA bf16 operands, fp32 accumulator and output
+            if beta == 0:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
+            else:
+                torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32, out=out)
+        elif beta == 0:  # (alpha is 1 here: coefficients)
+            torch.mm(a, b, out=out)
+        else:  # rounded fp32 operands (emulation), or TF32 tensor cores under ``matmul_tf32``
+            out.addmm_(a, b, alpha=alpha)
+
+    def addmm(self, out: torch.Tensor, a: Parts, b: Parts, *, alpha: float, beta: float) -> None:
+        """out ← beta·out + alpha·a·b (beta 0 or 1), a and b split by :meth:`split`."""
+        (a_hi, a_lo), (b_hi, b_lo) = a, b
+        if a_lo is not None and b_lo is not None:  # small terms first, the head last
+            self._mm(out, a_hi, b_lo, alpha, beta)
+            self._mm(out, a_lo, b_hi, alpha, 1.0)
+            beta = 1.0
+        self._mm(out, a_hi, b_hi, alpha, beta)
+
+
+def _gemm(precision: str, device: torch.device, emulate: bool) -> _Gemm | None:
+    """The reduced-precision GEMM for this precision and device; None: plain GEMMs in the tensors' dtype."""
+    if precision == "fp32" or not (emulate or device.type == "cuda"):
+        return None
+    return _Gemm(precision[:4], 3 if precision.endswith("x3") else 1, emulate)
+
+
+def _t(parts: Parts) -> Parts:
+    return parts[0].t(), None if parts[1] is None else parts[1].t()
+
+
 @dataclass
 class _Job:
     """One coefficient: side 'u' → C = basisᵀ·target, target −= basis·C; side 'v' → C = target·basisᵀ,
@@ -100,10 +183,16 @@ class _Job:
     shape: tuple[int, int]
     dtype: torch.dtype  # of the coefficient: the target's (fast path) or float32 (simple path)
     group: Any = None
+    gemm: _Gemm | None = None  # reduced-precision GEMMs (fp32 target and basis only)
 
-    def coefficient(self, out: torch.Tensor) -> None:
+    def coefficient(self, out: torch.Tensor, basis: Parts | None = None) -> None:
         if self.target is None:
             out.zero_()
+            return
+        if self.gemm is not None:
+            basis_t, target = _t(basis or self.gemm.split(self.basis)), self.gemm.split(self.target)
+            a, b = (basis_t, target) if self.side == "u" else (target, basis_t)
+            self.gemm.addmm(out, a, b, alpha=1.0, beta=0.0)
             return
         basis, target = self.basis.to(out.dtype), self.target.to(out.dtype)
         if self.side == "u":
@@ -111,8 +200,13 @@ class _Job:
         else:
             torch.mm(target, basis.t(), out=out)
 
-    def apply(self, coeff: torch.Tensor) -> None:
+    def apply(self, coeff: torch.Tensor, basis: Parts | None = None) -> None:
         if self.target is None:
+            return
+        if self.gemm is not None:
+            parts, c = basis or self.gemm.split(self.basis), self.gemm.split(coeff)
+            a, b = (parts, c) if self.side == "u" else (c, parts)
+            self.gemm.addmm(self.target, a, b, alpha=-1.0, beta=1.0)
             return
         basis = self.basis.to(coeff.dtype)
         if coeff.dtype == self.target.dtype:
@@ -128,8 +222,9 @@ class _Job:
         if self.target is None:
             return
         coeff = torch.empty(self.shape, dtype=self.dtype, device=self.target.device)
-        self.coefficient(coeff)
-        self.apply(coeff)
+        basis = None if self.gemm is None else self.gemm.split(self.basis)  # split once for both products
+        self.coefficient(coeff, basis)
+        self.apply(coeff, basis)
 
 
 @dataclass
@@ -154,15 +249,25 @@ class Projector:
     """Projects the gradients (pre-step) or parameters (post-step) of a list of ``OSFTLinear`` layers.
 
     ``batched=False`` is the simple path used as the run-time fallback: coefficients in float32 whatever the factor
-    dtype, one collective per coefficient / per gathered V_high, no flat buffers. ``tf32`` lets fp32 projection
-    GEMMs use TF32 (CUDA only).
+    dtype, one collective per coefficient / per gathered V_high, no flat buffers, fp32 GEMMs (the exact reference).
+    ``precision`` (one of :data:`PRECISIONS`) sets the GEMMs for fp32 factors on CUDA (module docstring);
+    ``tf32=True`` is the legacy spelling of ``precision="tf32"`` (it wins). ``emulate`` runs the reduced-precision
+    GEMMs in software on any device (tests).
     """
 
     def __init__(
-        self, layers: Sequence[OSFTLinear], *, tf32: bool = False, bucket_mib: float = 256, batched: bool = True
+        self,
+        layers: Sequence[OSFTLinear],
+        *,
+        precision: str = "tf32x3",
+        tf32: bool = False,
+        bucket_mib: float = 256,
+        batched: bool = True,
+        emulate: bool = False,
     ) -> None:
         self.layers = list(layers)
-        self.tf32 = tf32
+        self.precision = "tf32" if tf32 else check_precision(precision)
+        self.emulate = emulate
         self.bucket_bytes = int(bucket_mib * 2**20)
         self.batched = batched
 
@@ -179,7 +284,7 @@ class Projector:
     def _run(self, grad: bool) -> None:
         reduce_jobs: list[_Job] = []
         gathers: list[_Gather] = []
-        with matmul_tf32(self.tf32):
+        with matmul_tf32(self.precision in ("tf32", "tf32x3")):
             for layer in self.layers:
                 self._plan(layer, grad, reduce_jobs, gathers)
             self._gather_and_project(gathers)
@@ -200,7 +305,8 @@ class Projector:
         v_target = None if v_t is None else _local(v_t)
         k_high, k_low = layer.k_high, layer.k_low
         dtype = u_low.dtype if self.batched else torch.float32
-        u_job = _Job("u", _local(layer.U_high), u_target, (k_high, k_low), dtype, lu_high.group)
+        gemm = self._gemm(u_low)
+        u_job = _Job("u", _local(layer.U_high), u_target, (k_high, k_low), dtype, lu_high.group, gemm)
         if lu_high.dim is None:
             u_job.run_local()
         else:
@@ -208,11 +314,16 @@ class Projector:
         if lv_high.dim == 0:
             gathers.append(_Gather(_local(layer.V_high), k_high, v_target, lv_high))
             return
-        v_job = _Job("v", _local(layer.V_high), v_target, (k_low, k_high), dtype, lv_high.group)
+        v_job = _Job("v", _local(layer.V_high), v_target, (k_low, k_high), dtype, lv_high.group, gemm)
         if lv_high.dim is None:
             v_job.run_local()
         else:
             reduce_jobs.append(v_job)
+
+    def _gemm(self, factor: torch.Tensor) -> _Gemm | None:
+        if not self.batched or factor.dtype != torch.float32:
+            return None  # the simple path is the fp32 reference; low-precision factors use their own dtype
+        return _gemm(self.precision, factor.device, self.emulate)
 
     def _buckets(self, items: list[Any], key, size) -> Iterator[list[Any]]:
         """Consecutive runs of same-key items up to the byte cap (one item each when not batched)."""
@@ -271,7 +382,8 @@ class Projector:
                 offset += g.numel
                 if g.target is not None:
                     dtype = g.target.dtype if self.batched else torch.float32
-                    _Job("v", full, g.target, (g.target.shape[0], g.k_high), dtype).run_local()
+                    gemm = self._gemm(g.target)
+                    _Job("v", full, g.target, (g.target.shape[0], g.k_high), dtype, None, gemm).run_local()
 
 
 @torch.no_grad()
