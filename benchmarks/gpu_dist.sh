@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Run on a 2-GPU machine from the repo root (NCCL, NVLink multicast off): the example scripts under accelerate with
+# DDP and FSDP2 and every applicable optimization, plus the OSFT FSDP2 benchmark. Per-rank JSON rows are tarred into
+# $OUT/dist.tgz. Carry .whl and .bench_commit.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD/examples:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export BENCH_RESULTS=${OUT:-/tmp/out}/dist BENCH_COMMIT=$(cat .bench_commit 2>/dev/null || echo unknown)
+# CGGR would wait 100 optimizer steps by default; these short runs start it after 5.
+export LEANTRAIN_CGGR_WARMUP_STEPS=5
+mkdir -p "$BENCH_RESULTS"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+launch() { python3 -m accelerate.commands.launch --config_file "examples/accelerate/$1.yaml" "${@:2}"; }
+status=0
+run() {
+  local name=$1; shift
+  echo "=== $name"; local start=$(date +%s)
+  "$@" > "$BENCH_RESULTS/$name.log" 2>&1; local rc=$?
+  grep -A7 "leantrain patch report" "$BENCH_RESULTS/$name.log" | head -8
+  tail -n 3 "$BENCH_RESULTS/$name.log"
+  echo "=== $name rc=$rc in $(( $(date +%s) - start )) s"; [ $rc = 0 ] || status=1
+}
+for engine in ddp fsdp2; do
+  run "sft_$engine" launch $engine examples/train_sft.py --shape qwen2.5-0.5b --steps 20 --batch 8 --seq 1024 \
+      --out "$BENCH_RESULTS/sft_$engine"
+  run "sft_osft_$engine" env LEANTRAIN_OSFT=1 LEANTRAIN_CGGR=0 python3 -m accelerate.commands.launch \
+      --config_file "examples/accelerate/$engine.yaml" examples/train_sft.py --shape qwen2.5-0.5b --steps 12 \
+      --batch 8 --seq 1024 --out "$BENCH_RESULTS/sft_osft_$engine"
+  run "grpo_$engine" launch $engine examples/train_grpo.py --shape qwen2.5-0.5b --steps 6 --batch 16 \
+      --generations 8 --completion-length 128 --out "$BENCH_RESULTS/grpo_$engine"
+done
+run osft_fsdp2_bench torchrun --nproc-per-node 2 benchmarks/bench_osft.py --fsdp2
+python3 examples/summarize.py "$BENCH_RESULTS" | tee "$BENCH_RESULTS/summary.md"
+tar czf "${OUT:-/tmp/out}/dist.tgz" -C "$BENCH_RESULTS" .
+exit $status
