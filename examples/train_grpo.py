@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from _common import StepStats, build_model, corpus_dataset, rank_zero_print
+from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer
 
 import leantrain
@@ -53,10 +54,14 @@ def main() -> None:
         dataloader_num_workers=0,
     )
     if args.beta:
-        # TRL builds the reference model from a path when beta > 0: save the random-init model locally.
+        # TRL builds the reference model from a path when beta > 0: save the random-init model locally. Rank 0 writes
+        # (save_pretrained skips the other ranks once torch.distributed is up); the others wait, then load it.
         local = args.out / "init-model"
-        model.save_pretrained(local)
-        tokenizer.save_pretrained(local)
+        state = PartialState()
+        if state.is_main_process:
+            model.save_pretrained(local)
+            tokenizer.save_pretrained(local)
+        state.wait_for_everyone()
         model = str(local)
     trainer = GRPOTrainer(
         model=model,

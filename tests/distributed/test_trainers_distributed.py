@@ -1,0 +1,217 @@
+"""Every trainer-level optimization under a real 2-process gloo engine on CPU, compared with one process on the same
+global batch: TRL SFT + CGGR, GRPO + fused log-probs, SFT + OSFT, each under accelerate's DDP (MULTI_CPU) and FSDP2,
+patched with ``leantrain.patch_trainer`` before ``train()`` wraps the model.
+
+Same global batch: 2 ranks x 2 rows vs 1 process x 4 rows, sequential order (accelerate hands rank r the r-th
+per-device slice of each global batch), same seed, fp32, no dropout; GRPO completions are a fixed function of the
+prompt (see ``_trainer_worker.fixed_rollout``). The worker is in ``_trainer_worker.py``; each engine is one
+``torch.multiprocessing.spawn`` that runs all its cases, and the single-process references run in this process.
+
+FSDP2 on CPU: accelerate 1.15 only enables FSDP for GPU process groups, so the worker promotes the shared state to
+FSDP before the trainer adopts it (``enable_fsdp_on_cpu``); the tests check that the parameters really are DTensors.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _trainer_worker as worker  # noqa: E402
+
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed"),
+]
+
+CASES = {"sft_cggr": "cggr", "grpo_fused": "grpo_logps", "sft_osft": "osft"}  # case -> optimization it applies
+ENGINES = ("ddp", "fsdp2")
+CONTROL = "sft_cggr_local_norm"
+LR = 1e-3  # the worker's learning rate
+
+# Tolerances (fp32). Measured on CPU (torch 2.13): loss <= 1.3e-7 relative, grad norm <= 2.8e-6 relative, parameters
+# max |diff| <= 8.8e-6 and mean |diff| <= 2.5e-9; the negative control (per-rank normalization) is off by 1.5e-4
+# relative in loss, 5e-3 in grad norm, 4e-3 max and 5e-5 mean in parameters.
+# - loss: the global mean of two ranks' partial sums vs one sum differs in summation order only.
+LOSS_RTOL, LOSS_ATOL = 2e-6, 1e-7
+# - grad norm: DDP's all-reduce / FSDP2's reduce-scatter add the two halves in another order, and FSDP2 sums the
+#   norm over shards; a few ulps of each gradient element add up in the norm.
+NORM_RTOL = 2e-5
+# - parameters after 2 AdamW steps: Adam divides each element by its own RMS, so an element whose gradient is at the
+#   rounding level of the others (|g| ~ 1e-10..1e-8, near eps) still moves by up to ~1% of lr, and that move is set by
+#   rounding. Bound the worst element at 5% of one step, and the mean, which averages the noise, tightly.
+PARAM_MAX_ATOL = 0.05 * LR
+PARAM_MEAN_ATOL = 1e-7
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(engine: str, cases: list[str], out: Path) -> dict[str, list[dict]]:
+    mp.spawn(worker.run, args=(worker.WORLD, free_port(), engine, cases, str(out)), nprocs=worker.WORLD, join=True)
+    return {c: [torch.load(out / f"{c}_rank{r}.pt", weights_only=False) for r in range(worker.WORLD)] for c in cases}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(engine)`` -> {case: [result per rank]} ('single': one result), computed once per engine."""
+    cache: dict[str, dict] = {}
+
+    def get(engine: str) -> dict:
+        if engine not in cache:
+            out = tmp_path_factory.mktemp(engine)
+            if engine == "single":
+                with pytest.MonkeyPatch.context() as mpatch:
+                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                        mpatch.delenv(name, raising=False)
+                    cache[engine] = {c: worker.single(c, out / c) for c in CASES}
+            else:
+                cases = list(CASES) + ([CONTROL] if engine == "ddp" else [])
+                cache[engine] = spawn(engine, cases, out)
+        return cache[engine]
+
+    return get
+
+
+def param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float, str]:
+    """(max |a - b|, mean |a - b| over every element, name of the worst tensor)."""
+    assert a.keys() == b.keys()
+    worst = {n: (a[n] - b[n]).abs().max().item() for n in a}
+    total = sum((a[n] - b[n]).abs().sum().item() for n in a)
+    return max(worst.values()), total / sum(t.numel() for t in a.values()), max(worst, key=worst.get)
+
+
+def trajectory_mismatches(ref: dict, got: dict) -> list[str]:
+    bad = []
+    assert len(ref["loss"]) == len(got["loss"]) == worker.STEPS
+    for step, (a, b) in enumerate(zip(ref["loss"], got["loss"])):
+        if not math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL):
+            bad.append(f"loss step {step}: {a} vs {b}")
+    for step, (a, b) in enumerate(zip(ref["grad_norm"], got["grad_norm"])):
+        if not math.isclose(a, b, rel_tol=NORM_RTOL):
+            bad.append(f"grad_norm step {step}: {a} vs {b}")
+    largest, mean, name = param_diff(ref["params"], got["params"])
+    if largest > PARAM_MAX_ATOL or mean > PARAM_MEAN_ATOL:
+        bad.append(f"params: max |diff| {largest:.3g} ({name}), mean |diff| {mean:.3g}")
+    return bad
+
+
+def status(report: dict, name: str) -> str:
+    return next(o["status"] for o in report["outcomes"] if o["name"] == name)
+
+
+def assert_engine(result: dict, engine: str) -> None:
+    assert result["world"] == worker.WORLD
+    if engine == "fsdp2":
+        assert result["distributed_type"] == "DistributedType.FSDP" and result["fsdp2"], "not really FSDP2"
+    else:
+        assert result["distributed_type"] == "DistributedType.MULTI_CPU" and not result["fsdp2"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_single_process(runs, case, engine):
+    """Loss and grad norm per step and all parameters after 2 optimizer steps equal the single-process run; the
+    optimization was applied on every rank and still is after training (no run-time fallback)."""
+    reference = runs("single")[case]
+    ranks = runs(engine)[case]
+    name = CASES[case]
+    assert status(reference["report"], name) == "applied"
+    for rank, result in enumerate(ranks):
+        assert_engine(result, engine)
+        assert status(result["patched"], name) == "applied", (rank, result["patched"])
+        assert status(result["report"], name) == "applied", (rank, result["report"])  # after train(): no fallback
+    for name_, value in ranks[0]["params"].items():  # replicas (DDP) / gathered shards (FSDP2) agree exactly
+        assert torch.equal(value, ranks[1]["params"][name_]), name_
+    largest, mean, _ = param_diff(reference["params"], ranks[0]["params"])
+    loss = max(abs(a - b) / abs(a) for a, b in zip(reference["loss"], ranks[0]["loss"]))
+    norm = max(abs(a - b) / a for a, b in zip(reference["grad_norm"], ranks[0]["grad_norm"]))
+    print(f"{case}/{engine}: loss rel {loss:.2g}, grad norm rel {norm:.2g}, params max {largest:.2g} mean {mean:.2g}")
+    assert trajectory_mismatches(reference, ranks[0]) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_cggr_routes_locally_and_normalizes_like_the_trainer(runs, engine):
+    """Each rank masks its own rows exactly as the single process masks them, and every rank's loss is divided by
+    the kept-label count of the whole global batch (``average_tokens_across_devices``), like stock SFT."""
+    reference = runs("single")["sft_cggr"]
+    ranks = runs(engine)["sft_cggr"]
+    for step in range(worker.STEPS):
+        local = [int(r["kept"][step].sum()) for r in ranks]
+        valid = [int(r["valid"][step].sum()) for r in ranks]
+        assert local[0] != local[1], "precondition: ranks hold different label counts"
+        assert all(0 < k < v for k, v in zip(local, valid)), "CGGR masked nothing"
+        assert [r["num_items"][step] for r in ranks] == [sum(local)] * worker.WORLD
+        assert reference["num_items"][step] == sum(local)
+        # same kept tokens, row by row (rank rows are right-padded to their own width)
+        ref_kept = reference["kept"][step]
+        rows = 0
+        for r in ranks:
+            kept = r["kept"][step]
+            width = kept.shape[1]
+            assert torch.equal(kept, ref_kept[rows : rows + len(kept), :width])
+            assert not ref_kept[rows : rows + len(kept), width:].any()
+            rows += len(kept)
+        assert rows == len(ref_kept)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_grpo_same_global_batch_and_full_head(runs, engine):
+    """The ranks together scored exactly the single process's prompts and completions, and the fused op ran on every
+    rank with the full [V, H] LM-head weight (FSDP2 shards it: TRL hands over ``full_tensor()``)."""
+    reference = runs("single")["grpo_fused"]
+    ranks = runs(engine)["grpo_fused"]
+    per_step = len(reference["completions"]) // worker.STEPS
+    merged = []
+    for step in range(worker.STEPS):
+        for r in ranks:
+            share = len(r["completions"]) // worker.STEPS
+            merged += r["completions"][step * share : (step + 1) * share]
+    assert len(merged) == len(reference["completions"]) == per_step * worker.STEPS
+    assert merged == reference["completions"]
+    head = tuple(reference["params"]["lm_head.weight"].shape)
+    for r in ranks:
+        # policy (with grad) and reference model once per step at least
+        assert len(r["op_calls"]) >= 2 * worker.STEPS and set(r["op_calls"]) == {head}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_osft_trains_the_low_factors_orthogonally(runs, engine):
+    """Every rank trains the same factors (the low singular triplets of each target, no dense target weight) and
+    after 2 steps they are still orthogonal to the frozen ones, whatever shard layout accelerate chose."""
+    reference = runs("single")["sft_osft"]
+    targets = next(o["targets"] for o in reference["report"]["outcomes"] if o["name"] == "osft")
+    assert targets
+    for r in runs(engine)["sft_osft"]:
+        assert r["trainable"] == reference["trainable"]
+        for target in targets:
+            assert {f"{target}.{f}" for f in ("U_low", "S_low", "V_low")} <= set(r["trainable"]), target
+            assert f"{target}.weight" not in r["trainable"] and f"{target}.U_high" not in r["trainable"]
+        assert r["overlap"] <= 1e-5  # |cos| frozen vs trained directions, fp32 factors (single: ~1e-6)
+
+
+def test_negative_control_per_rank_normalization_is_caught(runs):
+    """With ``average_tokens_across_devices=False`` each rank divides by its own kept count: the same comparison
+    must fail, by far, on loss, grad norm and parameters."""
+    reference = runs("single")["sft_cggr"]
+    control = runs("ddp")[CONTROL]
+    assert [r["num_items"] for r in control] == [[int(k.sum()) for k in r["kept"]] for r in control]
+    bad = trajectory_mismatches(reference, control[0])
+    assert any(b.startswith("loss") for b in bad) and any(b.startswith("params") for b in bad), bad
+    largest, mean, _ = param_diff(reference["params"], control[0]["params"])
+    assert largest > 20 * PARAM_MAX_ATOL and mean > 20 * PARAM_MEAN_ATOL
