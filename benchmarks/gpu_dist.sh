@@ -26,8 +26,8 @@ for engine in ddp fsdp2; do
   run "sft_osft_$engine" env LEANTRAIN_OSFT=1 LEANTRAIN_CGGR=0 python3 -m accelerate.commands.launch \
       --config_file "examples/accelerate/$engine.yaml" examples/train_sft.py --shape qwen2.5-0.5b --steps 12 \
       --batch 8 --seq 1024 --out "$BENCH_RESULTS/sft_osft_$engine"
-  run "grpo_$engine" launch $engine examples/train_grpo.py --shape qwen2.5-0.5b --steps 6 --batch 16 \
-      --generations 8 --completion-length 128 --out "$BENCH_RESULTS/grpo_$engine"
+  run "grpo_$engine" launch $engine examples/train_grpo.py --shape qwen2.5-0.5b --steps 4 --batch 16 \
+      --generations 8 --completion-length 96 --out "$BENCH_RESULTS/grpo_$engine"
 done
 run osft_fsdp2_bench torchrun --nproc-per-node 2 benchmarks/bench_osft.py --fsdp2
 python3 examples/summarize.py "$BENCH_RESULTS" | tee "$BENCH_RESULTS/summary.md"
