@@ -12,6 +12,7 @@ Plus peak memory per provider and a whole small gpt-oss-shaped model training st
 
     python benchmarks/bench_moe4bit.py            # CUDA, full size (< 4 minutes on an H100)
     python benchmarks/bench_moe4bit.py --smoke    # CPU, tiny shapes (< 60 s)
+    python benchmarks/bench_moe4bit.py --smoke --profile   # + op counts / non-GEMM CPU time per provider
 
 Writes ``moe4bit.json`` / ``.md`` / ``.png`` into ``$BENCH_RESULTS`` or ``benchmarks/results/``.
 """
@@ -260,10 +261,69 @@ def summary(s: Setup, medians: dict[str, dict[int, float]], rows: list[Row], mod
     return "\n".join(lines)
 
 
+PROFILED = (FLOOR, "transformers grouped_mm (dense weights)", GROUPED, f"{GROUPED} (no recompute)")
+GEMM_OPS = ("aten::_grouped_mm", "aten::mm", "aten::bmm", "aten::addmm")
+VIEW_OPS = {  # metadata-only ops: no kernel on a GPU
+    f"aten::{n}"
+    for n in "alias as_strided detach empty empty_like expand new_empty_strided reshape select slice squeeze t "
+    "transpose unbind unflatten unsqueeze view".split()
+}
+
+
+def _outermost(prof) -> list:
+    """Profiler events of aten / bitsandbytes ops not nested in another such op (what the Python code called)."""
+
+    def is_op(event) -> bool:
+        return event.name.startswith(("aten::", "bitsandbytes::"))
+
+    def nested(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and not is_op(parent):
+            parent = parent.cpu_parent
+        return parent is not None
+
+    return [e for e in prof.events() if is_op(e) and not nested(e)]
+
+
+def profile_summary(s: Setup, tokens: int, reps: int = 3) -> str:
+    """Per provider (fwd+bwd): ops called, their CPU time outside GEMMs and dequantizes (the routing / gather /
+    gate / combine overhead), GEMM and dequantize time; the best of ``reps`` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fns = providers(s)
+    lines = [f"CPU profile, {tokens} tokens ({str(s.dtype).replace('torch.', '')}, best of {reps}):"]
+    for name in PROFILED:
+        x, idx, weights, grad = layer_inputs(s, tokens, dense=name in (LOOP, GROUPED))
+
+        def step(fn=fns[name], x=x, idx=idx, weights=weights, grad=grad) -> None:
+            x.grad = weights.grad = None
+            fn(x, idx, weights).backward(grad)
+
+        step()
+        best = None
+        for _ in range(reps):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            events = _outermost(prof)
+            gemm = [e for e in events if e.name in GEMM_OPS]
+            deq = [e for e in events if e.name.startswith("bitsandbytes::")]
+            rest = [e for e in events if e not in gemm and e not in deq]
+            ms = [sum(e.cpu_time_total for e in group) / 1e3 for group in (rest, gemm, deq)]
+            kernels = sum(e.name not in VIEW_OPS for e in rest)
+            best = (ms, len(rest), kernels) if best is None or ms[0] < best[0][0] else best
+        (rest_ms, gemm_ms, deq_ms), count, kernels = best
+        lines.append(
+            f"  {name:<42} {count:4d} ops ({kernels:3d} non-view), non-GEMM {rest_ms:8.2f} ms, "
+            f"GEMM {gemm_ms:8.2f} ms, dequantize {deq_ms:7.2f} ms"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI smoke run)")
     parser.add_argument("--no-model", action="store_true", help="skip the whole-model training step")
+    parser.add_argument("--profile", action="store_true", help="print a CPU-profile op summary per provider")
     args = parser.parse_args()
     s = SMOKE if args.smoke or not torch.cuda.is_available() else FULL
     if s is SMOKE:
@@ -283,6 +343,8 @@ def main() -> None:
         "ms (median)",
     )
     print(table)
+    if args.profile:
+        print(profile_summary(s, s.tokens[-1]))
     print(f"wrote {out_dir / NAME}.json/.md/.png")
 
 

@@ -238,6 +238,58 @@ def test_activation_checkpointing_matches_and_counts_dequantizes():
         assert_equal(a, b, name)
 
 
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (aten op, output numel) of every op, except those run inside a dequantize."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.in_dequantize = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.in_dequantize:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            self.ops.append((func.overloadpacket.__name__, first.numel() if isinstance(first, torch.Tensor) else 0))
+        return out
+
+
+@pytest.mark.parametrize("layout", ["linear4bit", "stacked"])
+def test_recompute_costs_only_the_dequantize_and_backward_scatters_nothing(layout):
+    """With recompute on, backward runs exactly the ops it runs with recompute off, plus one dequantize per stack
+    (the gate is not re-run); neither backward scatters [T, H]-sized gradients (index_put_/index_add_)."""
+    stock = stock_experts("gpt_oss", 5)
+    x0, logits0 = inputs(5)
+    idx = routing(5, 2)
+    logs = {}
+    for recompute in (True, False):
+        module = four_bit(layout, stock, True)
+        plan, _ = _layouts.build_plan(_layouts.Found("experts", module, layout), Undo(), recompute=recompute)
+        log, calls = _OpLog(), []
+        for proj in (plan.gate_up, plan.down):
+            proj.stack = copy.copy(proj.stack)
+
+            def dequantize(dtype, f=proj.stack.dequantize):
+                log.in_dequantize = True
+                try:
+                    calls.append(1)
+                    return f(dtype)
+                finally:
+                    log.in_dequantize = False
+
+            proj.stack.dequantize = dequantize
+        x = x0.clone().requires_grad_()
+        logits = logits0.clone().requires_grad_()
+        out = _grouped.grouped_forward(plan, x, idx, logits.gather(1, idx).softmax(-1))
+        n_forward = len(calls)
+        with log:
+            out.backward(torch.ones_like(out))
+        logs[recompute] = (log.ops, len(calls) - n_forward)
+    assert logs[True][1] == 2 and logs[False][1] == 0  # one dequantize per stack in backward, none without recompute
+    assert logs[True][0] == logs[False][0]
+    scatters = [op for op in logs[True][0] if op[0] in ("index_put_", "_index_put_impl_", "index_add_", "index_add")]
+    assert all(n < T * HIDDEN for _, n in scatters), scatters
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout,family", [("linear4bit", "gpt_oss"), ("stacked", "qwen3_moe")])
@@ -286,17 +338,21 @@ def test_consolidation_shares_storage_and_undo_restores():
 
 
 def test_routing_sorted_on_device():
-    """Counts/offsets come from scatter_add_ + cumsum(int32); pairs are sorted by expert, then slot, then token."""
+    """Offsets come from one searchsorted (int32); pairs are sorted by expert, then slot, then token; each token's
+    pairs are indexed in ascending (forward combine) and descending (input-gradient combine) expert order."""
     idx = routing(6, 2)
     r = _grouped.route(idx, 6)
     expected = torch.bincount(idx.flatten(), minlength=6).cumsum(0)
     assert r.offs.dtype == torch.int32 and torch.equal(r.offs.long(), expected)
     assert r.offs[0].item() == 0  # expert 0 got no token
-    assert torch.equal(r.eid, idx.flatten()[r.pair]) and torch.equal(r.tok, r.pair // 2)
-    key = r.eid * (2 * T) + (r.pair % 2) * T + r.tok  # (expert, slot, token), strictly increasing
+    slot, tok = r.order // T, r.order % T
+    assert torch.equal(r.eid, idx[tok, slot]) and torch.equal(r.tok, tok)
+    key = r.eid * (2 * T) + slot * T + r.tok  # (expert, slot, token), strictly increasing
     assert bool((key[1:] > key[:-1]).all())
-    ranked = r.eid[r.by_rank]  # each token's experts in ascending order
-    assert bool((ranked[:, 1:] > ranked[:, :-1]).all()) and torch.equal(r.tok[r.by_rank][:, 0], torch.arange(T))
+    ranked = r.eid[r.ascending].view(T, 2)  # each token's experts in ascending order
+    assert bool((ranked[:, 1:] > ranked[:, :-1]).all())
+    assert torch.equal(r.tok[r.ascending].view(T, 2), torch.arange(T)[:, None].expand(T, 2))
+    assert torch.equal(r.descending.view(T, 2), r.ascending.view(T, 2).flip(1))
 
 
 # ------------------------------------------------------------------------------------------------ probe reasons

@@ -1,16 +1,24 @@
 """The grouped forward/backward: routing sorted once on the device, one dequantize per projection stack, two
-grouped GEMMs, bias per group, the gate, and a weighted combine in fp32. No host syncs.
+grouped GEMMs, bias per group, the gate, and a weighted combine (fp32 accumulation). No host syncs.
 
-Summation orders are chosen to match the per-expert loop bit for bit in fp32: the forward adds each token's
-expert outputs in ascending expert order (as the loop's ``index_add_`` does), the backward adds the input-gradient
-contributions in descending expert order (the order in which autograd accumulates the loop's per-expert branches).
-Both are deterministic on CUDA (gathers and adds, no atomics).
+The block is three small autograd functions around plain autograd for the gate and the routing weights (the same
+op list as transformers' ``grouped_mm`` experts): ``_Dispatch`` (gather tokens), ``_GroupedProjection`` (dequantize,
+grouped GEMM, bias; no weight grad; with ``recompute`` the stack is dequantized again in backward, nothing else is
+recomputed) and ``_Combine`` (weight, gather, sum over top-k). Their backwards are one gather + one sum where
+autograd would scatter into zeros (``index_put_`` with ``accumulate``).
+
+Summation orders match the per-expert loop bit for bit in fp32: the forward adds each token's expert outputs in
+ascending expert order (as the loop's ``index_add_`` does), the backward adds the input-gradient contributions in
+descending expert order (the order in which autograd accumulates the loop's per-expert branches). transformers'
+``grouped_mm`` path sums in top-k slot order instead; the cost is the same (one gather of ``[T*k, H]`` by a
+precomputed index, one ``sum`` over k). ``sum`` over a middle dim of size k <= 16 adds sequentially on CPU, which
+is what makes the fp32 results bit-identical (checked by the parity tests). Deterministic on CUDA (no atomics).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,6 +44,7 @@ class Projection:
     compute_dtype: torch.dtype | None  # None: compute in the input's dtype
     restore_dtype: bool  # cast the output back to the input's dtype (bnb Linear4bit does)
     cast_bias: bool  # cast the bias to the compute dtype before adding (bnb Linear4bit does)
+    _cast_biases: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def dtype_for(self, inp: torch.Tensor) -> torch.dtype:
         return self.compute_dtype or inp.dtype
@@ -43,12 +52,21 @@ class Projection:
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         return self.stack.dequantize(dtype)
 
+    def bias_for(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The stacked bias in ``dtype``, cast once and cached (frozen: the probe refuses trainable biases)."""
+        if self.bias is None or not self.cast_bias or self.bias.dtype == dtype:
+            return self.bias
+        hit = self._cast_biases.get(dtype)
+        if hit is None or hit[0] is not self.bias or hit[1] != self.bias._version:
+            hit = self._cast_biases[dtype] = (self.bias, self.bias._version, self.bias.to(dtype))
+        return hit[2]
+
     def forward(self, inp: torch.Tensor, w: torch.Tensor, routing: Routing) -> torch.Tensor:
         mat_b = w if self.in_major else w.transpose(1, 2)  # a transposed view, never a copy
         out = grouped_mm(inp.to(w.dtype).contiguous(), mat_b, routing.offs)
-        if self.bias is not None:
-            bias = self.bias.to(out.dtype) if self.cast_bias else self.bias
-            out.add_(bias[routing.eid])
+        bias = self.bias_for(out.dtype)
+        if bias is not None:
+            out.add_(bias.index_select(0, routing.eid))  # grouped_mm takes no bias
         return out.to(inp.dtype) if self.restore_dtype else out
 
     def backward(self, grad: torch.Tensor, w: torch.Tensor, routing: Routing, inp_dtype: torch.dtype) -> torch.Tensor:
@@ -73,15 +91,17 @@ class ExpertsPlan:
 class Routing:
     """Sorted routing, all on the device: (token, expert) pairs sorted by expert, then top-k slot, then token."""
 
-    pair: torch.Tensor  # [S] index into the flattened [T, k] routing of each sorted pair
+    order: torch.Tensor  # [S] slot-major index (slot * T + token) of each sorted pair
     tok: torch.Tensor  # [S] token of each sorted pair
     eid: torch.Tensor  # [S] expert of each sorted pair (ascending)
     offs: torch.Tensor  # [E] int32 cumulative group ends
-    by_rank: torch.Tensor  # [T, k] sorted-pair index of each token's r-th smallest expert id
+    ascending: torch.Tensor  # [T * k] sorted-pair index of each token's experts, ascending expert id
+    descending: torch.Tensor  # [T * k] the same, descending expert id
+    tokens: int
 
 
 def route(indices: torch.Tensor, num_experts: int) -> Routing:
-    """Sort ``[T, k]`` expert ids once; counts by ``scatter_add_`` and offsets by ``cumsum`` (no bincount, no
+    """Sort ``[T, k]`` expert ids once; group ends by one ``searchsorted`` of the sorted ids (no bincount, no
     ``.tolist()``, no ``nonzero``: no host sync, CUDA-graph friendly).
 
     Within an expert, rows are ordered by (slot, token) like the stock loop's ``torch.where(mask[e])``: a GEMM
@@ -91,86 +111,83 @@ def route(indices: torch.Tensor, num_experts: int) -> Routing:
     flat = indices.t().reshape(-1).long()  # slot-major: q = slot * T + token
     order = flat.argsort(stable=True)
     eid = flat[order]
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offs = counts.cumsum(0).to(torch.int32)
+    experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+    offs = torch.searchsorted(eid, experts, right=True, out_int32=True)  # pairs with expert <= e
     tok = order % tokens
-    pair = tok * top_k + torch.div(order, tokens, rounding_mode="floor")
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    # Sorted positions grow with the expert id, so sorting a token's positions ranks its experts ascending.
-    by_rank = inverse.view(top_k, tokens).t().sort(dim=1).values
-    return Routing(pair, tok, eid, offs, by_rank)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    ranked = inverse.view(top_k, tokens).t()  # [T, k]: sorted position of each (token, slot)
+    if top_k > 1:  # sorted positions grow with the expert id: sorting a token's positions ranks its experts
+        ranked = ranked.sort(dim=1).values
+    return Routing(order, tok, eid, offs, ranked.reshape(-1), ranked.flip(1).reshape(-1), tokens)
 
 
-def combine(y: torch.Tensor, w: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """``out[t] = sum_j w_j * y_j`` over token t's pairs, in fp32, ascending expert order."""
-    w32 = w.float()
-    out = None
-    for r in range(routing.by_rank.shape[1]):  # top_k terms (a handful), each a [T, H] gather
-        j = routing.by_rank[:, r]
-        term = y[j].float() * w32[j, None]
-        out = term if out is None else out.add_(term)
-    return out
+def _sum_over_k(src: torch.Tensor, index: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``out[t] = sum_r src[index[t * k + r]]``: one gather and one ``sum`` over k (fp32 accumulation for bf16/fp16,
+    rounded once; sequential in r on CPU for k <= 16, hence the loop's exact order in fp32)."""
+    return src.index_select(0, index).view(tokens, -1, src.shape[-1]).sum(1)
 
 
-class GroupedExperts4bit(torch.autograd.Function):
-    """Forward of the whole expert block; saves the routing, the gate input and the expert outputs, and the
-    dequantized stacks only when ``plan.recompute`` is off (else they are dequantized again in backward)."""
+class _Dispatch(torch.autograd.Function):
+    """``x[tok]``; backward adds each token's pair gradients in descending expert order (the loop's order)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, plan: ExpertsPlan, routing: Routing) -> torch.Tensor:
-        up, down = plan.gate_up, plan.down
-        xs = x[routing.tok]
-        w1 = up.weight(up.dtype_for(xs))
-        h = up.forward(xs, w1, routing)
-        keep = [] if plan.recompute else [w1]
-        ctx.w_dtypes = [w1.dtype]
-        del xs, w1  # with recompute, freed before the next stack is dequantized (peak: one stack)
-        a = plan.gate(h)
-        w2 = down.weight(down.dtype_for(a))
-        y = down.forward(a, w2, routing)
-        keep += [] if plan.recompute else [w2]
-        ctx.w_dtypes.append(w2.dtype)
-        ctx.x_dtype, ctx.a_dtype, ctx.y_dtype = x.dtype, a.dtype, y.dtype
-        del a, w2
-        out = combine(y, w, routing).to(x.dtype)
-        ctx.plan, ctx.routing = plan, routing
-        ctx.save_for_backward(h, y if ctx.needs_input_grad[1] else None, w, *keep)
-        return out
+    def forward(ctx, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        ctx.routing = routing
+        return x.index_select(0, routing.tok)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        plan, routing = ctx.plan, ctx.routing
-        h, y, w, *kept = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g32, w32 = grad_out.float(), w.float()
-        dy = torch.empty(w.shape[0], g32.shape[1], dtype=ctx.y_dtype, device=g32.device) if need_x else None
-        dw = torch.empty(w.shape[0], dtype=torch.float32, device=g32.device) if need_w else None
-        for r in range(routing.by_rank.shape[1]):  # top_k terms: the combine's backward, [T, H] at a time
-            j = routing.by_rank[:, r]
-            if need_w:
-                dw[j] = (g32 * y[j].float()).sum(-1)
-            if need_x:
-                dy[j] = (g32 * w32[j, None]).to(dy.dtype)
-        dx = None
-        if need_x:
-            down, up = plan.down, plan.gate_up
-            w2 = kept[1] if kept else down.weight(ctx.w_dtypes[1])
-            da = down.backward(dy, w2, routing, ctx.a_dtype)
-            del dy, w2
-            with torch.enable_grad():
-                hh = h.detach().requires_grad_()
-                (dh,) = torch.autograd.grad(plan.gate(hh), hh, da)
-            del da
-            w1 = kept[0] if kept else up.weight(ctx.w_dtypes[0])
-            dxs = up.backward(dh, w1, routing, ctx.x_dtype)
-            del dh, w1
-            for r in reversed(range(routing.by_rank.shape[1])):
-                term = dxs[routing.by_rank[:, r]].float()
-                dx = term if dx is None else dx.add_(term)
-            dx = dx.to(ctx.x_dtype)
-        return dx, (dw.to(w.dtype) if need_w else None), None, None
+    def backward(ctx, grad: torch.Tensor):
+        return _sum_over_k(grad, ctx.routing.descending, ctx.routing.tokens), None
+
+
+class _GroupedProjection(torch.autograd.Function):
+    """Dequantize the stack, grouped GEMM, bias per group. Saves nothing but the stack when ``recompute`` is off;
+    with it on, backward dequantizes the stack once more (the only thing recomputed). Experts are frozen."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, proj: Projection, routing: Routing, recompute: bool) -> torch.Tensor:
+        w = proj.weight(proj.dtype_for(inp))
+        ctx.proj, ctx.routing, ctx.inp_dtype, ctx.w_dtype = proj, routing, inp.dtype, w.dtype
+        ctx.save_for_backward(None if recompute else w)
+        return proj.forward(inp, w, routing)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (w,) = ctx.saved_tensors
+        w = ctx.proj.weight(ctx.w_dtype) if w is None else w
+        return ctx.proj.backward(grad, w, ctx.routing, ctx.inp_dtype), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """``out[t] = sum_j w_j * y_j`` over token t's pairs in ascending expert order (the loop's ``index_add_``
+    order); backward gathers each pair's token gradient instead of scattering into zeros."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, w: torch.Tensor, routing: Routing) -> torch.Tensor:
+        ctx.routing, ctx.y_dtype, ctx.w_dtype = routing, y.dtype, w.dtype
+        ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
+        return _sum_over_k(y * w[:, None], routing.ascending, routing.tokens)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, w = ctx.saved_tensors
+        g = grad.index_select(0, ctx.routing.tok)  # every pair's gradient is its token's
+        # The same products, casts and reduction as autograd's mul backward (bit-identical to the loop in fp32).
+        dy = (g * w[:, None]).to(ctx.y_dtype) if ctx.needs_input_grad[0] else None
+        dw = (g * y).to(ctx.w_dtype).sum(-1) if ctx.needs_input_grad[1] else None
+        return dy, dw, None
+
+
+def pair_weights(plan: ExpertsPlan, weights: torch.Tensor, routing: Routing, top_k: int) -> torch.Tensor:
+    """Each sorted pair's routing weight from ``[T, k]`` (stock) or dense ``[T, E]`` weights (differentiable)."""
+    if weights.shape[1] == plan.num_experts and (plan.dense_weights or top_k != plan.num_experts):
+        return weights[routing.tok, routing.eid]
+    if weights.shape[1] == top_k:
+        return weights.t().reshape(-1)[routing.order]
+    raise ValueError(
+        f"routing weights of shape {tuple(weights.shape)} match neither [T, top_k={top_k}] nor "
+        f"[T, num_experts={plan.num_experts}]"
+    )
 
 
 def grouped_forward(
@@ -181,27 +198,25 @@ def grouped_forward(
     x = hidden_states.reshape(-1, plan.hidden_size)
     indices = router_indices.reshape(x.shape[0], -1)
     routing = route(indices, plan.num_experts)
-    weights = routing_weights.reshape(x.shape[0], -1)
-    top_k = indices.shape[1]
-    if weights.shape[1] == plan.num_experts and (plan.dense_weights or top_k != plan.num_experts):
-        w = weights[routing.tok, routing.eid]
-    elif weights.shape[1] == top_k:
-        w = weights.reshape(-1)[routing.pair]
-    else:
-        raise ValueError(
-            f"routing weights of shape {tuple(routing_weights.shape)} match neither [T, top_k={top_k}] nor "
-            f"[T, num_experts={plan.num_experts}]"
-        )
-    out = GroupedExperts4bit.apply(x, w, plan, routing)
-    return out.view(hidden_states.shape)
+    w = pair_weights(plan, routing_weights.reshape(x.shape[0], -1), routing, indices.shape[1])
+    xs = _Dispatch.apply(x, routing)
+    h = _GroupedProjection.apply(xs, plan.gate_up, routing, plan.recompute)
+    y = _GroupedProjection.apply(plan.gate(h), plan.down, routing, plan.recompute)  # the gate: plain autograd
+    out = _Combine.apply(y, w, routing)
+    return out.to(x.dtype).view(hidden_states.shape)
 
 
 def clamp_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """gpt-oss gate on interleaved gate/up columns: (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate clamped."""
+    """gpt-oss gate on interleaved gate/up columns: (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate clamped.
+
+    gate/up are taken by ``unbind`` of a ``[..., I, 2]`` view: the same strided views as ``h[..., ::2]`` /
+    ``h[..., 1::2]`` (same values), but autograd joins their gradients with one ``stack`` instead of two
+    zero-filled ``slice_backward`` buffers and an add."""
 
     def gate(h: torch.Tensor) -> torch.Tensor:
-        g = h[..., ::2].clamp(min=None, max=limit)
-        u = h[..., 1::2].clamp(min=-limit, max=limit)
+        g, u = h.unflatten(-1, (-1, 2)).unbind(-1)
+        g = g.clamp(min=None, max=limit)
+        u = u.clamp(min=-limit, max=limit)
         return (u + 1) * (g * torch.sigmoid(g * alpha))
 
     return gate
@@ -211,7 +226,7 @@ def gated_act(act: nn.Module | Callable, interleaved: bool = False) -> Callable[
     """SiLU-style gate: act(gate) * up, gate/up as halves (Mixtral, Qwen, OLMoE) or interleaved columns."""
 
     def gate(h: torch.Tensor) -> torch.Tensor:
-        g, u = (h[..., ::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
+        g, u = h.unflatten(-1, (-1, 2)).unbind(-1) if interleaved else h.chunk(2, dim=-1)
         return act(g) * u
 
     return gate

@@ -329,6 +329,17 @@ def _clone_shared_on_save(module: nn.Module, stacks: list, undo: Undo) -> None:
     undo.push(module.register_state_dict_post_hook(hook).remove)
 
 
+def _is_stock_gpt_oss_gate(module: nn.Module) -> bool:
+    """transformers' own gpt-oss ``_apply_gate`` (clamp-SwiGLU on interleaved columns), not a subclass override."""
+    method = getattr(type(module), "_apply_gate", None)
+    return (
+        getattr(method, "__qualname__", "") == "GptOssExperts._apply_gate"
+        and getattr(method, "__module__", "") == "transformers.models.gpt_oss.modeling_gpt_oss"
+        and hasattr(module, "alpha")
+        and hasattr(module, "limit")
+    )
+
+
 def _stacked_plan(module: nn.Module, recompute: bool) -> tuple[ExpertsPlan, Callable[[], None]]:
     plists = [_bnb_parametrization(module, n) for n in STACK_NAMES]
     states = [p[0].quant_state for p in plists]
@@ -340,6 +351,8 @@ def _stacked_plan(module: nn.Module, recompute: bool) -> tuple[ExpertsPlan, Call
         stack = stack_from_quant_state(plist.original, qs)
         projections.append(Projection(stack, in_major, bias, qs.dtype, restore_dtype=False, cast_bias=False))
     gate = module._apply_gate if callable(getattr(module, "_apply_gate", None)) else gated_act(module.act_fn)
+    if _is_stock_gpt_oss_gate(module):  # the same math; its backward joins gate/up grads in one kernel
+        gate = clamp_swiglu(float(module.alpha), float(module.limit))
     experts, a, b = (int(s) for s in states[0].shape)
     plan = ExpertsPlan(experts, a if in_major else b, projections[0], projections[1], gate, False, recompute)
     originals = [(p.original, p.original.data_ptr()) for p in plists]
