@@ -65,9 +65,9 @@ class LeantrainConfig:
     osft_unfrozen_rank_ratio: float = _opt(0.5, "float", "fraction of each target's rank that trains", _ratio)
     osft_targets: tuple[str, ...] | None = _opt(None, "names", "target module name patterns (comma-separated)")
     osft_projection_precision: str = _opt(
-        "tf32x3",
+        "fp32",
         "str",
-        "projection GEMMs for fp32 factors on CUDA (tf32x3: split TF32, fp32-level orthogonality)",
+        "projection GEMMs for fp32 factors on CUDA: fp32 (exact), tf32 (fastest, ~1e-4), tf32x3 / bf16x3 (split)",
         _one_of("fp32", "tf32", "bf16", "tf32x3", "bf16x3"),
     )
     # MoE 4-bit

@@ -259,7 +259,7 @@ class Projector:
         self,
         layers: Sequence[OSFTLinear],
         *,
-        precision: str = "tf32x3",
+        precision: str = "fp32",
         tf32: bool = False,
         bucket_mib: float = 256,
         batched: bool = True,
