@@ -75,9 +75,17 @@ def corpus_dataset(n: int, column: str = "text"):
     return Dataset.from_dict({column: texts})
 
 
-def rank_zero_print(trainer, report) -> None:
+def patch_train_record(trainer, out: Path, name: str) -> dict[str, Any]:
+    """Patch with leantrain (rank 0 prints the report), train, and write this rank's step statistics."""
+    import leantrain
+
+    report = leantrain.patch_trainer(trainer)
     if trainer.is_world_process_zero():
         print(report, flush=True)
+    stats = StepStats()
+    trainer.add_callback(stats.callback())
+    trainer.train()
+    return stats.write(out, name, trainer, leantrain.current_report(trainer))
 
 
 class StepStats:

@@ -12,11 +12,10 @@ import argparse
 from pathlib import Path
 
 import torch
-from _common import StepStats, build_model, corpus_dataset, rank_zero_print
+from _common import build_model, corpus_dataset, patch_train_record
 from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer
 
-import leantrain
 from leantrain.demo import letter_reward
 from leantrain.tiny import train_tokenizer
 
@@ -70,12 +69,7 @@ def main() -> None:
         train_dataset=corpus_dataset(args.steps * args.batch * 4, "prompt"),
         processing_class=tokenizer,
     )
-    report = leantrain.patch_trainer(trainer)
-    rank_zero_print(trainer, report)
-    stats = StepStats()
-    trainer.add_callback(stats.callback())
-    trainer.train()
-    stats.write(args.out, "grpo", trainer, leantrain.current_report(trainer))
+    patch_train_record(trainer, args.out, "grpo")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,9 @@ import os
 from pathlib import Path
 
 import torch
-from _common import StepStats, build_model, corpus_dataset, rank_zero_print
+from _common import build_model, corpus_dataset, patch_train_record
 from trl import SFTConfig, SFTTrainer
 
-import leantrain
 from leantrain.tiny import train_tokenizer
 
 
@@ -55,12 +54,7 @@ def main() -> None:
     )
     dataset = corpus_dataset(args.steps * args.batch * args.grad_accum * int(os.environ.get("WORLD_SIZE", 1)) * 2)
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
-    report = leantrain.patch_trainer(trainer)
-    rank_zero_print(trainer, report)
-    stats = StepStats()
-    trainer.add_callback(stats.callback())
-    trainer.train()
-    stats.write(args.out, "sft", trainer, leantrain.current_report(trainer))
+    patch_train_record(trainer, args.out, "sft")
 
 
 if __name__ == "__main__":
