@@ -54,11 +54,6 @@ class Undo:
         wrapper.__leantrain_original__ = original  # type: ignore[attr-defined]
         self.set_attr(obj, name, wrapper)
 
-    def replace_module(self, parent: Any, name: str, new: Any) -> None:
-        old = getattr(parent, name)
-        setattr(parent, name, new)
-        self.push(lambda: setattr(parent, name, old))
-
     def add_callback(self, trainer: Any, callback: Any) -> None:
         trainer.add_callback(callback)
         self.push(lambda: trainer.remove_callback(callback))
@@ -66,6 +61,18 @@ class Undo:
 
 class UserInputError(ValueError):
     """A mistake in the user's input: never swallowed by the run-time fallback."""
+
+
+def _control_flow_errors() -> tuple[type[BaseException], ...]:
+    # Non-reentrant activation checkpointing stops a recomputation early by raising this from inside the
+    # checkpointed forward: it is control flow, not a failure of the optimized path.
+    import torch.utils.checkpoint as checkpoint
+
+    stop = getattr(checkpoint, "_StopRecomputationError", None)
+    return (UserInputError, stop) if stop is not None else (UserInputError,)
+
+
+_CONTROL_FLOW = _control_flow_errors()
 
 
 class RuntimeFallback:
@@ -85,7 +92,7 @@ class RuntimeFallback:
             return stock(*args, **kwargs)
         try:
             return fast(*args, **kwargs)
-        except UserInputError:
+        except _CONTROL_FLOW:
             raise
         except Exception as error:
             if self.strict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -46,12 +45,13 @@ class Applied:
 
 @dataclass
 class PatchContext:
-    """Given to ``apply``: the resolved config, the trainer kind and this optimization's run-time fallback guard."""
+    """Given to ``apply``: the resolved config, the trainer kind, this optimization's run-time fallback guard, and
+    an undo stack to record patches on as they happen (if ``apply`` raises half-way, patch_trainer runs it)."""
 
     config: ResolvedConfig
     trainer_kind: str
     fallback: RuntimeFallback
-    extras: dict[str, Any] = field(default_factory=dict)
+    undo: Undo = field(default_factory=Undo)
 
 
 class Optimization:
@@ -114,6 +114,3 @@ def optional_import_reason(module: str, extra: str) -> str | None:
     except Exception as error:  # ImportError, or a broken install raising something else
         return f"{module} not installed or not importable ({type(error).__name__}): pip install leantrain[{extra}]"
     return None
-
-
-Hook = Callable[..., Any]

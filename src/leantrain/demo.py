@@ -8,6 +8,7 @@ and writes a loss-curve PNG and a JSON summary into ``--out``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import threading
@@ -99,6 +100,11 @@ def _make_trainer(args: argparse.Namespace, out: Path, run_name: str):
     tokenizer = tiny.train_tokenizer(args.vocab)
     family = DEMO_MODELS[args.model]
     model = tiny.tiny_model(family, seed=args.seed, vocab_size=len(tokenizer), hidden=args.hidden, layers=4).train()
+    if family == "gpt_oss" and importlib.util.find_spec("bitsandbytes"):
+        # Frozen 4-bit experts in both runs, so the patched run can show the grouped 4-bit path (moe4bit).
+        from .moe4bit import quantize_experts_4bit
+
+        quantize_experts_4bit(model)
     common = dict(
         output_dir=str(out / run_name),
         max_steps=args.steps,

@@ -71,7 +71,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
 
 
 def logit_transform(config: Any) -> tuple[float, float | None]:
-    """(logit_scale, softcap) from a config. Raises ValueError for scaling leantrain does not know."""
+    """(logit_scale, softcap) from a config: the scalings TRL's fused head knows (scale, divide, softcap)."""
     text = getattr(config, "get_text_config", lambda: config)()
     scale = 1.0
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):

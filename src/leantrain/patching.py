@@ -122,7 +122,13 @@ def patch_trainer(
         for opt, source in plan:
             fallback = RuntimeFallback(opt.name, cfg.config.strict, _recorder(trainer, opt.name))
             fallbacks[opt.name] = fallback
-            applied: Applied = opt.apply(trainer, PatchContext(cfg, kind, fallback))
+            context = PatchContext(cfg, kind, fallback)
+            try:
+                applied: Applied = opt.apply(trainer, context)
+            except BaseException:
+                context.undo()  # what this optimization patched before it failed
+                raise
+            undo.extend(context.undo)
             undo.extend(applied.undo)
             state.report = state.report.with_outcome(
                 PatchOutcome(opt.name, Status.APPLIED, source, (), applied.targets, applied.detail)

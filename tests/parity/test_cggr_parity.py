@@ -423,6 +423,27 @@ def test_runtime_fallback(tmp_path, monkeypatch):
     assert patched.state.global_step > 0
 
 
+def test_fallback_mid_window_divides_the_rest_by_the_stock_count(tmp_path, monkeypatch):
+    """If scoring fails on micro-batch 2 of an accumulation window, that micro-batch is the stock loss over the
+    window's full label count, not over the kept count handed out at the window's start."""
+    patched, stock, _ = patched_pair(tmp_path, ratio=0.25)
+    real, calls = cggr_scoring.score_tokens, []
+
+    def fail_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected scorer failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cggr_scoring, "score_tokens", fail_second)
+    window = [make_batch(seed=1), make_batch(seed=2)]
+    with pytest.warns(RuntimeWarning, match="injected scorer failure"):
+        losses_p, count_p = step(patched, window)
+    losses_s, count_s = step(stock, window)
+    assert count_p < count_s  # the window started masked
+    assert torch.equal(losses_p[1], losses_s[1])
+
+
 def test_patch_unpatch_identity(tmp_path):
     model = tiny()
     trainer = trainer_for(model, tmp_path)

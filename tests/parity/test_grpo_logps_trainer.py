@@ -278,5 +278,19 @@ def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
     torch.testing.assert_close(ours[0][keep], stock[0][keep], rtol=0, atol=1e-5)
     torch.testing.assert_close(ours[1][keep], stock[1][keep], rtol=0, atol=1e-5)
     assert (ours[0][~keep] == 0).all()
+    # The reference model's calls ask for no entropy.
+    no_entropy = trainer._get_per_token_logps_and_entropies(base, ids, att, k)
+    assert no_entropy[1] is None
+    torch.testing.assert_close(no_entropy[0], ours[0], rtol=0, atol=1e-6)  # same op, entropy terms skipped
+    # A failure inside the fused path falls back to the stock method (full logits), once, for good.
+    monkeypatch.setattr(ops, "logp_entropy", _raise_injected)
+    with pytest.warns(RuntimeWarning, match="grpo_logps failed at run time"):
+        fallen = trainer._get_per_token_logps_and_entropies(base, ids, att, k, compute_entropy=True)
+    torch.testing.assert_close(fallen[0], stock[0], rtol=0, atol=0)
+    assert leantrain.current_report(trainer)["grpo_logps"].status is leantrain.Status.FAILED
     leantrain.unpatch_trainer(trainer)
     assert trainer._get_per_token_logps_and_entropies is method and "forward" not in base.__dict__
+
+
+def _raise_injected(*args, **kwargs):
+    raise RuntimeError("injected failure")

@@ -168,6 +168,8 @@ def test_unpatch_restores_modules_methods_and_callbacks(tmp_path):
     assert "save_model" not in trainer.__dict__ and "_save" not in trainer.__dict__
     for name, weight in trained.items():  # holding the trained weights, merged
         assert torch.equal(trainer.model.get_submodule(name).weight, weight)
+    # The optimizer was built on the factors: dropped, so a later train() optimizes the dense weights again.
+    assert trainer.optimizer is None and trainer.lr_scheduler is None
 
 
 def test_runtime_failure_falls_back_to_the_simple_projection(tmp_path):

@@ -144,3 +144,35 @@ def test_report_table_and_dict(tmp_path, fake):
     }
     with pytest.raises(Exception):
         report.trainer_kind = "x"  # frozen
+
+
+def test_fallback_lets_control_flow_through():
+    """Checkpoint's early-stop exception and user errors propagate; neither counts as a run-time failure."""
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    from leantrain._patching import RuntimeFallback, UserInputError
+
+    fallback = RuntimeFallback("x", strict=False)
+    for error in (_StopRecomputationError(), UserInputError("bad ratio")):
+
+        def fast(error=error):
+            raise error
+
+        with pytest.raises(type(error)):
+            fallback.call(fast, lambda: "stock")
+    assert fallback.failed is None
+    assert fallback.call(lambda: "fast", lambda: "stock") == "fast"
+
+
+def test_apply_failing_half_way_leaves_nothing_patched(tmp_path, fake, monkeypatch):
+    """Patches recorded on ctx.undo before apply() raises are undone by patch_trainer."""
+
+    def apply(trainer, ctx):
+        ctx.undo.set_attr(trainer, "compute_loss", lambda *a, **k: None)
+        raise RuntimeError("apply broke")
+
+    monkeypatch.setattr(fake, "apply", apply)
+    trainer = tiny_trainer(tmp_path)
+    with pytest.raises(RuntimeError, match="apply broke"):
+        patch_trainer(trainer, environ={})
+    assert "compute_loss" not in trainer.__dict__ and leantrain.current_report(trainer) is None

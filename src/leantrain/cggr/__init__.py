@@ -105,8 +105,12 @@ class CGGR(Optimization):
             schedule=config.cggr_ratio_schedule,
             kept_only=kept_only,
         )
+        if trainer.args.world_size > 1:
+            # A fallback on one rank alone would skip the kept-count gather the other ranks still make (a hang):
+            # under several processes a run-time error raises instead.
+            ctx.fallback.strict = True
         runtime = Runtime(trainer, parts, settings, ctx.fallback)
-        undo = Undo()
+        undo = ctx.undo
         layer = parts.layers[settings.router_layers - 1]
         if settings.scoring != "random":  # the random control needs no hidden state
             handle = layer.register_forward_hook(runtime.hook)

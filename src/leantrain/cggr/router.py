@@ -98,13 +98,15 @@ class Runtime:
         def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
             ratio = self.ratio_now() if model.training else 1.0
             active = ratio < 1.0 and self.fallback.failed is None and "labels" in inputs
+            # The window's stock count: a fallback in the middle of an accumulation window must divide the rest
+            # of the window by the count of all labels, not by the kept count handed out at its start.
+            window = self.window
+            stock_items = window[1] if window is not None and num_items_in_batch is window[0] else num_items_in_batch
             if not active:
                 if model.training and torch.is_tensor(inputs.get("labels")):
                     valid = targets_of(inputs) != IGNORE_INDEX
                     self._accumulate(valid.sum(), valid.sum())
-                return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-            window = self.window
-            stock_items = window[1] if window is not None and num_items_in_batch is window[0] else num_items_in_batch
+                return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=stock_items)
 
             def stock(*_: Any) -> Any:
                 return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=stock_items)

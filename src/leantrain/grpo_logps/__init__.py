@@ -80,7 +80,7 @@ class GrpoLogps(Optimization):
 
     def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
         path = self._path(trainer)
-        undo = Undo()
+        undo = ctx.undo
         kernel_guard = RuntimeFallback("grpo_logps triton kernel", ctx.fallback.strict)
         run_op = functools.partial(_run_op, kernel_guard, ctx.config.grpo_logps_tile_mib)
         names = []
@@ -93,14 +93,17 @@ class GrpoLogps(Optimization):
                     settings.outputs = ("log_probs",)
             is_policy = label == "model"
             call = _trl.FusedCall(settings, run_op, _entropy_grad(trainer) if is_policy else (lambda: False))
-            undo.wrap_method(model, "forward", functools.partial(_make_forward, model, call, ctx.fallback))
+            # On the legacy path the model's own forward knows no `fused_lm_head`: the fallback sits one level up,
+            # around the whole replaced method, whose stock version computes full logits.
+            guard = ctx.fallback if path == "fused" else None
+            undo.wrap_method(model, "forward", functools.partial(_make_forward, model, call, guard))
             names.append(f"{label}.forward ({type(model).__name__})")
         if path != "fused":
             n_values = _trl.legacy_method_kind(trainer)
             undo.wrap_method(
                 trainer,
                 "_get_per_token_logps_and_entropies",
-                lambda original: _trl.legacy_method(trainer, original, n_values),
+                lambda original: _guarded(ctx.fallback, _trl.legacy_method(trainer, original, n_values), original),
             )
             names.append(f"{type(trainer).__name__}._get_per_token_logps_and_entropies")
         return Applied(undo, tuple(names), self._detail(trainer, path))
@@ -137,15 +140,23 @@ def _entropy_grad(trainer: Any) -> Callable[[], bool]:
     return lambda: bool(getattr(trainer, "_entropy_bonus_enabled", False))
 
 
-def _make_forward(model: nn.Module, call: _trl.FusedCall, fallback: RuntimeFallback, original: Callable[..., Any]):
+def _make_forward(
+    model: nn.Module, call: _trl.FusedCall, fallback: RuntimeFallback | None, original: Callable[..., Any]
+):
     fast = functools.partial(_trl.fused_forward, model, call)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not kwargs.get("fused_lm_head", False):
             return original(*args, **kwargs)
+        if fallback is None:
+            return fast(*args, **kwargs)
         return fallback.call(fast, original, *args, **kwargs)
 
     return forward
+
+
+def _guarded(fallback: RuntimeFallback, fast: Callable[..., Any], stock: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args, **kwargs: fallback.call(fast, stock, *args, **kwargs)
 
 
 def _run_op(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models import logit_transform
+from ..models import head_weight, logit_transform
 
 
 FUSED_OUTPUTS = ("log_probs", "entropy")
@@ -151,11 +151,9 @@ def fused_forward(model: nn.Module, call: FusedCall, *args: Any, **kwargs: Any):
         hidden = backbone_out.last_hidden_state
         labels = shift_labels
     head = model.get_output_embeddings()
-    weight = head.weight
     if getattr(head, "bias", None) is not None:
         raise RuntimeError("LM head has a bias")  # the probe declines these; reaching here means the model changed
-    if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: gather the head once, as TRL does
-        weight = weight.full_tensor()
+    weight = head_weight(head)  # FSDP2 DTensor: gathered once, as TRL does
     hidden = hidden.to(weight.device)
     labels = labels.to(weight.device)
     mask = labels != -100
@@ -234,7 +232,8 @@ def legacy_method(trainer: Any, original: Callable[..., Any], n_values: int) -> 
             with autocast:
                 out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True)
             logps.append(out.log_probs[:, -logits_to_keep:])
-            entropies.append(out.entropy[:, -logits_to_keep:])
+            if compute_entropy:  # the reference model's head computes no entropy
+                entropies.append(out.entropy[:, -logits_to_keep:])
         result = (torch.cat(logps), torch.cat(entropies) if compute_entropy else None)
         return result if n_values == 2 else (*result, None)
 

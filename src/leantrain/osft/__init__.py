@@ -113,7 +113,10 @@ class OSFT(Optimization):
             targets=cfg.osft_targets,
             progress=trainer.is_world_process_zero(),
         )
-        undo = Undo()
+        undo = ctx.undo
+        # Any optimizer that exists at unpatch time was built on the factors: drop it so a later train() builds a
+        # fresh one on the restored dense weights.
+        undo.push(lambda: setattr(trainer, "optimizer", None) or setattr(trainer, "lr_scheduler", None))
         undo.extend(conversion.undo)
         layers = list(conversion.layers.values())
         precision = check_precision(cfg.config.osft_projection_precision)  # ValueError on a bad value, at patch time
