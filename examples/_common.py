@@ -65,6 +65,23 @@ def build_model(shape: str, vocab_size: int) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).train()
 
 
+def run_args(out: Path, steps: int) -> dict[str, Any]:
+    """Trainer arguments every example shares: bf16 on CUDA, CPU otherwise, log each step, save nothing."""
+    cuda = torch.cuda.is_available()
+    return dict(
+        output_dir=str(out),
+        max_steps=steps,
+        bf16=cuda,
+        use_cpu=not cuda,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+
+
 def corpus_dataset(n: int, column: str = "text"):
     from datasets import Dataset
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from _common import build_model, corpus_dataset, patch_train_record
+from _common import build_model, corpus_dataset, patch_train_record, run_args
 from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer
 
@@ -34,23 +33,13 @@ def main() -> None:
     tokenizer = train_tokenizer()
     tokenizer.padding_side = "left"
     model = build_model(args.shape, vocab_size=len(tokenizer))
-    cuda = torch.cuda.is_available()
     config = GRPOConfig(
-        output_dir=str(args.out),
-        max_steps=args.steps,
+        **run_args(args.out, args.steps),
         per_device_train_batch_size=args.batch,
         num_generations=args.generations,
         max_completion_length=args.completion_length,
         beta=args.beta,
         learning_rate=1e-6,
-        bf16=cuda,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=not cuda,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
     )
     if args.beta:
         # TRL builds the reference model from a path when beta > 0: save the random-init model locally. Rank 0 writes

@@ -13,8 +13,7 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
-from _common import build_model, corpus_dataset, patch_train_record
+from _common import build_model, corpus_dataset, patch_train_record, run_args
 from trl import SFTConfig, SFTTrainer
 
 from leantrain.tiny import train_tokenizer
@@ -34,23 +33,13 @@ def main() -> None:
 
     tokenizer = train_tokenizer()
     model = build_model(args.shape, vocab_size=len(tokenizer))
-    cuda = torch.cuda.is_available()
     config = SFTConfig(
-        output_dir=str(args.out),
-        max_steps=args.steps,
+        **run_args(args.out, args.steps),
         per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr,
         max_length=args.seq,
-        bf16=cuda,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=not cuda,
-        disable_tqdm=True,
-        seed=0,
         gradient_checkpointing=args.gradient_checkpointing,
-        dataloader_num_workers=0,
     )
     dataset = corpus_dataset(args.steps * args.batch * args.grad_accum * int(os.environ.get("WORLD_SIZE", 1)) * 2)
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)

@@ -22,6 +22,8 @@ _FALSE = {"0", "off", "no", "false"}
 
 # Optimizations in the order they are applied: model surgery first, then forward/loss patches.
 OPTIMIZATIONS = ("moe4bit", "osft", "cggr", "grpo_logps")
+CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
+OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
 
 
 def _ratio(value: float) -> str | None:
@@ -54,9 +56,7 @@ class LeantrainConfig:
     # CGGR
     cggr_min_tokens_ratio: float = _opt(0.25, "float", "fraction of each sequence's labels kept", _ratio)
     cggr_router_layers: int = _opt(2, "int", "decoder layers that form the router", _at_least(1))
-    cggr_scoring: str = _opt(
-        "entropy", "str", "token difficulty score", _one_of("entropy", "margin", "loss", "combined", "random")
-    )
+    cggr_scoring: str = _opt("entropy", "str", "token difficulty score", _one_of(*CGGR_SCORINGS))
     cggr_warmup_steps: int = _opt(100, "int", "optimizer steps trained on all labels first", _at_least(0))
     cggr_ratio_schedule: str = _opt("constant", "str", "ratio during warmup", _one_of("constant", "linear"))
     # Fused log-probs
@@ -68,7 +68,7 @@ class LeantrainConfig:
         "fp32",
         "str",
         "projection GEMMs for fp32 factors on CUDA: fp32 (exact), tf32 (fastest, ~1e-4), tf32x3 / bf16x3 (split)",
-        _one_of("fp32", "tf32", "bf16", "tf32x3", "bf16x3"),
+        _one_of(*OSFT_PRECISIONS),
     )
     # MoE 4-bit
     moe_recompute: bool = _opt(True, "bool", "re-dequantize expert stacks in backward instead of saving them")

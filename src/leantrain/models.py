@@ -70,9 +70,14 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     return DecoderParts(base, trunk, layers, norm, head, scale, softcap)
 
 
+def text_config(config: Any) -> Any:
+    """The text part of a (possibly multimodal) config; the config itself where it has no such part."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def logit_transform(config: Any) -> tuple[float, float | None]:
     """(logit_scale, softcap) from a config: the scalings TRL's fused head knows (scale, divide, softcap)."""
-    text = getattr(config, "get_text_config", lambda: config)()
+    text = text_config(config)
     scale = 1.0
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         value = getattr(text, name, None)

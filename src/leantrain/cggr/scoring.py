@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import DecoderParts
+from ..config import CGGR_SCORINGS
+from ..models import DecoderParts, text_config
 
 
-SCORINGS = ("entropy", "margin", "loss", "combined", "random")
+SCORINGS = CGGR_SCORINGS
 _CHUNK_ELEMENTS = 1 << 25  # logits per torch-path chunk: 128 MiB of fp32 per temporary
 _VOCAB_TILE = 8192  # vocabulary width of one fused-kernel tile
 
@@ -116,7 +117,7 @@ def random_scores(shape: tuple[int, int], generator: torch.Generator, device: to
 
 def head_share(config) -> float:
     """Estimated share of the LM head in per-token forward matmul MACs (attention-score term left out)."""
-    text = getattr(config, "get_text_config", lambda: config)()
+    text = text_config(config)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None)
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
     vocab = text.vocab_size

@@ -27,7 +27,7 @@ from ..models import unwrap_model
 from .core import Conversion, convert, dense_state_dict, merge, osft_layers, plan_targets
 from .distributed import fully_shard, shard_placement_fn
 from .linear import OSFTLinear
-from .projection import Projector, check_precision, frozen_overlap
+from .projection import Projector, frozen_overlap
 from .targets import default_patterns
 
 
@@ -119,7 +119,7 @@ class OSFT(Optimization):
         undo.push(lambda: setattr(trainer, "optimizer", None) or setattr(trainer, "lr_scheduler", None))
         undo.extend(conversion.undo)
         layers = list(conversion.layers.values())
-        precision = check_precision(cfg.config.osft_projection_precision)  # ValueError on a bad value, at patch time
+        precision = cfg.config.osft_projection_precision  # validated by the config at patch time
         from .callback import OSFTCallback
 
         callback = OSFTCallback(Projector(layers, precision=precision), Projector(layers, batched=False), ctx.fallback)

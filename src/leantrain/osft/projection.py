@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import OSFT_PRECISIONS
 from .linear import OSFTLinear
 
 
@@ -99,7 +100,7 @@ def matmul_tf32(enabled: bool) -> Iterator[None]:
             matmul.fp32_precision = old
 
 
-PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
+PRECISIONS = OSFT_PRECISIONS
 
 
 def check_precision(precision: str) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ..models import text_config
 from .linear import is_conv1d
 
 
@@ -35,12 +36,12 @@ def is_target_type(module: nn.Module) -> bool:
 
 
 def is_moe(config: object) -> bool:
-    text = getattr(config, "get_text_config", lambda: config)()
+    text = text_config(config)
     return any((getattr(text, key, 0) or 0) > 0 for key in _MOE_KEYS)
 
 
 def default_patterns(config: object) -> tuple[str, ...]:
-    model_type = getattr(getattr(config, "get_text_config", lambda: config)(), "model_type", "")
+    model_type = getattr(text_config(config), "model_type", "")
     if model_type in DEFAULT_TARGETS:
         return DEFAULT_TARGETS[model_type]
     return _ATTENTION if is_moe(config) else _LLAMA_LIKE
