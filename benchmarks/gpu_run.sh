@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: install the pinned wheels carried in .whl/, then run the named
 # benchmarks (and the CUDA parity tests with "parity"). Results are tarred into $OUT/results.tgz, logs into $OUT.
-#   bash benchmarks/gpu_run.sh parity grpo_logps moe4bit
+#   bash benchmarks/gpu_run.sh parity grpo_logps moe4bit recipes=--recipe,grpo
 # The device copy has no .git: write `git rev-parse --short HEAD > .bench_commit` first and carry it with .whl.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -15,7 +15,11 @@ for job in "$@"; do
   start=$(date +%s)
   echo "=== $job"
   case $job in
-    parity) python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 30 ;;
+    parity) python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=10 --junitxml="${OUT:-/tmp/out}/gpu_parity.xml" \
+              tests 2>&1 | tee "${OUT:-/tmp/out}/parity.log" | tail -n 60 ;;
+    *=*) # name=arg1,arg2: bench_name.py arg1 arg2 (e.g. recipes=--recipe,grpo)
+       name=${job%%=*}; IFS=, read -ra args <<< "${job#*=}"
+       python3 "benchmarks/bench_$name.py" "${args[@]}" 2>&1 | tee "${OUT:-/tmp/out}/$name.log" | tail -n 60 ;;
     *) python3 "benchmarks/bench_$job.py" 2>&1 | tee "${OUT:-/tmp/out}/$job.log" | tail -n 60 ;;
   esac
   rc=${PIPESTATUS[0]}

@@ -128,6 +128,7 @@ def test_autocast_bf16_runs_in_bf16():
 def test_bf16_no_worse_than_trl(case):
     """bf16 inputs: error vs the fp64 value of the same (bf16) inputs is no worse than TRL's ChunkedLogProbFunction
     and than materialized bf16 logits + selective_log_softmax (TRL's pre-1.15 path)."""
+    pytest.importorskip("trl.kernels.chunked_logprob", reason="needs trl >= 1.15 (TRL's chunked log-prob kernel)")
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
@@ -218,3 +219,64 @@ def test_triton_kernels_in_interpreter_match_torch():
     worst = float(proc.stdout.split("WORST")[-1])
     # fp32 both ways; the kernels sum in blocks of 1024 and torch in one reduction: rounding-level differences
     assert worst <= 2e-6, worst
+
+
+# ------------------------------------------------------------------ input checks: declined before any kernel launch
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda h, w, t: (h, w, t[:-1]), "targets must be"),  # a short targets vector would be read past its end
+        (lambda h, w, t: (h, w, t.float()), "integer tensor"),
+        (lambda h, w, t: (h, w.to(torch.int8), t), "quantized LM head"),
+        (lambda h, w, t: (h, w.to("meta"), t), "one device"),
+    ],
+)
+def test_malformed_inputs_raise_before_launch(make, match):
+    from leantrain.grpo_logps._checks import UnsupportedInput
+
+    hidden, weight, targets = make(*make_inputs(n=9, v=31, h=8))
+    with pytest.raises(UnsupportedInput, match=match):
+        ops.logp_entropy(hidden, weight, targets, backend="torch")
+
+
+def test_triton_backend_declines_unsupported_inputs(monkeypatch):
+    """CPU tensors and fp64 are declined for Triton up front (a launch on them would not be a clean error)."""
+    from leantrain.grpo_logps._checks import UnsupportedInput, input_reasons
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter is the one CPU place Triton may run
+    hidden, weight, targets = make_inputs(n=9, v=31, h=8)
+    with pytest.raises(UnsupportedInput, match="runs on CUDA tensors"):
+        ops.logp_entropy(hidden, weight, targets, backend="triton")
+    reasons = input_reasons(hidden.double(), weight.double(), targets, "triton", torch.float64)
+    assert any("not torch.float64" in r for r in reasons) and any("CUDA" in r for r in reasons)
+    assert input_reasons(hidden, weight, targets, "torch", torch.float32) == []
+    assert "unknown backend" in input_reasons(hidden, weight, targets, "cuda", torch.float32)[0]
+
+
+def test_unsupported_input_falls_back_to_torch(monkeypatch):
+    """The trainer's op runner: a declined Triton call warns once and runs the torch backend, same result."""
+    from leantrain._patching import RuntimeFallback
+    from leantrain.grpo_logps import _run_op, _trl
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(ops, "default_backend", lambda device: "triton")  # as on CUDA; these tensors are on CPU
+    st = _trl.HeadSettings(0.7, ("log_probs", "entropy"), False, 1.0, None, "base_model", None)
+    hidden, weight, targets = make_inputs(n=9, v=31, h=8)
+    guard = RuntimeFallback("grpo_logps triton kernel", strict=False)
+    with pytest.warns(RuntimeWarning, match="UnsupportedInput: the Triton backend runs on CUDA"):
+        logp, entropy = _run_op(guard, 64, st, hidden, weight, targets, True, False)
+    ref = ops.logp_entropy(hidden, weight, targets, temperature=0.7, backend="torch")
+    assert torch.equal(logp, ref[0]) and torch.equal(entropy, ref[1])
+    strict = RuntimeFallback("grpo_logps triton kernel", strict=True)
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        _run_op(strict, 64, st, hidden, weight, targets, True, False)
+
+
+def test_probe_declines_unusable_head_weights():
+    from leantrain.grpo_logps._trl import weight_reasons
+
+    assert weight_reasons(torch.zeros(4, 3)) == []
+    assert "quantized head" in weight_reasons(torch.zeros(4, 3, dtype=torch.uint8))[0]
+    assert "meta device" in weight_reasons(torch.zeros(4, 3, device="meta"))[0]
+    assert "expected [vocab, hidden]" in weight_reasons(torch.zeros(4, 3, 2))[0]
+    assert "no weight tensor" in weight_reasons(None)[0]

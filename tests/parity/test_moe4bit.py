@@ -15,6 +15,13 @@ import pytest
 import torch
 import transformers
 
+from leantrain._compat import TRANSFORMERS_3D_EXPERTS, needs
+
+
+_OLDER = needs("transformers", TRANSFORMERS_3D_EXPERTS, "Qwen3MoeExperts / GptOssExperts as 3-D experts")
+if _OLDER:
+    pytest.skip(_OLDER, allow_module_level=True)
+
 
 bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as bnbf  # noqa: E402
@@ -102,7 +109,7 @@ def grouped(layout: str, module: torch.nn.Module, undo: Undo, recompute: bool = 
     plan, check = _layouts.build_plan(_layouts.Found("experts", module, layout), undo, recompute)
 
     def fn(x, idx, w):
-        check()
+        check(x, idx, w)
         return _grouped.grouped_forward(plan, x, idx, w)
 
     return fn
@@ -288,20 +295,6 @@ def test_recompute_costs_only_the_dequantize_and_backward_scatters_nothing(layou
     assert logs[True][0] == logs[False][0]
     scatters = [op for op in logs[True][0] if op[0] in ("index_put_", "_index_put_impl_", "index_add_", "index_add")]
     assert all(n < T * HIDDEN for _, n in scatters), scatters
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("layout,family", [("linear4bit", "gpt_oss"), ("stacked", "qwen3_moe")])
-def test_cuda_bf16_close_to_loop(layout, family):
-    stock = stock_experts(family, 6, torch.bfloat16).cuda()
-    module = four_bit(layout, stock, True)
-    x0, logits0 = inputs(6)
-    idx = routing(6, 2)
-    loop = run(module, x0, logits0, idx, False, torch.bfloat16, "cuda")
-    ours = run(grouped(layout, module, Undo()), x0, logits0, idx, False, torch.bfloat16, "cuda")
-    for name, a, b in zip(("output", "hidden grad", "router grad"), ours, loop):
-        assert rel_err(a, b) < BF16_REL, f"{name}: relative error {rel_err(a, b):.3g}"
 
 
 def test_dequantize_chunks_past_the_32bit_limit(monkeypatch):

@@ -11,6 +11,13 @@ import pytest
 import torch
 import transformers
 
+from leantrain._compat import TRANSFORMERS_3D_EXPERTS, needs
+
+
+_OLDER = needs("transformers", TRANSFORMERS_3D_EXPERTS, "3-D experts and set_experts_implementation")
+if _OLDER:
+    pytest.skip(_OLDER, allow_module_level=True)
+
 
 pytest.importorskip("bitsandbytes")
 

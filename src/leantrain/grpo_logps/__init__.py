@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -100,12 +101,13 @@ class GrpoLogps(Optimization):
             names.append(f"{label}.forward ({type(model).__name__})")
         if path != "fused":
             n_values = _trl.legacy_method_kind(trainer)
+            method_name = _trl.legacy_method_name(trainer)
             undo.wrap_method(
                 trainer,
-                "_get_per_token_logps_and_entropies",
+                method_name,
                 lambda original: _guarded(ctx.fallback, _trl.legacy_method(trainer, original, n_values), original),
             )
-            names.append(f"{type(trainer).__name__}._get_per_token_logps_and_entropies")
+            names.append(f"{type(trainer).__name__}.{method_name}")
         return Applied(undo, tuple(names), self._detail(trainer, path))
 
     @staticmethod
@@ -122,7 +124,7 @@ class GrpoLogps(Optimization):
             trl_utils = None
         if trl_utils is not None and hasattr(trl_utils, "add_fused_lm_head"):
             return "TRL has add_fused_lm_head but the policy's forward is not its fused head: TRL not recognised"
-        return "legacy"
+        return _trl.legacy_reason(trainer) or "legacy"
 
     @staticmethod
     def _detail(trainer: Any, path: str) -> str:
@@ -131,7 +133,7 @@ class GrpoLogps(Optimization):
             how = "TRL >= 1.15 fused LM head (add_fused_lm_head forward) wrapped"
         else:
             n = _trl.legacy_method_kind(trainer)
-            how = f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n}-tuple) replaced"
+            how = f"TRL <= 1.14 {_trl.legacy_method_name(trainer)} ({n}-tuple) replaced"
         return f"{how} on {where}; kernel: {_kernel_name()}"
 
 
@@ -186,5 +188,7 @@ def _run_op(
         )
 
     if ops.default_backend(hidden.device) == "triton":
-        return guard.call(run, lambda _backend: run("torch"), "triton")
+        # Triton launches on the current device: make it the tensors' one (models placed on cuda:1, device maps)
+        with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+            return guard.call(run, lambda _backend: run("torch"), "triton")
     return run("torch")

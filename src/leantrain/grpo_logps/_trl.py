@@ -6,9 +6,10 @@ backbone exactly as TRL does and then leantrain's op, returning TRL's ``FusedCau
 every call after a run-time failure) go to TRL's forward. The trainer keeps calling the accelerator-wrapped module, so
 DDP/FSDP gradient sync is untouched.
 
-TRL <= 1.14 (``_get_per_token_logps_and_entropies`` over full logits, returning 2 or 3 values): we install the same
-``fused_lm_head`` forward protocol on the base model ourselves and replace the trainer's method (text-only calls; any
-other call goes to the original) with one that calls the wrapped model with ``fused_lm_head=True``.
+TRL <= 1.14 (a full-logits method returning 2 or 3 values: ``_get_per_token_logps_and_entropies`` in 0.2x-1.13 and
+in RLOO, ``_full_logits_logps`` behind it in GRPO 1.14): we install the same ``fused_lm_head`` forward protocol on the
+base model ourselves and replace that method (text-only calls; any other call goes to the original) with one that
+calls the wrapped model with ``fused_lm_head=True``.
 """
 
 from __future__ import annotations
@@ -108,6 +109,21 @@ def head_reasons(model: nn.Module) -> list[str]:
         reasons.append("the LM head has a bias: leantrain's fused op has no bias term; TRL's head runs")
     if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
         reasons.append("the LM head carries a PEFT adapter: remove 'lm_head' from target_modules")
+        return reasons
+    return reasons + weight_reasons(getattr(head, "weight", None))
+
+
+def weight_reasons(weight: Any) -> list[str]:
+    """What the fused op cannot take as an LM head weight, known before any call (see ``_checks`` for per-call)."""
+    if not isinstance(weight, torch.Tensor):
+        return [f"the LM head has no weight tensor (got {type(weight).__name__}): TRL's head runs"]
+    reasons = []
+    if weight.dim() != 2:
+        reasons.append(f"the LM head weight is {weight.dim()}-D, expected [vocab, hidden]: TRL's head runs")
+    if not weight.dtype.is_floating_point:
+        reasons.append(f"the LM head weight is {weight.dtype} (a quantized head): TRL's head runs")
+    if weight.device.type == "meta":
+        reasons.append("the LM head weight is on the meta device (offloaded by a device map): TRL's head runs")
     return reasons
 
 
@@ -131,10 +147,27 @@ class FusedCall:
     entropy_grad: Callable[[], bool]
 
 
+@dataclass
+class _FusedOutput:
+    """TRL's ``FusedCausalLMOutput`` fields, for TRL <= 1.14 (which has no such class; only our method reads it)."""
+
+    loss: torch.Tensor
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    label_mask: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+
+
+def _output_class() -> Callable[..., Any]:
+    try:
+        from trl.trainer.utils import FusedCausalLMOutput
+    except ImportError:  # TRL <= 1.14
+        return _FusedOutput
+    return FusedCausalLMOutput
+
+
 def fused_forward(model: nn.Module, call: FusedCall, *args: Any, **kwargs: Any):
     """TRL's ``fused_lm_head=True`` forward with leantrain's op in place of ``ChunkedLogProbFunction``."""
-    from trl.trainer.utils import FusedCausalLMOutput
-
     st = call.settings
     kwargs.pop("fused_lm_head", None)
     labels = kwargs.pop("labels", None)
@@ -174,7 +207,8 @@ def fused_forward(model: nn.Module, call: FusedCall, *args: Any, **kwargs: Any):
     if kwargs.get("output_router_logits"):
         aux_loss = _aux_loss(st.text_config, backbone_out, kwargs.get("attention_mask"))
         loss = loss + getattr(st.text_config, "router_aux_loss_coef", 0.0) * aux_loss
-    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
+    output = _output_class()
+    return output(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
 
 
 def _aux_loss(text_config: Any, backbone_out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -190,15 +224,33 @@ def _aux_loss(text_config: Any, backbone_out: Any, attention_mask: torch.Tensor 
 _TEXT_ONLY = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
 
 
+def legacy_method_name(trainer: Any) -> str:
+    """The full-logits method to replace: GRPO 1.14 dispatches ``_get_per_token_logps_and_entropies`` (a
+    ``*args`` wrapper) to ``_full_logits_logps``; earlier TRL and RLOO compute in the method itself."""
+    return "_full_logits_logps" if hasattr(trainer, "_full_logits_logps") else "_get_per_token_logps_and_entropies"
+
+
 def legacy_method_kind(trainer: Any) -> int | str:
-    """2 or 3 (values returned by the old ``_get_per_token_logps_and_entropies``), or a reason string."""
-    method = getattr(trainer, "_get_per_token_logps_and_entropies", None)
+    """2 or 3 (values returned by the old full-logits method), or a reason string."""
+    name = legacy_method_name(trainer)
+    method = getattr(trainer, name, None)
     if method is None:
         return "the trainer has neither TRL's fused LM head nor _get_per_token_logps_and_entropies: TRL not recognised"
     params = inspect.signature(method).parameters
     if not all(n in params for n in _TEXT_ONLY[1:]):
-        return "_get_per_token_logps_and_entropies has an unknown signature: TRL version not recognised"
+        return f"{name} has an unknown signature: TRL version not recognised"
     return 3 if "compute_aux_loss" in params else 2
+
+
+def legacy_reason(trainer: Any) -> str | None:
+    """Why the TRL <= 1.14 path cannot serve this trainer, or None."""
+    if getattr(trainer, "use_liger_kernel", False):
+        return (
+            "use_liger_kernel=True: this TRL computes the GRPO loss (and in 1.14 the log-probs) with Liger's own "
+            "fused kernel, not the full-logits method leantrain replaces; set use_liger_kernel=False or upgrade "
+            "to trl >= 1.15"
+        )
+    return None
 
 
 def legacy_settings(trainer: Any, base: nn.Module) -> HeadSettings:
@@ -228,9 +280,8 @@ def legacy_method(trainer: Any, original: Callable[..., Any], n_values: int) -> 
             att = attention_mask[start : start + batch_size]
             labels = ids.masked_fill(att == 0, -100)
             labels[:, :-logits_to_keep] = -100
-            autocast = trainer.accelerator.autocast() if hasattr(trainer, "accelerator") else nullcontext()
-            with autocast:
-                out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True)
+            # No autocast of our own: the stock method runs the model in its caller's context (as TRL does)
+            out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True)
             logps.append(out.log_probs[:, -logits_to_keep:])
             if compute_entropy:  # the reference model's head computes no entropy
                 entropies.append(out.entropy[:, -logits_to_keep:])

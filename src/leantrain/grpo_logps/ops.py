@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import _checks
+
 
 # Tiles beyond these sizes make cuBLAS no faster; smaller caps keep peak memory low (TRL uses 4096 x 32768).
 MAX_TILE_ROWS = 4096
@@ -253,7 +255,7 @@ def _forward(hidden, weight, targets, cfg: OpConfig, jacobian: bool) -> _Forward
 
 def _finish_jacobians(jac_logp, jac_ent, weight, targets, valid, zy, s, s_other, e_y, mu, r, cfg, dtype) -> None:
     """Turn the accumulators into d logp/dh and d H/dh in place (0 on ignored rows)."""
-    w_y = weight[targets.clamp(min=0)].to(dtype).float()
+    w_y = weight[targets.clamp(0, weight.shape[0] - 1)].to(dtype).float()  # never an out-of-range gather on CUDA
     f_y = torch.ones_like(zy)
     if cfg.softcap is not None:  # f = 1 - tanh², tanh = z·T/cap
         f_y = 1 - (torch.nan_to_num(zy, neginf=0.0) * (cfg.temperature / cfg.softcap)) ** 2
@@ -367,4 +369,5 @@ def logp_entropy(
     backend = backend or default_backend(hidden.device)
     cfg = OpConfig(temperature, logit_scale, softcap, need_entropy, entropy_grad, tile_mib, backend)
     cfg = replace(cfg, compute_dtype=_compute_dtype(hidden, cfg))
+    _checks.check_inputs(hidden, weight, targets, backend, cfg.compute_dtype)  # before any launch
     return LogpEntropyFunction.apply(hidden, weight, targets.contiguous(), cfg)

@@ -44,6 +44,9 @@ def readiness(model: Any) -> Readiness:
 
     model = unwrap_model(model)
     found = _layouts.find_experts(model)
+    older = _transformers_reason(model, bool(found))
+    if older:
+        return Readiness.no(older)
     if not found:
         return Readiness.not_applicable(f"{type(model).__name__} has no MoE experts module")
     reason = _bnb_reason()
@@ -67,6 +70,18 @@ def readiness(model: Any) -> Readiness:
     return Readiness(detail=f"{len(quantized)} experts modules ({', '.join(layouts)}); {'; '.join(sorted(details))}")
 
 
+def _transformers_reason(model: Any, found: bool) -> str | None:
+    """On a MoE model, transformers 4.x: most experts are one module per expert there, and the experts' call
+    convention is tested on 5.x only (the parity tests need 5.x's experts classes)."""
+    from .._compat import TRANSFORMERS_3D_EXPERTS, needs
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not (found or getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)):
+        return None
+    return needs("transformers", TRANSFORMERS_3D_EXPERTS, "3-D MoE experts and their tested call convention")
+
+
 def _routing_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     """(expert ids, routing weights) from an experts forward call, positional or by any stock keyword."""
     rest = list(args)
@@ -82,8 +97,8 @@ def _patched_forward(plan, check, fallback):
 
     def make(original):
         def fast(hidden_states, *args, **kwargs):
-            check()
             indices, weights = _routing_args(args, kwargs)
+            check(hidden_states, indices, weights)  # before any kernel: a moved model takes the stock path
             return grouped_forward(plan, hidden_states, indices, weights)
 
         def forward(hidden_states, *args, **kwargs):

@@ -18,7 +18,13 @@ from torch import nn
 
 from .._patching import Undo
 from ._grouped import ExpertsPlan, Projection, clamp_swiglu, gated_act, grouped_mm
-from ._stacks import MAX_ELEMENTS_PER_CALL, NESTED_BLOCKSIZE, consolidate_linear4bit, stack_from_quant_state
+from ._stacks import (
+    MAX_ELEMENTS_PER_CALL,
+    NESTED_BLOCKSIZE,
+    consolidate_linear4bit,
+    stack_from_quant_state,
+    state_tensors,
+)
 from .quantize import BIAS_NAMES, STACK_NAMES
 
 
@@ -97,6 +103,45 @@ def is_4bit(found: Found) -> bool:
 # ---------------------------------------------------------------------------------------------------- readiness
 
 
+def device_mix_reason(tensors: dict[str, torch.Tensor]) -> str | None:
+    """A reason when the tensors a dequantize / grouped GEMM reads are not all on one device (a CUDA kernel handed a
+    foreign pointer is an illegal memory access, which no fallback survives). Smallest groups are named first."""
+    by_device: dict[str, list[str]] = {}
+    for name, t in tensors.items():
+        by_device.setdefault(str(t.device), []).append(name)
+    if len(by_device) < 2:
+        return None
+    groups = sorted(by_device.items(), key=lambda kv: len(kv[1]))
+    where = "; ".join(
+        f"{', '.join(names[:2])}{f' and {len(names) - 2} more' if len(names) > 2 else ''} on {device}"
+        for device, names in groups
+    )
+    return (
+        f"4-bit expert tensors are on different devices ({where}): move the whole model with .to() / .cuda() "
+        "(leantrain.quantize_experts_4bit stacks move their quantization state with it)"
+    )
+
+
+def _linear4bit_tensors(name: str, layer: nn.Module) -> dict[str, torch.Tensor]:
+    weight = layer.weight
+    found = {f"{name} packed data": weight}
+    found.update({f"{name} {k}": t for k, t in state_tensors(weight.quant_state).items()})
+    if layer.bias is not None:
+        found[f"{name} bias"] = layer.bias
+    return found
+
+
+def _stacked_tensors(module: nn.Module, plists: list) -> dict[str, torch.Tensor]:
+    found = {}
+    for name, plist in zip(STACK_NAMES, plists):
+        found[f"{name} packed data"] = plist.original
+        found.update({f"{name} {k}": t for k, t in state_tensors(plist[0].quant_state).items()})
+    for name in BIAS_NAMES:
+        if module._parameters.get(name) is not None:
+            found[name] = module._parameters[name]
+    return found
+
+
 def _format_reason(qs_list: list, rows_cols: tuple[int, int]) -> str | None:
     """Checks shared by both layouts on the quant states of one projection stack."""
     first = qs_list[0]
@@ -134,6 +179,13 @@ def _lists_reason(module: nn.Module, wrapped: set[int]) -> str | None:
             return "expert weights or biases require grad: the grouped path computes no expert gradients"
         if getattr(weight.quant_state, "packing_format_for_cpu", False):
             return "an expert weight was repacked by bitsandbytes for CPU inference (eval without grad on CPU)"
+    tensors = {}
+    for lists in ("gate_up_projs", "down_projs"):
+        for e, layer in enumerate(getattr(module, lists)):
+            tensors.update(_linear4bit_tensors(f"{lists}.{e}", layer))
+    reason = device_mix_reason(tensors)
+    if reason:
+        return reason
     for layers in (ups, downs):
         states = [layer.weight.quant_state for layer in layers]
         first = states[0]
@@ -175,9 +227,12 @@ def _stacked_reason(module: nn.Module, wrapped: set[int]) -> str | None:
         return "expert-parallel experts are not supported"
     if not callable(getattr(module, "_apply_gate", None)) and not callable(getattr(module, "act_fn", None)):
         return "unknown expert activation (no _apply_gate or act_fn)"
+    reason = device_mix_reason(_stacked_tensors(module, plists))
+    if reason:
+        return reason
     states = [p[0].quant_state for p in plists]
-    if len({qs.dtype for qs in states}) > 1 or len({p.original.device for p in plists}) > 1:
-        return "gate_up and down stacks differ in dtype or device"
+    if len({qs.dtype for qs in states}) > 1:
+        return "gate_up and down stacks dequantize to different dtypes"
     for qs in states:
         if len(qs.shape) != 3:
             return f"a packed expert stack has shape {tuple(qs.shape)}, not [E, rows, cols]"
@@ -196,31 +251,47 @@ def _stacked_reason(module: nn.Module, wrapped: set[int]) -> str | None:
 _CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str | None]] = weakref.WeakKeyDictionary()
 
 
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """Host-side identity of a tensor's storage: object, pointer, device, dtype, grad flag (attribute reads only:
+    no device sync). No in-place version: DDP's start-up broadcast rewrites frozen parameters in place."""
+    return None if t is None else (id(t), t.data_ptr(), t.device, t.dtype, t.requires_grad)
+
+
+def _state_key(qs) -> tuple | None:
+    """A quantization state's identity, with the in-place versions of its tensors (not parameters, so no framework
+    rewrites them; an in-place ``load_state_dict`` does, and a plan may hold padded copies of them)."""
+    if qs is None:
+        return None
+    tensors = state_tensors(qs).values()
+    versions = tuple(-1 if t.is_inference() else t._version for t in tensors)  # inference tensors have no counter
+    return (id(qs), qs.dtype, getattr(qs, "packing_format_for_cpu", False), versions) + tuple(
+        tensor_key(t) for t in tensors
+    )
+
+
 def _signature(found: Found, wrapped: set[int]) -> tuple:
-    """Cheap identity of what the readiness check looked at (modules, tensors, states, grad flags)."""
+    """Cheap identity of what the readiness check looked at (modules, tensors with their devices, states, grads)."""
     module = found.module
     if found.layout == "stacked":
         parts = [id(module) in wrapped, getattr(module, "_is_expert_parallel", False)]
         for name in STACK_NAMES:
             plist = _bnb_parametrization(module, name)
-            parts.append(None if plist is None else (id(plist.original), plist.original.requires_grad, id(plist[0])))
-        for name in BIAS_NAMES:
-            bias = module._parameters.get(name)
-            parts.append(None if bias is None else (id(bias), bias.requires_grad))
+            parts.append(
+                None if plist is None else (tensor_key(plist.original), id(plist[0]), _state_key(plist[0].quant_state))
+            )
+        parts += [tensor_key(module._parameters.get(name)) for name in BIAS_NAMES]
         return tuple(parts)
     parts = []
     for layer in list(module.gate_up_projs) + list(module.down_projs):
         weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
-        qs = getattr(weight, "quant_state", None)
         parts.append(
             (
                 id(layer),
                 id(layer) in wrapped,
-                id(weight),
-                getattr(weight, "requires_grad", None),
-                id(qs),
-                getattr(qs, "packing_format_for_cpu", False),
-                None if bias is None else bias.requires_grad,
+                tensor_key(weight) if isinstance(weight, torch.Tensor) else id(weight),
+                _state_key(getattr(weight, "quant_state", None)),
+                tensor_key(bias) if isinstance(bias, torch.Tensor) else id(bias),
+                getattr(layer, "compute_dtype", None),
             )
         )
     return tuple(parts)
@@ -282,8 +353,46 @@ def compute_dtype(found: Found) -> tuple[torch.device, torch.dtype]:
 # --------------------------------------------------------------------------------------------------------- plans
 
 
-def build_plan(found: Found, undo: Undo, recompute: bool) -> tuple[ExpertsPlan, Callable[[], None]]:
-    """The plan for one ready module plus a cheap per-call check that the module was not changed under it."""
+Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _plan_device(plan: ExpertsPlan) -> torch.device:
+    """The one device of every tensor the plan's kernels read (the probe declined device mixes; this re-asserts it
+    before any kernel can see a foreign pointer)."""
+    tensors = {}
+    for label, proj in (("gate_up", plan.gate_up), ("down", plan.down)):
+        tensors.update({f"{label} stack tensor {i}": t for i, t in enumerate(proj.stack.tensors())})
+        if proj.bias is not None:
+            tensors[f"{label} bias"] = proj.bias
+    reason = device_mix_reason(tensors)
+    if reason:
+        raise RuntimeError(reason)
+    return plan.gate_up.stack.data.device
+
+
+def _make_check(plan: ExpertsPlan, snapshot: Callable[[], tuple], frozen: Callable[[], bool], what: str) -> Check:
+    """The per-call guard run before any kernel: the module still holds exactly the tensors the plan was built from
+    (same objects, pointers, devices, dtypes, versions) and the inputs are on the plan's device. Host-side
+    attribute reads only (no device sync)."""
+    device, base = _plan_device(plan), snapshot()
+
+    def check(hidden_states: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> None:
+        if snapshot() != base:
+            if not frozen():
+                raise RuntimeError(f"{what} were unfrozen after patching")
+            raise RuntimeError(f"{what} were moved, cast, reloaded or replaced after patching")
+        if hidden_states.device != device or indices.device != device or weights.device != device:
+            raise RuntimeError(
+                f"experts inputs on {hidden_states.device} / {indices.device} / {weights.device}, experts on {device}"
+            )
+
+    return check
+
+
+def build_plan(found: Found, undo: Undo, recompute: bool) -> tuple[ExpertsPlan, Check]:
+    """The plan for one ready module plus a cheap per-call check that the module was not changed under it and that
+    the inputs are on its device: a moved model takes the stock path (run-time fallback), never a kernel with
+    mixed devices."""
     module = found.module
     if found.layout == "stacked":
         return _stacked_plan(module, recompute)
@@ -302,15 +411,22 @@ def build_plan(found: Found, undo: Undo, recompute: bool) -> tuple[ExpertsPlan, 
     plan = ExpertsPlan(
         len(ups), ups[0].in_features, projection(ups, stacks[0]), projection(downs, stacks[1]), gate, True, recompute
     )
-    first = (ups[0].weight, downs[0].weight)
+    sampled = [module.gate_up_projs, module.down_projs]  # the first and last expert of each list (a module move
+    # moves them all; watching every expert would cost O(E) attribute reads per call)
 
-    def check() -> None:
-        if any(w.data.data_ptr() != s.data.data_ptr() for w, s in zip(first, stacks)):
-            raise RuntimeError("expert weights were moved or replaced after patching")
-        if any(w.requires_grad for w in first):
-            raise RuntimeError("expert weights were unfrozen after patching")
+    def snapshot() -> tuple:
+        parts = []
+        for layers in sampled:
+            for layer in (layers[0], layers[-1]):
+                weight = layer.weight
+                parts += [id(layer), tensor_key(weight), _state_key(weight.quant_state), layer.compute_dtype]
+                parts.append(tensor_key(layer.bias))
+        return tuple(parts)
 
-    return plan, check
+    def frozen() -> bool:
+        return not any(layer.weight.requires_grad for layers in sampled for layer in (layers[0], layers[-1]))
+
+    return plan, _make_check(plan, snapshot, frozen, "expert weights")
 
 
 def _clone_shared_on_save(module: nn.Module, stacks: list, undo: Undo) -> None:
@@ -355,13 +471,15 @@ def _stacked_plan(module: nn.Module, recompute: bool) -> tuple[ExpertsPlan, Call
         gate = clamp_swiglu(float(module.alpha), float(module.limit))
     experts, a, b = (int(s) for s in states[0].shape)
     plan = ExpertsPlan(experts, a if in_major else b, projections[0], projections[1], gate, False, recompute)
-    originals = [(p.original, p.original.data_ptr()) for p in plists]
 
-    def check() -> None:
-        for plist, (param, ptr) in zip(plists, originals):
-            if plist.original is not param or param.data_ptr() != ptr:
-                raise RuntimeError("packed expert stacks were moved or replaced after patching")
-            if param.requires_grad:
-                raise RuntimeError("packed expert stacks were unfrozen after patching")
+    def snapshot() -> tuple:
+        parts: list = [id(module.parametrizations)]
+        for name in STACK_NAMES:
+            plist = module.parametrizations[name]
+            parts += [id(plist), id(plist[0]), tensor_key(plist.original), _state_key(plist[0].quant_state)]
+        return tuple(parts) + tuple(tensor_key(module._parameters.get(name)) for name in BIAS_NAMES)
 
-    return plan, check
+    def frozen() -> bool:
+        return not any(module.parametrizations[name].original.requires_grad for name in STACK_NAMES)
+
+    return plan, _make_check(plan, snapshot, frozen, "packed expert stacks")

@@ -20,6 +20,14 @@ MAX_ELEMENTS_PER_CALL = 2**31 - 1
 NESTED_BLOCKSIZE = 256  # bitsandbytes' double quantization always uses 256-element absmax blocks
 
 
+def state_tensors(qs) -> dict[str, torch.Tensor]:
+    """Every tensor of a bitsandbytes ``QuantState`` by name: absmax, code; nested: offset, nested absmax and code."""
+    found = {"absmax": qs.absmax, "code": qs.code}
+    if qs.nested:
+        found.update(offset=qs.offset, nested_absmax=qs.state2.absmax, nested_code=qs.state2.code)
+    return {name: t for name, t in found.items() if isinstance(t, torch.Tensor)}
+
+
 @dataclass
 class NestedAbsmax:
     """Double-quantized absmax of a stack: uint8 codes ``[G, nb_pad]`` (each group padded to whole 256-blocks),
@@ -55,6 +63,13 @@ class PackedStack:
     def numel(self) -> int:
         e, r, c = self.shape
         return e * r * c
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a dequantize reads (all on one device, or a kernel reads foreign pointers)."""
+        if self.nested is None:
+            return [self.data, self.absmax]
+        n = self.nested
+        return [self.data, n.codes, n.absmax2, n.code, n.offsets]
 
     def absmax_fp32(self) -> torch.Tensor:
         return self.nested.decode() if self.nested is not None else self.absmax

@@ -4,7 +4,8 @@
 models (gpt-oss, Qwen3-MoE, Mixtral, OLMoE, ...) stay in bf16 and dominate the memory of a 4-bit fine-tune. This
 quantizes each stack with bitsandbytes' own parametrization (``bitsandbytes.nn.parametrize``): the stock experts
 forward keeps working (the stack is dequantized on access), and leantrain's grouped 4-bit path uses the packed
-bytes directly.
+bytes directly. The quantization state follows the module through ``.to()`` / ``.cuda()`` / dtype changes and
+``state_dict`` -> ``load_state_dict`` (see ``_qstate``), which bitsandbytes' own parametrization does not do.
 """
 
 from __future__ import annotations
@@ -83,11 +84,18 @@ def quantize_experts_4bit(
     """Quantize every stock 3-D experts stack of ``model`` in place to one packed 4-bit stack (frozen, with its
     ``QuantState``) and freeze the expert biases. Returns (and logs) the memory of the stacks before and after.
 
+    Quantizing before or after moving the model to its device gives the same model: the quantization state moves
+    with ``.to(device)`` / ``.cuda()``, and ``.to(dtype)`` changes the dtype the stacks dequantize to (never the
+    packed bytes or the fp32 absmax). ``model.state_dict()`` holds bitsandbytes' serialized form, which
+    ``load_state_dict`` reads back into a model quantized with the same settings.
+
     Raises ValueError for a bad ``quant_type`` / ``blocksize``, a model without stock 3-D experts, or a stack whose
     element count is not a multiple of ``blocksize`` or exceeds bitsandbytes' 32-bit element count.
     """
     import bitsandbytes as bnb  # noqa: F401  (a clear ImportError before touching the model)
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    from . import _qstate
 
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
@@ -95,8 +103,12 @@ def quantize_experts_4bit(
         raise ValueError(f"blocksize must be a power of two in [32, 4096], got {blocksize!r}")
     targets = stock_experts(model)
     if not targets:
+        from .._compat import TRANSFORMERS_3D_EXPERTS, needs
+
+        older = needs("transformers", TRANSFORMERS_3D_EXPERTS, "3-D MoE experts")
         raise ValueError(
             f"{type(model).__name__} has no MoE experts with 3-D gate_up_proj/down_proj parameters to quantize"
+            + (f" ({older})" if older else "")
         )
     for name, module in targets:  # validate everything before changing anything
         for stack in STACK_NAMES:
@@ -112,6 +124,8 @@ def quantize_experts_4bit(
             replace_parameter_4bit(
                 module, stack, compress_statistics=compress_statistics, quant_type=quant_type, blocksize=blocksize
             )
+            _qstate.install(module, stack)
+        module.register_load_state_dict_pre_hook(_qstate.load_pre_hook)
         for bias in BIAS_NAMES:
             param = module._parameters.get(bias)
             if param is not None:
