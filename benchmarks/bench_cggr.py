@@ -1,7 +1,8 @@
 """CGGR benchmark: TRL SFTTrainer training steps (forward + backward through ``trainer.training_step``, with the
 trainer's own ``get_batch_samples`` counting) on random-init models built from config, seq 2048, batch 8, bf16.
 
-Variants per shape: stock; leantrain CGGR (entropy) at ratio 0.25 and 0.5; the random-selection control through the
+Variants per shape: stock; leantrain CGGR (entropy) at ratio 0.25 and 0.5 (router after layer 2, and at 0.25 also on
+the final hidden state, ``cggr-entropy-top``); the random-selection control through the
 same machinery (``cggr_scoring="random"``: same kept count, no scoring); and the no-scoring bound (stock trainer on
 labels masked at random beforehand). Reports median step time (p20/p80), tokens/s, peak memory and CGGR's scoring
 time. Then a short quality run: each variant trains the same small model from scratch on ``leantrain.tiny``'s corpus
@@ -174,15 +175,17 @@ def speed(args, rows: list[Row], table: list[list]) -> None:
         batches = random_batches(fields["vocab_size"], batch, seq, device)
         tokens = batch * seq
         common = dict(shape=name, seq=seq, batch=batch, dtype=str(dtype), gradient_checkpointing=not args.smoke)
-        variants = [("stock", None, None)]
+        variants = [("stock", None, None, 2)]
         for ratio in ratios:
             variants += [
-                ("cggr-entropy", ratio, "entropy"),
-                ("random-select", ratio, "random"),
-                ("bound", ratio, None),
+                ("cggr-entropy", ratio, "entropy", 2),
+                ("random-select", ratio, "random", 2),
+                ("bound", ratio, None, 2),
             ]
+        # Router depth: the hook rides the one forward, so scoring the final hidden state should cost the same
+        variants.insert(2, ("cggr-entropy-top", ratios[0], "entropy", -1))
         base_ms = None
-        for provider, ratio, scoring in variants:
+        for provider, ratio, scoring, layers in variants:
             run_batches = batches
             runtime = None
             if scoring is not None:
@@ -191,6 +194,7 @@ def speed(args, rows: list[Row], table: list[list]) -> None:
                     cggr=True,
                     cggr_min_tokens_ratio=ratio,
                     cggr_scoring=scoring,
+                    cggr_router_layers=layers,
                     cggr_warmup_steps=0,
                     **OFF,
                 )
@@ -205,7 +209,7 @@ def speed(args, rows: list[Row], table: list[list]) -> None:
                 leantrain.unpatch_trainer(trainer)
             label = provider if ratio is None else f"{provider}@{ratio}"
             base_ms = t.p50 if provider == "stock" else base_ms
-            cfg = {**common, "ratio": ratio, "scoring": scoring}
+            cfg = {**common, "ratio": ratio, "scoring": scoring, "router_layers": layers}
             rows.append(Row.timing("cggr", provider, "train_step", "shape", f"{name} r={ratio}", t, **cfg))
             rows.append(
                 Row("cggr", provider, "train_step", "memory", "GiB", "shape", f"{name} r={ratio}", mem, config=cfg)

@@ -23,7 +23,9 @@ run() {
 want() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
 ONLY="$*"
 for engine in ddp fsdp2; do
-  want "sft_$engine" && run "sft_$engine" launch $engine examples/train_sft.py --shape qwen2.5-0.5b --steps 20 \
+  # CGGR is opt-in (it changes which tokens train): the SFT run asks for it.
+  want "sft_$engine" && run "sft_$engine" env LEANTRAIN_CGGR=1 python3 -m accelerate.commands.launch \
+      --config_file "examples/accelerate/$engine.yaml" examples/train_sft.py --shape qwen2.5-0.5b --steps 20 \
       --batch 8 --seq 1024 --out "$BENCH_RESULTS/sft_$engine"
   want "sft_osft_$engine" && run "sft_osft_$engine" env LEANTRAIN_OSFT=1 LEANTRAIN_CGGR=0 python3 -m \
       accelerate.commands.launch --config_file "examples/accelerate/$engine.yaml" examples/train_sft.py \

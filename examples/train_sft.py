@@ -1,6 +1,7 @@
 """SFT with leantrain under any launcher: `python`, `torchrun` or `accelerate launch` (DDP / FSDP2).
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train_sft.py --shape qwen2.5-0.5b
+    LEANTRAIN_CGGR=1 python examples/train_sft.py    # CGGR is opt-in: it changes which tokens train
 
 Builds a random-init model of a named shape (or a tiny one), the local BPE tokenizer and the embedded corpus (no hub),
 patches the trainer, trains, and writes per-rank step time and peak memory to ``--out``/sft_rank<r>.json. The patch

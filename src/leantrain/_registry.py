@@ -61,6 +61,7 @@ class Optimization:
     trainer_kinds: ClassVar[tuple[str, ...]] = TRAINER_KINDS
     implemented: ClassVar[bool] = True
     removes_metrics: ClassVar[tuple[str, ...]] = ()
+    off_by_default_why: ClassVar[str] = ""  # why an opt-in optimization is off unless asked for (the report says)
 
     def check_environment(self) -> tuple[str, ...]:
         """Reasons this machine cannot run the optimization at all (missing package, no device); used by `env`."""

@@ -34,6 +34,11 @@ def _at_least(low: int) -> Callable[[int], str | None]:
     return lambda value: None if value >= low else f"must be >= {low}, got {value!r}"
 
 
+def _nonzero(value: int) -> str | None:
+    # The range depends on the model's layer count: checked at patch_trainer time (cggr.resolve_router_layer).
+    return None if value != 0 else "must be a layer: N >= 1 (after decoder layer N) or negative from the top, got 0"
+
+
 def _one_of(*choices: str) -> Callable[[str], str | None]:
     return lambda value: None if value in choices else f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
 
@@ -47,7 +52,9 @@ class LeantrainConfig:
     """Every leantrain option. ``kind`` drives env parsing: tristate (auto/1/0), bool, int, float, str, names."""
 
     # Toggles: None = auto (apply if the probe passes), True = required, False = off.
-    cggr: bool | None = _opt(None, "tristate", "CGGR label masking through a truncated router (SFT, Trainer)")
+    cggr: bool | None = _opt(
+        False, "tristate", "CGGR: labels kept on the hardest tokens only (changes which tokens train: opt-in)"
+    )
     grpo_logps: bool | None = _opt(None, "tristate", "fused GRPO/RLOO log-probs and entropies, no [B,T,V] logits")
     osft: bool | None = _opt(False, "tristate", "orthogonal subspace fine-tuning (changes the model: opt-in)")
     moe4bit: bool | None = _opt(None, "tristate", "grouped 4-bit MoE experts instead of the per-expert loop")
@@ -55,7 +62,12 @@ class LeantrainConfig:
     strict: bool = _opt(False, "bool", "turn every fallback (probe or runtime) into an error")
     # CGGR
     cggr_min_tokens_ratio: float = _opt(0.25, "float", "fraction of each sequence's labels kept", _ratio)
-    cggr_router_layers: int = _opt(2, "int", "decoder layers that form the router", _at_least(1))
+    cggr_router_layers: int = _opt(
+        2,
+        "int",
+        "router depth: scores after decoder layer N; negative from the top, -1 = final hidden state",
+        _nonzero,
+    )
     cggr_scoring: str = _opt("entropy", "str", "token difficulty score", _one_of(*CGGR_SCORINGS))
     cggr_warmup_steps: int = _opt(100, "int", "optimizer steps trained on all labels first", _at_least(0))
     cggr_ratio_schedule: str = _opt("constant", "str", "ratio during warmup", _one_of("constant", "linear"))

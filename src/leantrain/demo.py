@@ -156,8 +156,8 @@ def _run(args: argparse.Namespace, out: Path, patched: bool) -> RunResult:
     trainer.add_callback(_Progress(f"{name:>9}"))
     result = RunResult(name)
     if patched:
-        # The demo asks for the trainer's optimization explicitly: in auto mode CGGR declines on CPU, where TRL's
-        # fused head scores every row anyway (no LM-head saving), and the demo is there to show it at work.
+        # The demo asks for the trainer's optimization explicitly: CGGR is opt-in (it changes which tokens train),
+        # and the demo is there to show it at work (on CPU TRL's fused head scores every row: no LM-head saving).
         options: dict[str, Any] = {"grpo_logps": True}
         if args.trainer == "sft":
             options = dict(cggr=True, cggr_warmup_steps=max(1, args.steps // 4), cggr_min_tokens_ratio=0.5)

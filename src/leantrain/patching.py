@@ -61,7 +61,8 @@ def _decide(
     if cfg.config.disable and wanted is not True:
         return Status.DISABLED, cfg.sources["disable"], ("LEANTRAIN_DISABLE / disable=True",), None
     if wanted is False:
-        return Status.DISABLED, source, ("turned off" if source != "default" else "off by default; pass True",), None
+        why = f"off by default: {opt.off_by_default_why}" if opt.off_by_default_why else "off by default"
+        return Status.DISABLED, source, ("turned off" if source != "default" else f"{why}; pass True",), None
     if not opt.implemented:
         return Status.SKIPPED, source, ("not available in this version",), None
     if kind not in opt.trainer_kinds:
@@ -133,6 +134,10 @@ def patch_trainer(
             state.report = state.report.with_outcome(
                 PatchOutcome(opt.name, Status.APPLIED, source, (), applied.targets, applied.detail)
             )
+        # Kept with the run: the report in log_history at train start, leantrain.json beside saved weights.
+        from . import _record  # lazy: transformers' callback stack is heavy to import
+
+        _record.install(trainer, cfg, lambda: current_report(trainer), undo)
     except BaseException:
         undo()
         trainer.__dict__.pop(_STATE_ATTR, None)

@@ -3,6 +3,8 @@ stock steps on hand-masked labels (plain Trainer and TRL SFTTrainer), gradient a
 gradient checkpointing, fallbacks and undo."""
 
 import copy
+import dataclasses
+import math
 import warnings
 
 import pytest
@@ -62,12 +64,17 @@ def trainer_for(model, tmp_path, kind="trainer", **args):
 
 
 def reference_masked(model, batch, ratio, scoring="entropy", layers=2):
-    """Labels masked by hand from the full model's hidden_states[layers] (no hook involved)."""
+    """Labels masked by hand from the full model's hidden_states[k] (no hook involved); ``layers`` as the option
+    (negative from the top). transformers' last hidden state already went through the final norm (checked bitwise
+    for every tiny family), so at the top the reference scores it without a second norm."""
     parts = decoder_parts(model)
+    k = layers if layers > 0 else parts.num_layers + 1 + layers
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    if k == parts.num_layers:
+        parts = dataclasses.replace(parts, final_norm=None)
     targets = batch["labels"][:, 1:]
-    scores = cggr_scoring.score_tokens(parts, out.hidden_states[layers], targets, scoring)
+    scores = cggr_scoring.score_tokens(parts, out.hidden_states[k], targets, scoring)
     keep = select_topk(scores, targets != -100, None, ratio)
     labels = batch["labels"].clone()
     labels[:, 1:][~keep] = -100
@@ -128,6 +135,40 @@ def test_router_scores_equal_full_model_hidden_states(family, tmp_path, monkeypa
     assert torch.isfinite(losses[0])
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize(("layers", "scoring"), [(3, "entropy"), (-3, "margin"), (-1, "loss"), (4, "combined")])
+def test_router_depth_scores_equal_full_model_hidden_states(family, layers, scoring, tmp_path, monkeypatch):
+    """Any depth: N after layer N, -k from the top, -1 (and N = layer count) the final hidden state."""
+    seen = capture_scores(monkeypatch)
+    patched, stock, report = patched_pair(tmp_path, family, cggr_router_layers=layers, cggr_scoring=scoring)
+    k = layers if layers > 0 else 5 + layers
+    assert f"layer {k} of 4" in report["cggr"].detail
+    assert ("final hidden state" in report["cggr"].detail) == (k == 4)
+    batch = make_batch()
+    _, ref_scores = reference_masked(stock.model.train(), batch, 0.5, scoring, layers)
+    step(patched, [batch])
+    assert torch.equal(seen[0], ref_scores)
+
+
+def test_final_hidden_state_loss_scoring_is_the_models_own_token_loss(tmp_path, monkeypatch):
+    """Router depth -1 with ``loss``: hard-token mining on the model's own per-token cross-entropy."""
+    seen = capture_scores(monkeypatch)
+    patched, stock, _ = patched_pair(tmp_path, "gemma2", cggr_router_layers=-1, cggr_scoring="loss")
+    batch = make_batch()
+    with torch.no_grad():
+        logits = stock.model.train()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    valid = targets != -100
+    want = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none"
+    )
+    step(patched, [batch])
+    # Same logits up to the head GEMM's row blocking (all rows vs valid rows) and the order of the fp32
+    # log-sum-exp: a few ulps of values ~log(V) = 6.2 plus the softcapped logits (<= 30).
+    tol = 64 * torch.finfo(torch.float32).eps * (math.log(VOCAB) + 30.0)
+    torch.testing.assert_close(seen[0][valid], want[valid], rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("scoring", ["margin", "loss", "combined"])
 def test_other_scorings_equal_full_model_hidden_states(scoring, tmp_path, monkeypatch):
     seen = capture_scores(monkeypatch)
@@ -174,12 +215,73 @@ def test_scores_match_full_logits_reference(scoring):
     torch.testing.assert_close(got[valid], want[scoring][valid], rtol=tol, atol=tol)
 
 
+def previous_scores(parts, hidden, targets, scoring):
+    """The scorer before valid-only scoring (kept here as the reference): every position, TRL's chunked log-prob
+    kernel for entropy/loss, full-vocabulary torch chunks for margin/combined."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    rows, width = targets.shape
+    valid = targets != -100
+    flat = hidden[:, :width].reshape(rows * width, -1)
+    flat_targets = targets.clamp(min=0).reshape(-1)
+    if scoring in ("entropy", "loss"):
+        head = parts.lm_head
+        args = (head.weight, head.bias, flat_targets, 1.0, 8192, parts.softcap, parts.logit_scale)
+        outputs = ("entropy",) if scoring == "entropy" else ()
+        log_probs, entropy, *_ = ChunkedLogProbFunction.apply(parts.final_norm(flat), *args, outputs)
+        return (entropy if scoring == "entropy" else -log_probs).view(rows, width).float()
+    out = cggr_scoring._chunk_scores(parts, flat, flat_targets, scoring).view(rows, width, -1)
+    if scoring == "margin":
+        return out.view(rows, width)
+    return cggr_scoring._zscore(out[..., 0], valid) - cggr_scoring._zscore(out[..., 1], valid)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("scoring", ["entropy", "margin", "loss", "combined"])
+def test_valid_only_scoring_equals_previous_scoring(family, scoring):
+    """Scores of valid positions only, through grpo_logps' fused kernel (entropy/loss), against the previous
+    all-positions scorer: same values within fp32 rounding, and the same kept labels where scores are not tied."""
+    model = tiny(family, 3, vocab_size=1000)
+    parts = decoder_parts(model)
+    with torch.no_grad():
+        parts.lm_head.weight.mul_(20)  # peaky distributions, so margins and entropies spread out
+    batch = make_batch(rows=5, width=23, seed=3, vocab=1000)
+    with torch.no_grad():
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+        hidden = hidden.hidden_states[2]
+        zmax = parts.lm_head(parts.final_norm(hidden)).abs().max().item()
+    targets = batch["labels"][:, 1:]
+    valid = targets != -100
+    old = previous_scores(parts, hidden, targets, scoring)
+    new = cggr_scoring.score_tokens(parts, hidden, targets, scoring, n_valid=int(valid.sum()))
+    assert torch.equal(new[~valid], torch.zeros_like(new[~valid]))  # padding / prompt: never scored
+    # Both are fp32 statistics of the same logits: the GEMMs differ in row blocking (a few ulps of |z| <= zmax) and
+    # the log-sum-exp / entropy reductions in order over V terms (a few ulps of log V each).
+    eps = torch.finfo(torch.float32).eps
+    tol = 16 * eps * (math.log(1000) + min(zmax, parts.softcap or zmax))
+    if scoring == "combined":  # z-scores divide by each row's std of entropy and of margin
+        with torch.no_grad():
+            raw = cggr_scoring.score_rows(
+                parts, hidden[:, :-1].reshape(-1, 64), targets.clamp(min=0).reshape(-1), scoring
+            )
+        raw = raw.view(*targets.shape, 2)
+        tol = 2 * tol / min(raw[b][valid[b]].std(0).min().item() for b in range(5) if valid[b].sum() > 1)
+    torch.testing.assert_close(new[valid], old[valid], rtol=0, atol=tol)
+    # Untied rows: the gap between consecutive valid scores exceeds twice the tolerance, so selection must agree
+    untied = [b for b in range(targets.shape[0]) if old[b][valid[b]].sort().values.diff().min() > 2 * tol]
+    assert len(untied) >= 4  # the case is built so that the comparison below has rows to compare
+    for ratio in (0.25, 0.5):
+        keep_old = select_topk(old[untied], valid[untied], None, ratio)
+        keep_new = select_topk(new[untied], valid[untied], None, ratio)
+        assert torch.equal(keep_old, keep_new)
+
+
 def test_alignment_score_at_t_selects_label_t_plus_1(tmp_path, monkeypatch):
     patched, _, _ = patched_pair(tmp_path, ratio=0.01)
     batch = make_batch(rows=1, width=10)
     batch["labels"] = batch["input_ids"].clone()
 
-    def fake_scores(parts, hidden, targets, scoring, chunk_tokens=None):
+    def fake_scores(parts, hidden, targets, scoring, **kwargs):
         scores = torch.zeros(targets.shape)
         scores[0, 4] = 1.0  # hidden position 4 predicts token 5
         return scores
@@ -365,7 +467,8 @@ def test_eval_never_masked(kind, tmp_path):
         {"cggr_min_tokens_ratio": 1.5},
         {"cggr_scoring": "hardest"},
         {"cggr_router_layers": 0},
-        {"cggr_router_layers": 4},  # == layer count
+        {"cggr_router_layers": 5},  # the model has 4 layers
+        {"cggr_router_layers": -5},
         {"cggr_ratio_schedule": "cosine"},
         {"cggr_warmup_steps": -1},
     ],
@@ -377,23 +480,46 @@ def test_bad_inputs_raise_value_error(opts, tmp_path):
     assert "compute_loss" not in trainer.__dict__
 
 
+@pytest.mark.parametrize("layers", [5, -5])
+def test_router_depth_out_of_range_names_the_layer_count(layers, tmp_path):
+    with pytest.raises(ValueError, match=f"cggr_router_layers={layers} is outside this model's 4 decoder layers"):
+        leantrain.patch_trainer(trainer_for(tiny(), tmp_path), cggr=True, cggr_router_layers=layers, **OFF)
+    with pytest.raises(ValueError, match="must be a layer"):
+        leantrain.patch_trainer(trainer_for(tiny(), tmp_path / "z"), cggr=True, cggr_router_layers=0, **OFF)
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_off_by_default_and_says_why(kind, tmp_path):
+    """patch_trainer with no arguments keeps the training math: CGGR is opt-in, and the report says so."""
+    trainer = trainer_for(tiny(vocab_size=2048), tmp_path, kind)
+    report = leantrain.patch_trainer(trainer, environ={})
+    outcome = report["cggr"]
+    assert outcome.status is Status.DISABLED and outcome.source == "default"
+    assert outcome.reasons == ("off by default: changes which tokens train; pass True",)
+    assert "off by default: changes which tokens train; pass True" in str(report)
+    assert "compute_loss" not in trainer.__dict__ and not hasattr(trainer, "_leantrain_cggr")
+    env = leantrain.patch_trainer(trainer_for(tiny(), tmp_path / "env", kind), environ={"LEANTRAIN_CGGR": "1"})
+    assert env["cggr"].status is Status.APPLIED and env["cggr"].source == "env"
+
+
 def test_probe_decisions(tmp_path):
+    auto = {"environ": {"LEANTRAIN_CGGR": "auto"}}  # auto is reachable through the environment only
     # small LM head (vocab 64 vs hidden 64 x 4 layers): auto declines with the share, True applies anyway
     small_head = tiny(vocab_size=64)
-    report = leantrain.patch_trainer(trainer_for(small_head, tmp_path / "a"), **OFF)
+    report = leantrain.patch_trainer(trainer_for(small_head, tmp_path / "a"), **OFF, **auto)
     assert report["cggr"].status is Status.SKIPPED and "of per-token matmul work" in report["cggr"].reasons[0]
     report = leantrain.patch_trainer(trainer_for(small_head, tmp_path / "b"), cggr=True, **OFF)
     assert report["cggr"].status is Status.APPLIED
     # large head, plain Trainer: the kept-row loss path saves head work, auto applies
     big_head = tiny(vocab_size=2048)
-    report = leantrain.patch_trainer(trainer_for(big_head, tmp_path / "c"), **OFF)
+    report = leantrain.patch_trainer(trainer_for(big_head, tmp_path / "c"), **OFF, **auto)
     assert report["cggr"].status is Status.APPLIED and "kept rows only" in report["cggr"].detail
     # SFT on CPU: TRL's fused head scores every row, so masking saves nothing: auto declines and says why
-    report = leantrain.patch_trainer(trainer_for(copy.deepcopy(big_head), tmp_path / "d", "sft"), **OFF)
+    report = leantrain.patch_trainer(trainer_for(copy.deepcopy(big_head), tmp_path / "d", "sft"), **OFF, **auto)
     assert report["cggr"].status is Status.SKIPPED and "does not skip masked labels" in report["cggr"].reasons[0]
-    # default router_layers (2) on a 2-layer model: auto declines instead of raising
-    two = tiny(layers=2)
-    report = leantrain.patch_trainer(trainer_for(two, tmp_path / "e"), **OFF)
+    # default router_layers (2) on a 1-layer model: auto declines instead of raising
+    one = tiny(layers=1)
+    report = leantrain.patch_trainer(trainer_for(one, tmp_path / "e"), **OFF, **auto)
     assert report["cggr"].status is Status.SKIPPED and "cggr_router_layers" in report["cggr"].reasons[0]
     # label smoothing needs full logits: reported as the loss path
     report = leantrain.patch_trainer(

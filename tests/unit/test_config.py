@@ -8,7 +8,10 @@ from leantrain.config import LeantrainConfig, env_table_markdown, resolve_config
 
 def test_defaults_and_sources():
     cfg = resolve_config({}, environ={})
-    assert cfg.cggr is None and cfg.osft is False and cfg.cggr_min_tokens_ratio == 0.25
+    # Opt-in: the optimizations that change what trains (CGGR, OSFT) are off unless asked for
+    assert cfg.cggr is False and cfg.osft is False and cfg.cggr_min_tokens_ratio == 0.25
+    assert cfg.grpo_logps is None and cfg.moe4bit is None
+    assert resolve_config({}, environ={"LEANTRAIN_CGGR": "auto"}).cggr is None
     assert set(cfg.sources.values()) == {"default"}
 
 
@@ -56,7 +59,7 @@ def test_unparsable_or_invalid_env_values(env, message):
         ({"cggr_min_tokens_ratio": 0.0}, ValueError, r"must be in \(0, 1\]"),
         ({"osft_unfrozen_rank_ratio": 1.01}, ValueError, r"must be in \(0, 1\]"),
         ({"cggr_scoring": "perplexity"}, ValueError, "must be one of"),
-        ({"cggr_router_layers": 0}, ValueError, "must be >= 1"),
+        ({"cggr_router_layers": 0}, ValueError, "must be a layer"),
         ({"cggr_router_layers": 1.5}, TypeError, "expected int"),
         ({"strict": "definitely"}, ValueError, "expected one of"),
     ],
@@ -71,6 +74,26 @@ def test_every_option_has_doc_and_env_name():
     assert len(names) == len(set(names))
     for f in LeantrainConfig.options():
         assert f.metadata["doc"] and f.metadata["kind"] in {"tristate", "bool", "int", "float", "str", "names"}
+
+
+@pytest.mark.parametrize("layers", [1, 2, 24, -1, -3])
+def test_router_layers_any_nonzero_index(layers):
+    # The range depends on the model: checked at patch_trainer time against its layer count
+    assert resolve_config({"cggr_router_layers": layers}, environ={}).cggr_router_layers == layers
+    assert resolve_config({}, environ={"LEANTRAIN_CGGR_ROUTER_LAYERS": str(layers)}).cggr_router_layers == layers
+
+
+def test_env_table_rows_for_the_opt_in_toggles():
+    rows = {line.split("|")[1].strip(): line for line in env_table_markdown().splitlines()[2:]}
+    assert "| 0 |" in rows["`LEANTRAIN_CGGR`"] and "changes which tokens train" in rows["`LEANTRAIN_CGGR`"]
+    assert "| 0 |" in rows["`LEANTRAIN_OSFT`"]
+    assert "| auto |" in rows["`LEANTRAIN_GRPO_LOGPS`"] and "| auto |" in rows["`LEANTRAIN_MOE4BIT`"]
+    assert "-1 = final hidden state" in rows["`LEANTRAIN_CGGR_ROUTER_LAYERS`"]
+
+
+def test_readme_states_the_default_rule():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "CGGR and OSFT are opt-in" in readme
 
 
 def test_readme_env_table_matches_code():

@@ -11,6 +11,10 @@ from leantrain._registry import NotAvailable, registry
 from ._fakes import FakeLossOpt, tiny_trainer
 
 
+# The fake sits in the cggr slot, whose default is off (opt-in): these tests ask for auto through the environment.
+AUTO = {"LEANTRAIN_CGGR": "auto"}
+
+
 @pytest.fixture
 def fake(monkeypatch):
     """Replace the registry with one fake optimization (cggr slot) plus placeholders for the rest."""
@@ -32,7 +36,7 @@ def test_real_registry_lists_every_optimization():
 def test_patch_then_unpatch_restores_by_identity(tmp_path, fake):
     trainer = tiny_trainer(tmp_path)
     assert "compute_loss" not in trainer.__dict__
-    report = patch_trainer(trainer, environ={})
+    report = patch_trainer(trainer, environ=AUTO)
     assert report["cggr"].status is Status.APPLIED and report["cggr"].targets == ("trainer.compute_loss",)
     assert trainer.compute_loss.__leantrain_original__.__func__ is Trainer.compute_loss
     assert trainer.leantrain_report is report
@@ -43,9 +47,9 @@ def test_patch_then_unpatch_restores_by_identity(tmp_path, fake):
 
 def test_patching_twice_is_a_recorded_no_op(tmp_path, fake):
     trainer = tiny_trainer(tmp_path)
-    patch_trainer(trainer, environ={})
+    patch_trainer(trainer, environ=AUTO)
     wrapped = trainer.compute_loss
-    again = patch_trainer(trainer, environ={})
+    again = patch_trainer(trainer, environ=AUTO)
     assert trainer.compute_loss is wrapped and "already patched" in again.notes[-1]
     unpatch_trainer(trainer)
     assert trainer.compute_loss.__func__ is Trainer.compute_loss
@@ -54,34 +58,34 @@ def test_patching_twice_is_a_recorded_no_op(tmp_path, fake):
 def test_auto_skips_with_reasons_required_raises(tmp_path, fake):
     fake.reasons = ("needs a GPU with sm90",)
     trainer = tiny_trainer(tmp_path)
-    report = patch_trainer(trainer, environ={})
+    report = patch_trainer(trainer, environ=AUTO)
     assert report["cggr"].status is Status.SKIPPED and report["cggr"].reasons == ("needs a GPU with sm90",)
     assert "compute_loss" not in trainer.__dict__
     unpatch_trainer(trainer)
     with pytest.raises(NotReadyError, match="cggr is required but not ready: needs a GPU with sm90"):
-        patch_trainer(trainer, cggr=True, environ={})
+        patch_trainer(trainer, cggr=True, environ=AUTO)
     with pytest.raises(NotReadyError, match="strict mode"):
-        patch_trainer(trainer, environ={"LEANTRAIN_STRICT": "1"})
+        patch_trainer(trainer, environ={**AUTO, "LEANTRAIN_STRICT": "1"})
     assert "compute_loss" not in trainer.__dict__ and leantrain.current_report(trainer) is None
 
 
 def test_strict_does_not_raise_when_nothing_applies(tmp_path, fake):
     fake.applicable = False
-    report = patch_trainer(tiny_trainer(tmp_path), strict=True, environ={})
+    report = patch_trainer(tiny_trainer(tmp_path), strict=True, environ=AUTO)
     assert report["cggr"].status is Status.SKIPPED and report["cggr"].reasons == ("nothing to optimize here",)
 
 
 def test_disable_and_off(tmp_path, fake):
-    report = patch_trainer(tiny_trainer(tmp_path), environ={"LEANTRAIN_DISABLE": "1"})
+    report = patch_trainer(tiny_trainer(tmp_path), environ={**AUTO, "LEANTRAIN_DISABLE": "1"})
     assert all(o.status is Status.DISABLED for o in report.outcomes)
-    report = patch_trainer(tiny_trainer(tmp_path), cggr=False, environ={})
+    report = patch_trainer(tiny_trainer(tmp_path), cggr=False, environ=AUTO)
     assert report["cggr"].status is Status.DISABLED and report["cggr"].source == "kwarg"
     report = patch_trainer(tiny_trainer(tmp_path), environ={"LEANTRAIN_CGGR": "0"})
     assert report["cggr"].source == "env"
 
 
 def test_not_built_optimizations_are_skipped_not_crashing(tmp_path, fake):
-    report = patch_trainer(tiny_trainer(tmp_path), environ={})
+    report = patch_trainer(tiny_trainer(tmp_path), environ=AUTO)
     assert report["grpo_logps"].status is Status.SKIPPED
     assert report["grpo_logps"].reasons == ("not available in this version",)
 
@@ -89,7 +93,7 @@ def test_not_built_optimizations_are_skipped_not_crashing(tmp_path, fake):
 def test_runtime_failure_falls_back_once_and_training_goes_on(tmp_path, fake):
     fake.fail_at_call = 2
     trainer = tiny_trainer(tmp_path, steps=4)
-    patch_trainer(trainer, environ={})
+    patch_trainer(trainer, environ=AUTO)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -104,14 +108,14 @@ def test_runtime_failure_falls_back_once_and_training_goes_on(tmp_path, fake):
 def test_runtime_failure_reraises_in_strict_mode(tmp_path, fake):
     fake.fail_at_call = 1
     trainer = tiny_trainer(tmp_path)
-    patch_trainer(trainer, strict=True, environ={})
+    patch_trainer(trainer, strict=True, environ=AUTO)
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.train()
 
 
 def test_patched_context_manager(tmp_path, fake):
     trainer = tiny_trainer(tmp_path)
-    with leantrain.patched(trainer, environ={}) as report:
+    with leantrain.patched(trainer, environ=AUTO) as report:
         assert "compute_loss" in trainer.__dict__ and report.applied == ("cggr",)
     assert "compute_loss" not in trainer.__dict__
 
@@ -120,7 +124,7 @@ def test_unsupported_trainers_raise():
     import trl
 
     with pytest.raises(TypeError, match="needs a transformers.Trainer"):
-        patch_trainer(object(), environ={})
+        patch_trainer(object(), environ=AUTO)
     dpo = object.__new__(trl.DPOTrainer)
     with pytest.raises(TypeError, match="unsupported trainer DPOTrainer"):
         leantrain.trainer_kind(dpo)
@@ -128,7 +132,7 @@ def test_unsupported_trainers_raise():
 
 def test_report_table_and_dict(tmp_path, fake):
     fake.reasons = ("a reason",)
-    report = patch_trainer(tiny_trainer(tmp_path), environ={})
+    report = patch_trainer(tiny_trainer(tmp_path), environ=AUTO)
     text = str(report)
     assert "optimization" in text and "a reason" in text and "not available in this version" in text
     rows = [line for line in text.splitlines()[1:] if line.strip()]
@@ -137,7 +141,7 @@ def test_report_table_and_dict(tmp_path, fake):
     assert as_dict["outcomes"][2] == {
         "name": "cggr",
         "status": "skipped",
-        "source": "default",
+        "source": "env",
         "reasons": ["a reason"],
         "targets": [],
         "detail": "",
@@ -174,5 +178,5 @@ def test_apply_failing_half_way_leaves_nothing_patched(tmp_path, fake, monkeypat
     monkeypatch.setattr(fake, "apply", apply)
     trainer = tiny_trainer(tmp_path)
     with pytest.raises(RuntimeError, match="apply broke"):
-        patch_trainer(trainer, environ={})
+        patch_trainer(trainer, environ=AUTO)
     assert "compute_loss" not in trainer.__dict__ and leantrain.current_report(trainer) is None

@@ -1,5 +1,8 @@
-"""CGGR: keep labels only on the hardest tokens of each sequence, scored by the model's own first decoder layers
-inside the training forward (no second pass). See ``router.py`` for the run-time flow."""
+"""CGGR: keep labels only on the hardest tokens of each sequence, scored by the model's own decoder layers (up to
+``cggr_router_layers``) inside the training forward (no second pass). See ``router.py`` for the run-time flow.
+
+Opt-in: it changes which tokens train, so ``patch_trainer(trainer)`` leaves it off (``cggr=True`` or
+``LEANTRAIN_CGGR=1``; ``LEANTRAIN_CGGR=auto`` applies it only where the probe expects a speed-up)."""
 
 from __future__ import annotations
 
@@ -46,7 +49,43 @@ def loss_path(trainer: Any, kind: str, parts: DecoderParts) -> tuple[str, bool, 
         return "stock loss over masked labels (compute_loss_func or label smoothing): no LM-head saving", False, False
     if "logits_to_keep" not in inspect.signature(parts.model.forward).parameters:
         return "stock loss over masked labels (the model has no logits_to_keep): no LM-head saving", False, False
+    older = _row_logits_to_keep_reason()
+    if older:
+        return f"stock loss over masked labels ({older}): no LM-head saving", False, False
     return "LM head + cross-entropy on kept rows only (logits_to_keep)", True, True
+
+
+def resolve_router_layer(value: int, num_layers: int) -> int:
+    """The decoder layer (1-based) whose output the router scores: ``N >= 1`` is layer N, ``-k`` the k-th from the
+    top (``-1`` = the last layer, whose output is the final hidden state before the final norm)."""
+    if 1 <= value <= num_layers:
+        return value
+    if -num_layers <= value <= -1:
+        return num_layers + 1 + value
+    raise UserInputError(
+        f"cggr_router_layers={value} is outside this model's {num_layers} decoder layers: use 1..{num_layers} "
+        f"(after decoder layer N) or -{num_layers}..-1 (from the top; -1 = the final hidden state)"
+    )
+
+
+def describe_router(layer: int, num_layers: int) -> str:
+    where = "the final hidden state" if layer == num_layers else f"the output of decoder layer {layer}"
+    return f"router scores {where} (layer {layer} of {num_layers})"
+
+
+def _row_logits_to_keep_reason() -> str | None:
+    """The kept-rows head passes per-row indices as ``logits_to_keep``; older transformers read only an int or a
+    1-D tensor there (detected by feature; the reason names the first tested version that has it)."""
+    from transformers import modeling_utils
+
+    if hasattr(modeling_utils, "slice_logits_to_keep"):
+        return None
+    from .._compat import TRANSFORMERS_ROW_LOGITS_TO_KEEP, installed
+
+    return (
+        f"needs transformers >= {TRANSFORMERS_ROW_LOGITS_TO_KEEP} for per-row logits_to_keep; installed "
+        f"{installed('transformers')}"
+    )
 
 
 def _sequence_parallel(trainer: Any) -> bool:
@@ -59,6 +98,7 @@ class CGGR(Optimization):
     name = "cggr"
     trainer_kinds = ("sft", "trainer")
     removes_metrics = ("TRL's entropy and mean_token_accuracy cover the kept tokens only",)
+    off_by_default_why = "changes which tokens train"
 
     def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
         try:
@@ -67,21 +107,21 @@ class CGGR(Optimization):
             return Readiness.no(f"{error}: CGGR needs a decoder-only causal LM")
         if parts.final_norm is None:
             return Readiness.no(f"{type(parts.trunk).__name__}: no final norm found, so the router cannot score")
-        layers = config.cggr_router_layers
-        if layers >= parts.num_layers:
-            message = f"cggr_router_layers={layers} must be smaller than the model's {parts.num_layers} decoder layers"
+        try:
+            layer = resolve_router_layer(config.cggr_router_layers, parts.num_layers)
+        except UserInputError as error:
             if config.sources["cggr_router_layers"] != "default" or config.config.cggr is True:
-                raise UserInputError(message)
-            return Readiness.no(message + ": set cggr_router_layers lower")
+                raise
+            return Readiness.no(str(error))  # auto mode (LEANTRAIN_CGGR=auto) with the default depth: decline
         if _sequence_parallel(trainer):
             return Readiness.no("sequence/context parallelism splits the labels across ranks: not supported yet")
         path, _, saves = loss_path(trainer, _kind(trainer), parts)
         share = head_share(parts.model.config)
         detail = (
-            f"router: hook after decoder layer {layers} of {parts.num_layers}, scoring={config.cggr_scoring}; "
+            f"{describe_router(layer, parts.num_layers)}, scoring={config.cggr_scoring}; "
             f"loss path: {path}; LM head ~{share:.0%} of matmul work"
         )
-        if config.config.cggr is None:  # auto: apply only where it cannot make training slower
+        if config.config.cggr is None:  # auto (LEANTRAIN_CGGR=auto): apply only where it cannot make training slower
             if not saves:
                 reason = f"the active loss path does not skip masked labels ({path}); pass cggr=True to apply anyway"
                 return Readiness((reason,), detail)
@@ -99,7 +139,7 @@ class CGGR(Optimization):
         path, kept_only, _ = loss_path(trainer, ctx.trainer_kind, parts)
         settings = Settings(
             ratio=config.cggr_min_tokens_ratio,
-            router_layers=config.cggr_router_layers,
+            router_layers=resolve_router_layer(config.cggr_router_layers, parts.num_layers),
             scoring=config.cggr_scoring,
             warmup=config.cggr_warmup_steps,
             schedule=config.cggr_ratio_schedule,
@@ -122,11 +162,21 @@ class CGGR(Optimization):
         layer_name = f"{type(parts.trunk).__name__}.layers[{settings.router_layers - 1}]"
         targets = ("trainer.compute_loss", "trainer.get_batch_samples", "trainer.log", f"{layer_name} forward hook")
         detail = (
-            f"router: hook after decoder layer {settings.router_layers} of {parts.num_layers} "
-            f"(in-forward, scoring={settings.scoring}, ratio={settings.ratio}, warmup={settings.warmup} optimizer "
-            f"steps, {settings.schedule}); loss path: {path}"
+            f"{describe_router(settings.router_layers, parts.num_layers)} "
+            f"(in-forward hook, scoring={settings.scoring}, ratio={settings.ratio}, warmup={settings.warmup} "
+            f"optimizer steps, {settings.schedule}); loss path: {path}"
         )
         return Applied(undo, targets if settings.scoring != "random" else targets[:3], detail)
 
 
-__all__ = ["CGGR", "Runtime", "Settings", "schedule_ratio", "score_tokens", "select_topk", "loss_path"]
+__all__ = [
+    "CGGR",
+    "Runtime",
+    "Settings",
+    "describe_router",
+    "loss_path",
+    "resolve_router_layer",
+    "schedule_ratio",
+    "score_tokens",
+    "select_topk",
+]

@@ -4,6 +4,9 @@
 one-shot slot. A forward hook on decoder layer ``router_layers - 1`` takes that layer's detached output, scores the
 tokens without autograd, and writes -100 into the slot's labels in place, before the loss (which runs after the
 whole trunk) reads them. The slot is consumed once, so a gradient-checkpointing re-run never scores again.
+Before the forward starts, compute_loss also copies the micro-batch's valid-label count to host memory without
+blocking (``HostCount``); the hook waits for that copy only (queued ahead of the forward, so the GPU keeps running the
+first layers meanwhile) and scores the valid positions alone, a static-size gather.
 ``get_batch_samples`` (wrapped too) sets ``num_items_in_batch`` to the exact kept count of the accumulation window,
 counted by transformers' own ``_get_num_items_in_batch`` (so cross-device gathering stays the stock one).
 """
@@ -27,11 +30,30 @@ from .selection import IGNORE_INDEX, count_stand_in, groups_of, schedule_ratio, 
 @dataclass
 class Settings:
     ratio: float
-    router_layers: int
+    router_layers: int  # 1-based decoder layer whose output is scored (resolved: negative indices already mapped)
     scoring: str
     warmup: int
     schedule: str
     kept_only: bool  # the plain-Trainer loss path: LM head + CE on kept rows through `logits_to_keep`
+
+
+class HostCount:
+    """A device integer copied to (pinned) host memory without blocking; ``read`` waits for that copy only."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if value.device.type == "cuda":
+            self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self.host.copy_(value, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = value
+
+    def read(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host)
 
 
 @dataclass
@@ -43,6 +65,7 @@ class _Slot:
     ratio: float
     head_index: torch.Tensor | None = None  # [B, K] hidden positions to project (kept-only loss, whole rows)
     head_mask: torch.Tensor | None = None  # [B, T] bool (kept-only loss, packed documents)
+    n_valid: HostCount | None = None  # valid targets, copied to the host ahead of the forward
     done: bool = False
 
 
@@ -76,7 +99,8 @@ class Runtime:
         if hidden.dim() != 3 or hidden.shape[0] != rows or hidden.shape[1] < width:
             raise RuntimeError(f"router hidden state {tuple(hidden.shape)} does not match labels {(rows, width)}")
         timer = self._start_timer(hidden.device)
-        scores = _scoring.score_tokens(self.parts, hidden, slot.targets, self.settings.scoring)
+        n_valid = slot.n_valid.read() if slot.n_valid is not None else None
+        scores = _scoring.score_tokens(self.parts, hidden, slot.targets, self.settings.scoring, n_valid=n_valid)
         self.select(slot, scores)
         self._stop_timer(timer)
 
@@ -128,6 +152,7 @@ class Runtime:
         if self.settings.scoring == "random":
             self.select(slot, _scoring.random_scores(tuple(targets.shape), self._rng(targets.device), targets.device))
         else:
+            slot.n_valid = HostCount((targets != IGNORE_INDEX).sum())
             self.slot = slot
         try:
             if self.settings.kept_only:
@@ -137,7 +162,7 @@ class Runtime:
         finally:
             self.slot = None
         if not slot.done:
-            raise RuntimeError(f"decoder layer {self.settings.router_layers - 1} did not run during the forward")
+            raise RuntimeError(f"decoder layer {self.settings.router_layers} did not run during the forward")
         return result
 
     def _prepare_head_selection(self, slot: _Slot, batch: dict) -> None:

@@ -1,14 +1,21 @@
 """Token difficulty scores from a decoder layer's hidden state: final norm -> LM head -> logit scale / softcap ->
-score, in fp32, in token chunks (the full [B, T, V] logits never exist). Higher score = harder = kept first.
+score, in fp32, on the valid (label != -100) positions only, in tiles (the full [B, T, V] logits never exist).
+Higher score = harder = kept first.
 
 - ``entropy``: entropy of the next-token distribution.
 - ``loss``: cross-entropy of the actual next token.
 - ``margin``: minus the top-1/top-2 probability margin (a small margin is an uncertain token).
 - ``combined``: z-scored entropy plus z-scored (minus) margin, statistics over the valid positions of each row.
 
-``entropy`` and ``loss`` go through TRL's fused chunked log-prob kernel (Triton on CUDA, torch tiles elsewhere) when
-the head is a plain ``nn.Linear``; the other scores, and heads wrapped by PEFT or quantization, use a torch path that
-calls the head module itself in chunks.
+Only valid positions are scored: they are gathered (a stable sort of the validity mask, no host sync) into a prefix
+whose length is the valid count. That count is a host integer, so the gathered size is static: the CGGR runtime copies
+it to host memory without blocking before the forward starts (``router.HostCount``) and the router only waits for that
+copy, never for the forward itself. Padding and prompt positions cost no LM-head GEMM.
+
+``entropy`` and ``loss`` go through leantrain's fused no-grad log-prob/entropy kernel (``grpo_logps.ops``: Triton fold
+over cuBLAS tiles on CUDA, torch tiles elsewhere; a sibling package, imported here on purpose) when the head is a plain
+bias-free ``nn.Linear``. ``margin`` needs the second-largest probability, which that kernel does not track, and heads
+wrapped by PEFT or quantization (or with a bias) use a torch path that calls the head module itself in row chunks.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ from ..models import DecoderParts, text_config
 
 SCORINGS = CGGR_SCORINGS
 _CHUNK_ELEMENTS = 1 << 25  # logits per torch-path chunk: 128 MiB of fp32 per temporary
-_VOCAB_TILE = 8192  # vocabulary width of one fused-kernel tile
 
 
 def _norm(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
@@ -38,31 +44,28 @@ def _transform(logits: torch.Tensor, parts: DecoderParts) -> torch.Tensor:
     return z
 
 
-def _fused_ok(parts: DecoderParts, scoring: str) -> bool:
-    return scoring in ("entropy", "loss") and type(parts.lm_head) is nn.Linear
+def fused_ok(parts: DecoderParts, scoring: str) -> bool:
+    """Whether ``scoring`` runs through the fused log-prob/entropy kernel for this head."""
+    head = parts.lm_head
+    return scoring in ("entropy", "loss") and type(head) is nn.Linear and head.bias is None
 
 
 def _fused_scores(parts: DecoderParts, hidden: torch.Tensor, targets: torch.Tensor, scoring: str) -> torch.Tensor:
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    from ..grpo_logps.ops import logp_entropy  # sibling optimization's kernel (no upward import)
 
-    head = parts.lm_head
-    outputs = ("entropy",) if scoring == "entropy" else ()
-    log_probs, entropy, *_ = ChunkedLogProbFunction.apply(
+    log_probs, entropy = logp_entropy(
         _norm(parts, hidden),
-        head.weight,
-        head.bias,
+        parts.lm_head.weight,
         targets,
-        1.0,
-        _VOCAB_TILE,
-        parts.softcap,
-        parts.logit_scale,
-        outputs,
+        logit_scale=parts.logit_scale,
+        softcap=parts.softcap,
+        need_entropy=scoring == "entropy",
     )
     return entropy if scoring == "entropy" else -log_probs
 
 
 def _chunk_scores(parts: DecoderParts, hidden: torch.Tensor, targets: torch.Tensor, scoring: str) -> torch.Tensor:
-    """[n] scores of one chunk of [n, H] hidden rows."""
+    """[n] scores of one chunk of [n, H] hidden rows ([n, 2] entropy and margin for ``combined``)."""
     z = _transform(parts.lm_head(_norm(parts, hidden)), parts)
     lse = torch.logsumexp(z, dim=-1)
     if scoring == "loss":
@@ -76,6 +79,23 @@ def _chunk_scores(parts: DecoderParts, hidden: torch.Tensor, targets: torch.Tens
     return -margin if scoring == "margin" else torch.stack((entropy, margin), dim=-1)
 
 
+def score_rows(
+    parts: DecoderParts, hidden: torch.Tensor, targets: torch.Tensor, scoring: str, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """fp32 scores of [n, H] hidden rows whose targets [n] are all valid: [n], or [n, 2] for ``combined``."""
+    if fused_ok(parts, scoring):
+        return _fused_scores(parts, hidden, targets, scoring).float()
+    vocab = parts.lm_head.weight.shape[0] if hasattr(parts.lm_head, "weight") else 1 << 17
+    step = chunk_tokens or max(1, _CHUNK_ELEMENTS // vocab)
+    pieces = [
+        _chunk_scores(parts, hidden[start : start + step], targets[start : start + step], scoring)
+        for start in range(0, hidden.shape[0], step)
+    ]
+    if not pieces:
+        return hidden.new_zeros((0, 2) if scoring == "combined" else (0,), dtype=torch.float)
+    return torch.cat(pieces).float()
+
+
 def _zscore(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Per-row z-score over the valid positions (population std, floored so a constant row gives zeros)."""
     weight = valid.float()
@@ -85,29 +105,43 @@ def _zscore(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (values - mean) / var.sqrt().clamp(min=1e-6)
 
 
+def valid_positions(valid: torch.Tensor, n_valid: int) -> torch.Tensor:
+    """Flat indices of the ``n_valid`` true entries of ``valid`` [B, T'], in order: a stable sort puts them first
+    (no host sync; ``n_valid`` must be the exact count)."""
+    return torch.argsort((~valid.reshape(-1)).to(torch.uint8), stable=True)[:n_valid]
+
+
 @torch.no_grad()
 def score_tokens(
-    parts: DecoderParts, hidden: torch.Tensor, targets: torch.Tensor, scoring: str, chunk_tokens: int | None = None
+    parts: DecoderParts,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    scoring: str,
+    chunk_tokens: int | None = None,
+    n_valid: int | None = None,
 ) -> torch.Tensor:
-    """fp32 scores [B, T'] for hidden positions ``0..T'-1`` (``T' = targets.shape[1]``; targets aligned to them)."""
+    """fp32 scores [B, T'] for hidden positions ``0..T'-1`` (``T' = targets.shape[1]``; targets aligned to them).
+
+    Invalid positions (target -100) are not scored and get 0 (selection never keeps them). ``n_valid``: the number
+    of valid targets as a host integer; without it it is read from the device (a host sync).
+    """
     if scoring not in SCORINGS or scoring == "random":
         raise ValueError(f"cannot score with {scoring!r}")
     rows, width = targets.shape
     valid = targets != -100
-    flat_hidden = hidden[:, :width].detach().reshape(rows * width, -1)
-    flat_targets = targets.clamp(min=0).reshape(-1)
-    if _fused_ok(parts, scoring):
-        return _fused_scores(parts, flat_hidden, flat_targets, scoring).view(rows, width).float()
-    vocab = parts.lm_head.weight.shape[0] if hasattr(parts.lm_head, "weight") else 1 << 17
-    step = chunk_tokens or max(1, _CHUNK_ELEMENTS // vocab)
-    pieces = [
-        _chunk_scores(parts, flat_hidden[start : start + step], flat_targets[start : start + step], scoring)
-        for start in range(0, flat_hidden.shape[0], step)
-    ]
-    out = torch.cat(pieces).view(rows, width, -1) if pieces else hidden.new_zeros(rows, width, 2, dtype=torch.float)
+    if n_valid is None:
+        n_valid = int(valid.sum())
+    index = valid_positions(valid, n_valid)
+    # Hidden rows in place: flat target index b * T' + t is hidden row b * T + t (no copy of hidden[:, :T'])
+    seq = hidden.shape[1]
+    hidden_index = index if seq == width else index + (index // width) * (seq - width)
+    rows_h = hidden.detach().reshape(rows * seq, hidden.shape[-1]).index_select(0, hidden_index)
+    scored = score_rows(parts, rows_h, targets.reshape(-1).index_select(0, index), scoring, chunk_tokens)
+    out = scored.new_zeros((rows * width, *scored.shape[1:])).index_copy_(0, index, scored)
     if scoring != "combined":
         return out.view(rows, width)
-    return _zscore(out[..., 0], valid) - _zscore(out[..., 1], valid)
+    out = out.view(rows, width, 2)
+    return torch.where(valid, _zscore(out[..., 0], valid) - _zscore(out[..., 1], valid), 0.0)
 
 
 def random_scores(shape: tuple[int, int], generator: torch.Generator, device: torch.device) -> torch.Tensor:
