@@ -1,4 +1,5 @@
-"""Command line: `leantrain demo` (stock vs patched training on a tiny local model) and `leantrain env`."""
+"""Command line: `leantrain demo` (stock vs patched training on a tiny local model), `leantrain env`, and
+`leantrain run` (patch the trainers of an unmodified script, module or console script)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def env_report() -> str:
             lines.append(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
             lines.append(f"{name} not installed")
+    from ._compat import untested
+
+    lines += [f"untested: {note} (COMPATIBILITY.md)" for note in untested()]
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability(0)
         lines.append(f"device cuda: {torch.cuda.get_device_name(0)} (sm{cap[0]}{cap[1]}), CUDA {torch.version.cuda}")
@@ -38,19 +42,25 @@ def env_report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # its own parser: the target's arguments pass through untouched, --flags included
+        from .launch import main as run_main
+
+        return run_main(argv[1:])
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     from .demo import build_parser, run_demo
 
     build_parser(sub.add_parser("demo", help="train a tiny local model stock vs patched and compare"))
     sub.add_parser("env", help="versions, device and readiness of each optimization")
+    sub.add_parser("run", help="run a script, -m module or console script with its trainers patched", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "env":
         print(env_report())
         return 0
     if args.command in (None, "demo"):
         if args.command is None:
-            args = parser.parse_args(["demo", *(argv or sys.argv[1:])])
+            args = parser.parse_args(["demo", *argv])
         run_demo(args)
         return 0
     parser.print_help()

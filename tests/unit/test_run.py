@@ -1,0 +1,339 @@
+"""``leantrain run``: a script file, ``-m module`` and a console script run with their trainers patched; option
+parsing and precedence (command line > environment > default); ``--strict``; bad input; nothing patched without
+``run``; the report kept in ``log_history`` and in ``leantrain.json``; unpatch restores everything.
+
+The target is ``tests/unit/_run_target.py``, a plain Trainer script that knows nothing of leantrain. Runs in this
+process where they can (seconds each); the console-script form runs in a real subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import Trainer
+from transformers.trainer_utils import SaveStrategy
+
+import leantrain
+from leantrain import launch
+from leantrain._record import RECORD_NAME, ReportLogCallback, log_entry
+from leantrain.patching import NotReadyError
+from tests.unit._fakes import tiny_trainer
+
+
+REPO = Path(__file__).resolve().parents[2]
+TARGET = str(Path(__file__).with_name("_run_target.py"))
+MODULE = "tests.unit._run_target"
+STOCK_TRAIN = Trainer.__dict__["train"]
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(REPO)  # `-m tests.unit._run_target` resolves from the working directory, as with python -m
+
+
+def result(out: Path, rank: int = 0) -> dict:
+    return json.loads((out / f"result_rank{rank}.json").read_text())
+
+
+def outcome(report: dict, name: str) -> dict:
+    return next(o for o in report["outcomes"] if o["name"] == name)
+
+
+def leantrain_entries(log_history: list[dict]) -> list[dict]:
+    return [h for h in log_history if any(k.startswith("leantrain/") for k in h)]
+
+
+# --- parsing -------------------------------------------------------------------------------------------------------
+
+
+def test_parse_splits_leantrain_options_from_the_targets_own():
+    request = launch.parse(
+        ["--cggr", "--no-osft", "--strict", "--opt", "cggr-scoring=margin", TARGET, "--cggr", "--opt", "x", "--"],
+        environ={},
+    )
+    assert request.options == {"cggr": True, "osft": False, "strict": True, "cggr_scoring": "margin"}
+    assert request.target == launch.Target("file", TARGET, ("--cggr", "--opt", "x", "--"))
+    assert request.prefix == ("--cggr", "--no-osft", "--strict", "--opt", "cggr-scoring=margin")
+
+
+@pytest.mark.parametrize(
+    ("argv", "kind", "name", "args"),
+    [
+        (["-m", MODULE, "--out", "o"], "module", MODULE, ("--out", "o")),
+        (["--no-cggr", f"-m{MODULE}", "-m", "x"], "module", MODULE, ("-m", "x")),
+        (["--", TARGET, "-h"], "file", TARGET, ("-h",)),
+        (["trl", "sft", "--config", "r.yaml"], "script", "trl", ("sft", "--config", "r.yaml")),
+    ],
+)
+def test_parse_target_forms(argv, kind, name, args):
+    target = launch.parse(argv, environ={}).target
+    assert (target.kind, target.name, target.args) == (kind, name, args)
+    if kind == "script":
+        assert target.entry_point is not None and target.entry_point.value == "trl.cli:main"
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        ([], {}, "missing TARGET"),
+        (["--cggr"], {}, "missing TARGET"),
+        (["--bogus", TARGET], {}, "unrecognized arguments: --bogus"),
+        (["--cggr=1", TARGET], {}, "ignored explicit argument"),
+        (["--opt", "cggr_ratio=0.3", TARGET], {}, "unknown option 'cggr_ratio' (did you mean"),
+        (["--opt", "cggr_min_tokens_ratio=2", TARGET], {}, "cggr_min_tokens_ratio must be in (0, 1]"),
+        (["--opt", "osft=maybe", TARGET], {}, "osft='maybe': expected one of"),
+        (["--opt", "novalue", TARGET], {}, "expected NAME=VALUE"),
+        (["--cggr", "--opt", "cggr=0", TARGET], {}, "'cggr' given twice"),
+        (["--opt"], {}, "expected one argument"),
+        ([TARGET], {"LEANTRAIN_CGGR": "maybe"}, "LEANTRAIN_CGGR='maybe'"),
+        ([TARGET], {"LEANTRAIN_CGRR": "1"}, "unknown environment variable LEANTRAIN_CGRR"),
+        (["no_such_file.py"], {}, "target 'no_such_file.py' not found: no such file"),
+        (["no-such-console-script-xyz"], {}, "no such file or console script"),
+        (["-m", "no_such_module_xyz"], {}, "no module named 'no_such_module_xyz'"),
+        (["-m"], {}, "-m needs a module name"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(capsys, argv, environ, message):
+    with pytest.raises(SystemExit) as exit_info:
+        launch.parse(argv, environ=environ)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "leantrain run: error:" in err, err
+
+
+def test_python_m_leantrain_run_reports_bad_input(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "leantrain", "run", "missing.py"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 2 and "target 'missing.py' not found" in done.stderr
+
+
+def test_child_processes_of_accelerate_launch_run_under_leantrain_run():
+    request = launch.parse(["--cggr", "--opt", "cggr_scoring=margin", "trl", "sft"], environ={})
+    script = argparse.Namespace(
+        no_python=False, module=False, training_script="/x/sft.py", training_script_args=["-a"]
+    )
+    launch._child_args(request, script)
+    assert (script.module, script.training_script) == (True, "leantrain")
+    assert script.training_script_args == ["run", "--cggr", "--opt", "cggr_scoring=margin", "/x/sft.py", "-a"]
+    module = argparse.Namespace(no_python=False, module=True, training_script="pkg.train", training_script_args=[])
+    launch._child_args(request, module)
+    assert module.training_script_args == ["run", "--cggr", "--opt", "cggr_scoring=margin", "-m", "pkg.train"]
+
+
+# --- running -------------------------------------------------------------------------------------------------------
+
+
+def test_importing_leantrain_patches_nothing():
+    assert Trainer.__dict__["train"] is STOCK_TRAIN and STOCK_TRAIN.__module__ == "transformers.trainer"
+    assert not hasattr(STOCK_TRAIN, "__leantrain_original__")
+    done = subprocess.run(
+        [sys.executable, "-c", "import leantrain, leantrain.launch, transformers as t; "
+         "print(t.Trainer.train.__module__, hasattr(t.Trainer.train, '__leantrain_original__'))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == ["transformers.trainer", "False"]
+
+
+def test_script_file(tmp_path, capsys):
+    """The file runs as __main__ with its own argv (a --cggr of its own included); its Trainer is patched at
+    train(), the report is printed once, kept in log_history once and written beside the saved weights."""
+    code = launch.main(["--cggr", TARGET, "--out", str(tmp_path), "--save", "--cggr"])
+    assert code == 0
+    assert Trainer.__dict__["train"] is STOCK_TRAIN  # restored by identity
+    got = result(tmp_path)
+    assert got["argv"] == ["--out", str(tmp_path), "--save", "--cggr"] and got["own_cggr_flag"]
+    cggr = outcome(got["report"], "cggr")
+    assert (cggr["status"], cggr["source"]) == ("applied", "kwarg")
+    assert capsys.readouterr().err.count("leantrain patch report (trainer trainer)") == 1
+
+    entries = leantrain_entries(got["log_history"])
+    assert len(entries) == 1 and entries[0]["step"] == 0
+    assert entries[0] == {f"leantrain/{o['name']}": o["status"] for o in got["report"]["outcomes"]} | {"step": 0}
+    assert got["global_step"] == 2 and got["log_history"].index(entries[0]) == 0  # before the first loss
+
+    record = json.loads((tmp_path / "model" / RECORD_NAME).read_text())
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    assert record["report"] == got["report"]
+    assert record["versions"]["leantrain"] == leantrain.__version__
+    assert set(record["versions"]) == {"leantrain", "torch", "transformers", "trl"}
+    assert record["options"]["cggr"] == {"value": True, "source": "kwarg"}
+    assert record["options"]["cggr_min_tokens_ratio"]["source"] == "default"
+
+
+def test_module_precedence_cli_over_env_over_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LEANTRAIN_OSFT", "1")  # overridden by --no-osft
+    monkeypatch.setenv("LEANTRAIN_CGGR_MIN_TOKENS_RATIO", "0.5")  # overridden by --opt
+    monkeypatch.setenv("LEANTRAIN_CGGR_SCORING", "margin")  # env only
+    argv = ["--no-osft", "--opt", "cggr_min_tokens_ratio=0.3", "-m", MODULE, "--out", str(tmp_path), "--save"]
+    assert launch.main(argv) == 0
+    options = json.loads((tmp_path / "model" / RECORD_NAME).read_text())["options"]
+    assert options["osft"] == {"value": False, "source": "kwarg"}
+    assert options["cggr_min_tokens_ratio"] == {"value": 0.3, "source": "kwarg"}
+    assert options["cggr_scoring"] == {"value": "margin", "source": "env"}
+    assert options["cggr_router_layers"] == {"value": 2, "source": "default"}
+    osft = outcome(result(tmp_path)["report"], "osft")
+    assert (osft["status"], osft["source"], osft["reasons"]) == ("disabled", "kwarg", ["turned off"])
+    assert capsys.readouterr().err.count("leantrain patch report") == 1
+
+
+def test_strict_fails_the_run_before_training(tmp_path, capsys):
+    """cggr in auto mode declines the tiny model (its LM head is too small a share of the work to gain): a skip
+    without --strict, an error before the first step with it."""
+    argv = ["--opt", "cggr=auto", TARGET, "--out", str(tmp_path), "--layers", "2"]
+    assert launch.main(argv) == 0
+    cggr = outcome(result(tmp_path)["report"], "cggr")
+    assert (cggr["status"], cggr["source"]) == ("skipped", "kwarg") and cggr["reasons"]
+
+    strict_out = tmp_path / "strict"
+    assert launch.main(["--strict", *argv[:2], TARGET, "--out", str(strict_out), "--layers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "leantrain run: error: cggr is strict mode but not ready" in err and "nothing was trained" in err
+    assert not (strict_out / "result_rank0.json").exists() and not list(strict_out.glob("**/*.safetensors"))
+    assert Trainer.__dict__["train"] is STOCK_TRAIN
+
+
+def test_strict_raises_at_train_before_the_optimizer_exists(tmp_path):
+    trainer = tiny_trainer(tmp_path, steps=2)  # cggr in auto mode declines it, as above
+    with launch.trainers_patched({"cggr": "auto", "strict": True}) as patched:
+        with pytest.raises(NotReadyError, match="cggr"):
+            trainer.train()
+    assert patched == [] and trainer.optimizer is None and trainer.state.global_step == 0
+    assert leantrain.current_report(trainer) is None and "save_model" not in trainer.__dict__
+
+
+def test_each_trainer_patched_once_and_a_self_patched_one_left_alone(tmp_path):
+    first, second, own = (tiny_trainer(tmp_path / n, steps=1) for n in "abc")
+    own_report = leantrain.patch_trainer(own, osft=False)
+    printed: list[str] = []
+    with launch.trainers_patched({"osft": False}, announce=printed.append) as patched:
+        for trainer in (first, second, own, first):
+            trainer.train()
+    assert patched == [first, second] and len(printed) == 2
+    assert own.leantrain_report is own_report
+    assert len(leantrain_entries(first.state.log_history)) == 1  # its second train() made a new state: one again
+    assert Trainer.__dict__["train"] is STOCK_TRAIN
+
+
+def test_console_script_in_a_subprocess(tmp_path):
+    """A console script found through its entry point (a dist-info faked on PYTHONPATH) runs in the same process
+    as ``leantrain run``, gets its argv, and its return value is the exit status."""
+    site = tmp_path / "site"
+    info = site / "fake_train-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-train\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[console_scripts]\nfake-train = {MODULE}:main\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "leantrain", "run", "--cggr", "fake-train", "--out", str(out), "--exit-code", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert done.stderr.count("leantrain patch report (trainer trainer)") == 1
+    got = result(out)
+    assert got["argv"] == ["--out", str(out), "--exit-code", "3"]
+    assert outcome(got["report"], "cggr")["status"] == "applied"
+
+
+# --- what patch_trainer keeps with the run (with or without `run`) -------------------------------------------------
+
+
+def test_record_and_log_entry_compose_with_osft_and_unpatch_restores(tmp_path):
+    """OSFT wraps save_model for its dense export; the record wraps it again. Checkpoints and the export both get
+    leantrain.json, the export stays dense, and unpatch restores methods and callbacks by identity."""
+    trainer = tiny_trainer(tmp_path / "run", steps=2)
+    trainer.args.save_strategy, trainer.args.save_steps = SaveStrategy.STEPS, 2  # a checkpoint after step 2
+    callbacks = list(trainer.callback_handler.callbacks)
+    stock_save = trainer.save_model
+    report = leantrain.patch_trainer(trainer, osft=True, cggr=False)
+    assert report["osft"].status is leantrain.Status.APPLIED
+    osft_save = trainer.save_model.__leantrain_original__
+    assert osft_save.__leantrain_original__ == stock_save  # record wraps OSFT's wrapper, which wraps the stock one
+    assert sum(isinstance(c, ReportLogCallback) for c in trainer.callback_handler.callbacks) == 1
+    trainer.train()
+    entry = {**log_entry(report), "step": 0}
+    assert leantrain_entries(trainer.state.log_history) == [entry] and entry["leantrain/osft"] == "applied"
+    checkpoint = json.loads((tmp_path / "run" / "checkpoint-2" / RECORD_NAME).read_text())
+    assert checkpoint["report"] == report.to_dict() and checkpoint["options"]["osft"]["source"] == "kwarg"
+
+    export = tmp_path / "export"
+    trainer.save_model(str(export))
+    assert json.loads((export / RECORD_NAME).read_text())["report"] == report.to_dict()
+    from safetensors.torch import load_file
+
+    keys = load_file(str(export / "model.safetensors")).keys()
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and not any("U_low" in k for k in keys)  # dense
+
+    leantrain.unpatch_trainer(trainer)
+    assert "save_model" not in trainer.__dict__ and "_save" not in trainer.__dict__
+    assert trainer.save_model == stock_save and trainer.callback_handler.callbacks == callbacks
+
+
+def test_log_entry_once_per_state_and_not_on_other_processes(tmp_path, monkeypatch):
+    trainer = tiny_trainer(tmp_path, steps=1)
+    with leantrain.patched(trainer, osft=False):
+        trainer.train()
+        history = trainer.state.log_history
+        callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ReportLogCallback))
+        callback.on_train_begin(trainer.args, trainer.state, trainer.control)  # e.g. resumed history: no second
+        assert len(leantrain_entries(history)) == 1
+        monkeypatch.setattr(type(trainer.args), "should_save", property(lambda self: False))
+        trainer.save_model(str(tmp_path / "not_main"))
+        assert not (tmp_path / "not_main" / RECORD_NAME).exists()
+
+
+# --- the trl CLI ---------------------------------------------------------------------------------------------------
+
+RECIPE = """\
+model_name_or_path: tiny-llama
+dataset_name: data            # a local folder with train.jsonl ({"text": ...} rows)
+output_dir: out
+max_steps: 4
+per_device_train_batch_size: 4
+max_length: 128
+learning_rate: 1.0e-3
+logging_steps: 2
+save_strategy: "no"
+report_to: none
+use_cpu: true
+bf16: false
+"""
+
+
+def write_trl_recipe(root: Path) -> Path:
+    """The README's `trl sft` example: a tiny local model and dataset, and the recipe above."""
+    from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer
+
+    tiny_model("llama", vocab_size=2048, hidden=64, layers=4).save_pretrained(root / "tiny-llama")
+    train_tokenizer(2048).save_pretrained(root / "tiny-llama")
+    (root / "data").mkdir()
+    rows = [json.dumps({"text": text}) for text in corpus_texts()[:64]]
+    (root / "data" / "train.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "recipe.yaml").write_text(RECIPE)
+    return root / "recipe.yaml"
+
+
+@pytest.mark.slow
+def test_trl_sft_cli_with_a_yaml_recipe(tmp_path):
+    """`leantrain run --cggr trl sft --config recipe.yaml`: the trl CLI starts its script through accelerate launch;
+    the child runs under `leantrain run` with the same options, so the SFTTrainer it builds is patched."""
+    pytest.importorskip("datasets")
+    write_trl_recipe(tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "leantrain", "run", "--cggr", "trl", "sft", "--config", "recipe.yaml"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert log.count("leantrain patch report (sft trainer)") == 1, log[-4000:]
+    record = json.loads((tmp_path / "out" / RECORD_NAME).read_text())
+    assert record["report"]["trainer_kind"] == "sft" and record["options"]["cggr"] == {
+        "value": True,
+        "source": "kwarg",
+    }
+    assert outcome(record["report"], "cggr")["status"] == "applied"
+    assert (tmp_path / "out" / "model.safetensors").is_file()
