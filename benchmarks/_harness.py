@@ -181,3 +181,51 @@ def bar_plot(path: Path, title: str, groups: Sequence[str], series: dict[str, Se
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def read_rows(path: Path) -> list[Row]:
+    """Rows of a ``<name>.json`` written by :func:`write_results` (empty when the file does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [Row(**entry) for entry in json.loads(path.read_text())]
+
+
+def stacked_bar_panels(
+    path: Path,
+    title: str,
+    panels: dict[str, dict[str, dict[str, float]]],
+    parts: Sequence[str],
+    ylabel: str,
+) -> None:
+    """One figure, one panel per group (own y scale): ``panels[group][bar][part] = value``, bars side by side with
+    their parts stacked in ``parts`` order (one colour per part, shared legend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [g for g, bars in panels.items() if bars]
+    widths = [max(2, len(panels[g])) for g in groups]
+    fig, axes = plt.subplots(
+        1, max(1, len(groups)), figsize=(max(6, 0.9 * sum(widths) + 1.5), 4.8), squeeze=False,
+        gridspec_kw={"width_ratios": widths or [1]},
+    )  # fmt: skip
+    colors = plt.get_cmap("tab10").colors
+    for ax, group in zip(axes[0], groups):
+        bars = panels[group]
+        bottom = [0.0] * len(bars)
+        for k, part in enumerate(parts):
+            values = [bars[b].get(part, 0.0) for b in bars]
+            ax.bar(range(len(bars)), values, 0.7, bottom=bottom, color=colors[k % len(colors)], label=part)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_xticks(range(len(bars)), list(bars), rotation=60, ha="right", fontsize=7)
+        ax.set_title(group, fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    axes[0][0].set_ylabel(ylabel)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=7, ncol=len(parts))
+    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
