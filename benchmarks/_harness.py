@@ -54,6 +54,8 @@ def versions() -> dict[str, str]:
 
 
 def git_commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # set by gpu_run.sh from .bench_commit: the device copy's .git is stale
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -244,10 +244,14 @@ def check_case(case: Case, device: torch.device, backend: str = "triton") -> dic
             assert ours_err <= fp32_bound, (name, ours_err, fp32_bound, trl_err)
         else:
             # both round their GEMM operand (TRL dL/dz, ours p·f or dL/dz) once and the result once to the dtype:
-            # the Frobenius error of N·H independent roundings varies by far less than 5% between two such heads;
-            # and neither can exceed 4u (two roundings of relative u, x2 for the cancellation in Σ (1[j=y]-p_j) w_j)
+            # the Frobenius error of N·H independent roundings varies by far less than 5% between two such heads
             assert ours_err <= 1.05 * trl_err + fp32_bound, (name, ours_err, trl_err)
-            assert ours_err <= 4 * u, (name, ours_err, 4 * u)
+            # and neither exceeds: the two roundings (2u), plus the tile's rounding of each logit (u·k|x_j|) carried
+            # through the softmax into p_j (and, with the entropy gradient, into z_j - μ): 2u·k·x_rms. Measured on an
+            # H100 at T 0.7-0.8 / scale 2: 5-6u, where a plain 4u (no logit term) was exceeded, TRL included.
+            k = abs(case.scale) / case.temperature
+            cap = 2 * u * (1 + k * ref.x_rms_max)
+            assert ours_err <= cap, (name, ours_err, cap)
     return {"logp": (err.max().item(), t_err.max().item()), "dH": (gh_err, t_gh_err), "bound_use": worst}
 
 

@@ -272,3 +272,30 @@ def test_factored_projection_vs_gram(precision, shape, device):
         assert rel(du, ref_u.float()) > 0.5  # the projection removed a large component: the checks can fail
         if precision in ONE_PASS:  # one rounded pass leaves ~unit: the reduced precision is really in use
             assert left >= 0.05 * unit, (kind, left)
+
+
+# ---- the SVD behind the factors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2048, 2048), (4096, 1024), (1024, 4096)], ids=["square", "tall", "wide"])
+@pytest.mark.parametrize("force_fp64", [False, True], ids=["gesvda", "fp64-fallback"])
+def test_thin_svd_is_orthonormal_to_fp32(shape, force_fp64, cuda, monkeypatch):
+    """CUDA's default SVD driver leaves ~1e-3 orthogonality defects at 2048x2048; thin_svd's factors are
+    orthonormal and reconstruct to fp32 level on both of its paths (gesvda checked, fp64 when the check fails)."""
+    from leantrain.osft import linear
+
+    if force_fp64:
+        monkeypatch.setattr(linear, "_accurate", lambda *args: False)
+    torch.manual_seed(0)
+    w = torch.randn(*shape, device=cuda) / math.sqrt(shape[1])
+    w[:, :8] *= 1e3  # a spread of singular values, like trained weights
+    u, s, vh = linear.thin_svd(w)
+    assert u.dtype == s.dtype == vh.dtype == torch.float32 and u.device.type == "cuda"
+    k = min(shape)
+    eye = torch.eye(k, dtype=torch.float64, device=cuda)
+    defect = max((u.double().t() @ u.double() - eye).abs().max(), (vh.double() @ vh.double().t() - eye).abs().max())
+    error = rel((u.double() * s.double()) @ vh.double(), w.double())
+    bound = 8 * U32 * math.sqrt(k)  # the acceptance check's own level (~1e-7 measured)
+    assert float(defect) <= bound and error <= bound, (float(defect), error, bound)
+    default = torch.linalg.svd(w, full_matrices=False)[0].double()  # the negative control: the check can fail
+    assert float((default.t() @ default - eye).abs().max()) > bound
