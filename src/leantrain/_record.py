@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from importlib import metadata
 from typing import Any
 
 from transformers import TrainerCallback
 
+from ._compat import installed
 from ._patching import Undo
 from .config import ResolvedConfig
 from .report import PatchReport
@@ -46,13 +46,6 @@ class ReportLogCallback(TrainerCallback):
             state.log_history.append({**entry, "step": state.global_step})
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def record(config: ResolvedConfig, report: PatchReport) -> dict[str, Any]:
     """The content of ``leantrain.json``."""
     from . import __version__
@@ -62,7 +55,7 @@ def record(config: ResolvedConfig, report: PatchReport) -> dict[str, Any]:
         for name, value in vars(config.config).items()
     }
     return {
-        "versions": {"leantrain": __version__, **{name: _version(name) for name in VERSIONED}},
+        "versions": {"leantrain": __version__, **{name: installed(name) for name in VERSIONED}},
         "options": options,
         "report": report.to_dict(),
     }
