@@ -28,7 +28,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
+from _harness import QWEN25_SHAPES, RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain.cggr.selection import select_topk, targets_of  # noqa: E402
@@ -47,28 +47,7 @@ SHAPES = {  # (config class, fields); vocab 151936 for the Qwen shapes, tied emb
             num_key_value_heads=3,
         ),
     ),
-    "qwen2.5-0.5b": (
-        "Qwen2Config",
-        dict(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-        ),
-    ),
-    "qwen2.5-1.5b": (
-        "Qwen2Config",
-        dict(
-            vocab_size=151936,
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-        ),
-    ),
+    **{name: ("Qwen2Config", fields) for name, fields in QWEN25_SHAPES.items()},
 }
 SMOKE_SHAPES = {
     "tiny-llama": (

@@ -67,7 +67,15 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, Row, markdown_table, read_rows, stacked_bar_panels, write_results  # noqa: E402
+from _harness import (  # noqa: E402
+    QWEN25_SHAPES,
+    RESULTS,
+    Row,
+    markdown_table,
+    read_rows,
+    stacked_bar_panels,
+    write_results,
+)
 
 
 NAME = "recipes"
@@ -97,28 +105,8 @@ def log(message: str) -> None:
 # -- shapes and settings -------------------------------------------------------------------------------------------
 
 QWEN = {  # released configs (tied embeddings); rope settings do not change the cost
-    "qwen2.5-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-    ),
-    "qwen2.5-1.5b": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-    ),
+    name: dict(fields, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6)
+    for name, fields in QWEN25_SHAPES.items()
 }
 LLAMA_1B = dict(  # Llama-3.2-1B
     vocab_size=128256,
