@@ -34,20 +34,20 @@ pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available
 
 bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as bnbf  # noqa: E402
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._patching import Undo  # noqa: E402
 from leantrain.moe4bit import _grouped, _layouts, readiness  # noqa: E402
 from leantrain.moe4bit._stacks import state_tensors  # noqa: E402
 from leantrain.moe4bit.quantize import STACK_NAMES  # noqa: E402
-from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
+from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
+from tests.parity import test_moe4bit as parity  # noqa: E402
 
 
-HIDDEN, INTER, T, VOCAB = 128, 64, 40, 256  # multiples of the blocksize (bitsandbytes' CPU dequantize needs it)
+HIDDEN = parity.HIDDEN  # the experts' sizes (parity.stock_experts): multiples of the blocksize
+T, VOCAB = 40, 256
 FP32_REL = 256 * torch.finfo(torch.float32).eps
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
 ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
@@ -82,28 +82,12 @@ def all_on(tensors, device: torch.device) -> None:
 
 def stock_experts(family: str, num_experts: int = 6) -> torch.nn.Module:
     """Stock transformers experts (eager loop), random weights large enough to exercise gpt-oss's clamp."""
-    if family == "gpt_oss":
-        config = transformers.GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=num_experts)
-        cls = GptOssExperts
-    else:
-        config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=num_experts)
-        cls = Qwen3MoeExperts
-    config._experts_implementation = "eager"
-    torch.manual_seed(0)
-    module = cls(config)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0, 0.25)
-    return module.requires_grad_(False)
+    return parity.stock_experts(family, num_experts)
 
 
 def four_bit(layout: str, stock: torch.nn.Module, nested: bool = True) -> torch.nn.Module:
     """Quantized where ``stock`` lives (bitsandbytes quantizes Linear4bit on its first move to a device)."""
-    if layout == "linear4bit":
-        return linear4bit_experts_from(stock, compress_statistics=nested)
-    module = copy.deepcopy(stock)
-    leantrain.quantize_experts_4bit(module, compress_statistics=nested)
-    return module
+    return parity.four_bit(layout, stock, nested)
 
 
 def module_tensors(layout: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
