@@ -2,8 +2,13 @@
 # Run on the GPU machine from the repo root: install the pinned wheels carried in .whl/, then run the named
 # benchmarks (and the CUDA parity tests with "parity"). Results are tarred into $OUT/results.tgz, logs into $OUT.
 #   bash benchmarks/gpu_run.sh parity grpo_logps moe4bit recipes=--recipe,grpo
-# The device copy has no .git: write `git rev-parse --short HEAD > .bench_commit` first and carry it with .whl.
+# The device copy's .git (if any) is not this checkout's: write `git rev-parse --short HEAD > .bench_commit` first and carry it with .whl.
 set -uo pipefail
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_run.sh: $(command -v python3) has no CUDA-enabled torch: run this on the GPU machine (its python3 holds" \
+    "PyTorch); on a CPU machine the README's test command runs the suite (the gpu tests skip there)" >&2
+  exit 2
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1
 export BENCH_RESULTS=${OUT:-/tmp/out}/results BENCH_COMMIT=$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
