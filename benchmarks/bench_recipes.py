@@ -203,7 +203,7 @@ FULL = Settings(
     grpo_generations=8,
     grpo_completion=256,
     grpo_betas=(0.04, 0.0),
-    grpo_steps=(1, 3),
+    grpo_steps=(2, 4),
     sft_shapes=QWEN,
     sft_batch=8,
     sft_seq=2048,
@@ -490,11 +490,21 @@ def collect(rec: dict[str, Any], trainer: Any, clock: StepClock, steps: tuple[in
     rec["metrics"] = {k: v for k, v in metrics.items() if v}
 
 
-def run_group(variants: Sequence[Variant], steps: tuple[int, int], s: Settings, budget: Budget) -> list[dict]:
-    """Run variants that are compared with each other, or skip all of them when the budget cannot hold the group."""
-    if not budget.allows(len(variants)):
+def run_group(
+    variants: Sequence[Variant], steps: tuple[int, int], s: Settings, budget: Budget, prime: bool = False
+) -> list[dict]:
+    """Run variants that are compared with each other, or skip all of them when the budget cannot hold the group.
+
+    ``prime`` first runs every variant once untimed on the same steps and data, and discards it: compile and
+    specialization caches (TRL's Triton kernels and torch.compile'd chunks, leantrain's kernels, cuBLAS heuristics)
+    fill per process and per shape, and without a priming round whichever variant runs first pays for them."""
+    if not budget.allows(len(variants) * (2 if prime else 1)):
         reason = f"recipe time budget ({budget.seconds:.0f} s) would be exceeded"
         return [run_variant(Variant(**{**v.__dict__, "skip": reason}), steps, s) for v in variants]
+    if prime:
+        for v in variants:
+            log(f"{v.recipe} {v.config} {v.name}: priming round (untimed, discarded)")
+            budget.record(run_variant(v, steps, s).get("wall_s", 0.0))
     records = []
     for v in variants:
         rec = run_variant(v, steps, s)
@@ -667,7 +677,8 @@ def recipe_grpo(s: Settings, budget: Budget, args: argparse.Namespace) -> list[d
                     settings,
                 )
                 order = [stock, patched] if i % 2 == 0 else [patched, stock]  # alternate: drift shows as noise
-                records += run_group(filtered(order, args.only), s.grpo_steps, s, budget)
+                # the first config of a shape primes the kernels of both variants (beta > 0 runs every one of them)
+                records += run_group(filtered(order, args.only), s.grpo_steps, s, budget, prime=i == 0)
             pristine = None
             cleanup()
     finally:
