@@ -1,0 +1,232 @@
+"""COMPATIBILITY.md from the CI run itself: each tested version set patches a tiny CPU trainer of each kind per
+optimization and records what leantrain's report says; the markdown is rendered from those records.
+
+    python .ci/compat_table.py record OUT.json              # in one venv: patch every scenario, write the outcomes
+    python .ci/compat_table.py render A.json ... [--check F] # markdown to stdout, or fail if F differs from it
+
+Each optimization is requested explicitly (``True``; the others off), so the table shows whether the installed
+versions can run it and, if not, the probe's reason. Auto mode declines further where an optimization would not
+pay on the device (README, "Using each optimization"); the parity tests of the same CI run check that what applies
+here matches the stock path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit")
+PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes")
+VOCAB = 256
+
+
+def _rows(n: int = 8, length: int = 16) -> list[dict[str, Any]]:
+    import torch
+
+    ids = torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def _args(cls: Callable[..., Any], out: str, **extra: Any) -> Any:
+    common = dict(output_dir=out, max_steps=1, per_device_train_batch_size=4, report_to="none", use_cpu=True)
+    return cls(**common, save_strategy="no", **extra)
+
+
+def plain_trainer(model: Any, out: str) -> Any:
+    import transformers
+
+    return transformers.Trainer(model=model, args=_args(transformers.TrainingArguments, out), train_dataset=_rows())
+
+
+def llama() -> Any:
+    from leantrain.tiny import tiny_model
+
+    return tiny_model("llama", vocab_size=VOCAB, layers=4).train()
+
+
+def sft_trainer(out: str) -> Any:
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer
+
+    tok = train_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok), layers=4).train()
+    data = Dataset.from_dict({"text": corpus_texts()[:8]})
+    args = _args(SFTConfig, out, max_length=32)
+    return SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+
+
+def rl_trainer(kind: str, out: str) -> Any:
+    import trl
+    from datasets import Dataset
+
+    from leantrain.tiny import tiny_model, train_tokenizer
+
+    tok = train_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tok), layers=2)
+    model.save_pretrained(f"{out}/model")  # the reference model (beta > 0) is loaded from the policy's path
+    model.config._name_or_path = f"{out}/model"
+    config_cls, trainer_cls = getattr(trl, f"{kind}Config"), getattr(trl, f"{kind}Trainer")
+    args = _args(config_cls, out, num_generations=4, max_completion_length=8, bf16=False)
+    return trainer_cls(
+        model=model,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a b c"] * 8}),
+        processing_class=tok,
+    )
+
+
+def moe_trainer(family: str, layout: str, out: str) -> Any:
+    """A tiny MoE with 4-bit experts: ``stacked`` = stock 3-D experts through quantize_experts_4bit, ``linear4bit``
+    = per-expert bitsandbytes lists (the community gpt-oss layout)."""
+    import leantrain
+    from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts
+    from leantrain.tiny import tiny_model
+
+    model = tiny_model(family, vocab_size=VOCAB, hidden=128, layers=2)
+    if layout == "stacked":
+        leantrain.quantize_experts_4bit(model)
+    else:
+        convert_model_to_linear4bit_experts(model)
+    return plain_trainer(model.train(), out)
+
+
+# (optimization, scenario label, trainer builder)
+SCENARIOS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
+    ("cggr", "SFTTrainer", sft_trainer),
+    ("cggr", "Trainer", lambda out: plain_trainer(llama(), out)),
+    ("grpo_logps", "GRPOTrainer", lambda out: rl_trainer("GRPO", out)),
+    ("grpo_logps", "RLOOTrainer", lambda out: rl_trainer("RLOO", out)),
+    ("osft", "Trainer", lambda out: plain_trainer(llama(), out)),
+    ("osft", "SFTTrainer", sft_trainer),
+    (
+        "moe4bit",
+        "Trainer, Qwen3-MoE 3-D experts (quantize_experts_4bit)",
+        lambda o: moe_trainer("qwen3_moe", "stacked", o),
+    ),
+    (
+        "moe4bit",
+        "Trainer, gpt-oss 3-D experts (quantize_experts_4bit)",
+        lambda o: moe_trainer("gpt_oss", "stacked", o),
+    ),
+    ("moe4bit", "Trainer, gpt-oss Linear4bit expert lists", lambda o: moe_trainer("gpt_oss", "linear4bit", o)),
+)
+
+
+def _one_line(text: object) -> str:
+    """One markdown-safe line; measured floats (reconstruction errors, ...) masked so that every CPU writes the
+    same table."""
+    line = " ".join(str(text).split()).replace("|", "\\|")
+    return re.sub(r"\b\d\.\d+e[-+]?\d+\b", "<measured>", line)
+
+
+def run_scenario(name: str, build: Callable[[str], Any]) -> dict[str, str]:
+    """Build the trainer, request ``name`` alone, and record applies / declines with the reason."""
+    import torch
+
+    import leantrain
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer = build(out)
+        except Exception as error:  # the model or trainer cannot even be built with these versions
+            return {"status": "declines", "why": f"setup fails: {type(error).__name__}: {_one_line(error)}"}
+        toggles = {o: (o == name) for o in OPTIMIZATIONS}
+        try:
+            report = leantrain.patch_trainer(trainer, environ={}, **toggles)
+        except leantrain.NotReadyError as error:
+            return {"status": "declines", "why": _one_line(error).split(": ", 1)[-1]}
+        outcome = report[name]
+        leantrain.unpatch_trainer(trainer)
+    return {"status": outcome.status.value, "why": _one_line(outcome.detail or "; ".join(outcome.reasons))}
+
+
+def record(path: str) -> int:
+    from importlib import metadata
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from leantrain._compat import current_set
+
+    tested = current_set()
+    versions = {}
+    for package in PACKAGES:
+        try:
+            versions[package] = metadata.version(package).split("+")[0]
+        except metadata.PackageNotFoundError:
+            versions[package] = "-"
+    rows = []
+    for name, label, build in SCENARIOS:
+        result = run_scenario(name, build)
+        print(f"{name:<11} {label:<58} {result['status']}: {result['why'][:140]}", flush=True)
+        rows.append({"optimization": name, "scenario": label, **result})
+    data = {"set": tested.name if tested else "untested", "label": tested.label if tested else "", "rows": rows}
+    data["versions"] = versions
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+def render(records: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Compatibility",
+        "",
+        "<!-- Generated by .ci/compat_table.py from the CI run (.ci/run); do not edit by hand. -->",
+        "",
+        "Every tested version set patches a tiny CPU trainer per optimization, requesting that optimization alone",
+        "(`True`), and records leantrain's report: **applies** (the path it takes) or **declines** (the probe's",
+        "reason). In auto mode an optimization also declines where it would not pay on the device (see the README).",
+        "The same CI run runs each optimization's CPU parity tests against every set.",
+        "",
+        "| set | " + " | ".join(PACKAGES) + " |",
+        "| --- | " + " | ".join("---" for _ in PACKAGES) + " |",
+    ]
+    for rec in records:
+        lines.append(f"| `{rec['set']}` | " + " | ".join(rec["versions"][p] for p in PACKAGES) + " |")
+    for name in OPTIMIZATIONS:
+        lines += ["", f"## `{name}`", "", "| set | trainer | result |", "| --- | --- | --- |"]
+        for rec in records:
+            for row in rec["rows"]:
+                if row["optimization"] == name:
+                    lines.append(f"| `{rec['set']}` | {row['scenario']} | **{row['status']}**: {row['why']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "record":
+        return record(argv[1])
+    if argv and argv[0] == "render":
+        check = None
+        if "--check" in argv:
+            check = Path(argv[argv.index("--check") + 1])
+            argv = argv[: argv.index("--check")]
+        text = render([json.loads(Path(p).read_text()) for p in argv[1:]])
+        if check is None:
+            sys.stdout.write(text)
+            return 0
+        if not check.exists() or check.read_text() != text:
+            sys.stdout.write(text)
+            print(
+                f"\n{check} differs from what this run generated (above): the tested versions or an outcome "
+                f"changed. Update it with: bash .ci/matrix.sh --write",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{check} matches this run")
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
