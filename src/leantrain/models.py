@@ -17,7 +17,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         seen.add(id(model))
         if hasattr(model, "_orig_mod"):
             model = model._orig_mod
-        elif type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"):
+        elif type(model).__name__ in (
+            "DistributedDataParallel",
+            "FullyShardedDataParallel",
+            "DataParallel",
+            "DeepSpeedEngine",  # TRL wraps the reference model in its own (inference) engine
+        ):
             model = model.module
         elif hasattr(model, "get_base_model") and callable(model.get_base_model):
             model = model.get_base_model()

@@ -54,6 +54,13 @@ NORM_RTOL = 2e-5
 #   rounding. Bound the worst element at 5% of one step, and the mean, which averages the noise, tightly.
 PARAM_MAX_ATOL = 0.05 * LR
 PARAM_MEAN_ATOL = 1e-7
+# - the 4-bit MoE (test_moe4bit_distributed.py, test_deepspeed.py): one embedding element (token 198 first appears at
+#   step 2, where its gradient is a rounding-level ~1e-9 sum) takes Adam's first bias-corrected update,
+#   lr * 0.53 g / (0.71 |g| + 1e-8), whose size and sign rounding decides: measured 1.05e-4 = 0.105 lr from the single
+#   process under FSDP2 and ZeRO-2 (DDP 5.0e-5, ZeRO-3 3.3e-5), every other element within 1e-5. A quarter step
+#   bounds it; the mean (measured <= 4.6e-10) keeps PARAM_MEAN_ATOL, which a real error (an expert output or
+#   gradient off) exceeds by orders of magnitude.
+MOE_PARAM_MAX_ATOL = 0.25 * LR
 
 
 def free_port() -> int:
@@ -96,7 +103,7 @@ def param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[
     return max(worst.values()), total / sum(t.numel() for t in a.values()), max(worst, key=worst.get)
 
 
-def trajectory_mismatches(ref: dict, got: dict) -> list[str]:
+def trajectory_mismatches(ref: dict, got: dict, param_max_atol: float = PARAM_MAX_ATOL) -> list[str]:
     bad = []
     assert len(ref["loss"]) == len(got["loss"]) == worker.STEPS
     for step, (a, b) in enumerate(zip(ref["loss"], got["loss"])):
@@ -106,12 +113,25 @@ def trajectory_mismatches(ref: dict, got: dict) -> list[str]:
         if not math.isclose(a, b, rel_tol=NORM_RTOL):
             bad.append(f"grad_norm step {step}: {a} vs {b}")
     largest, mean, name = param_diff(ref["params"], got["params"])
-    if largest > PARAM_MAX_ATOL or mean > PARAM_MEAN_ATOL:
+    if largest > param_max_atol or mean > PARAM_MEAN_ATOL:
         bad.append(f"params: max |diff| {largest:.3g} ({name}), mean |diff| {mean:.3g}")
     return bad
 
 
-def status(report: dict, name: str) -> str:
+def summary(reference: dict, got: dict) -> str:
+    """The measured distances, for the log (``pytest -s``)."""
+    largest, mean, _ = param_diff(reference["params"], got["params"])
+    loss = max(abs(a - b) / abs(a) for a, b in zip(reference["loss"], got["loss"]))
+    norm = max(abs(a - b) / a for a, b in zip(reference["grad_norm"], got["grad_norm"]))
+    return f"loss rel {loss:.2g}, grad norm rel {norm:.2g}, params max {largest:.2g} mean {mean:.2g}"
+
+
+def status(report: dict | None, name: str) -> str:
+    """The optimization's status in a report dict; a patch-time ``NotReadyError`` reads "declined: <message>"."""
+    if report is None:
+        return "no report"
+    if "declined" in report:
+        return f"declined: {report['declined']}"
     return next(o["status"] for o in report["outcomes"] if o["name"] == name)
 
 
@@ -138,10 +158,7 @@ def test_matches_single_process(runs, case, engine):
         assert status(result["report"], name) == "applied", (rank, result["report"])  # after train(): no fallback
     for name_, value in ranks[0]["params"].items():  # replicas (DDP) / gathered shards (FSDP2) agree exactly
         assert torch.equal(value, ranks[1]["params"][name_]), name_
-    largest, mean, _ = param_diff(reference["params"], ranks[0]["params"])
-    loss = max(abs(a - b) / abs(a) for a, b in zip(reference["loss"], ranks[0]["loss"]))
-    norm = max(abs(a - b) / a for a, b in zip(reference["grad_norm"], ranks[0]["grad_norm"]))
-    print(f"{case}/{engine}: loss rel {loss:.2g}, grad norm rel {norm:.2g}, params max {largest:.2g} mean {mean:.2g}")
+    print(f"{case}/{engine}: {summary(reference, ranks[0])}")
     assert trajectory_mismatches(reference, ranks[0]) == []
 
 
@@ -149,8 +166,10 @@ def test_matches_single_process(runs, case, engine):
 def test_cggr_routes_locally_and_normalizes_like_the_trainer(runs, engine):
     """Each rank masks its own rows exactly as the single process masks them, and every rank's loss is divided by
     the kept-label count of the whole global batch (``average_tokens_across_devices``), like stock SFT."""
-    reference = runs("single")["sft_cggr"]
-    ranks = runs(engine)["sft_cggr"]
+    check_cggr_routing(runs("single")["sft_cggr"], runs(engine)["sft_cggr"])
+
+
+def check_cggr_routing(reference: dict, ranks: list[dict]) -> None:
     for step in range(worker.STEPS):
         local = [int(r["kept"][step].sum()) for r in ranks]
         valid = [int(r["valid"][step].sum()) for r in ranks]
@@ -174,8 +193,10 @@ def test_cggr_routes_locally_and_normalizes_like_the_trainer(runs, engine):
 def test_grpo_same_global_batch_and_full_head(runs, engine):
     """The ranks together scored exactly the single process's prompts and completions, and the fused op ran on every
     rank with the full [V, H] LM-head weight (FSDP2 shards it: TRL hands over ``full_tensor()``)."""
-    reference = runs("single")["grpo_fused"]
-    ranks = runs(engine)["grpo_fused"]
+    check_grpo_batch(runs("single")["grpo_fused"], runs(engine)["grpo_fused"])
+
+
+def check_grpo_batch(reference: dict, ranks: list[dict]) -> None:
     per_step = len(reference["completions"]) // worker.STEPS
     merged = []
     for step in range(worker.STEPS):

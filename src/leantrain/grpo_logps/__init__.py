@@ -57,9 +57,6 @@ class GrpoLogps(Optimization):
         if path not in ("fused", "legacy"):
             return Readiness.no(path)
         reasons: list[str] = []
-        zero3 = _trl.zero3_reason()
-        if zero3:
-            reasons.append(zero3)
         for label, model in _targets(trainer):
             reasons += [f"{label}: {r}" for r in _trl.head_reasons(model)]
             if path == "fused":
@@ -185,6 +182,7 @@ def _run_op(
             entropy_grad=entropy_grad,
             tile_mib=tile_mib,
             backend=backend,
+            weight_context=functools.partial(_trl.zero3_gather, weight) if hasattr(weight, "ds_id") else None,
         )
 
     if ops.default_backend(hidden.device) == "triton":

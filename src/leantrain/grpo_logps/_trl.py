@@ -118,8 +118,9 @@ def weight_reasons(weight: Any) -> list[str]:
     if not isinstance(weight, torch.Tensor):
         return [f"the LM head has no weight tensor (got {type(weight).__name__}): TRL's head runs"]
     reasons = []
-    if weight.dim() != 2:
-        reasons.append(f"the LM head weight is {weight.dim()}-D, expected [vocab, hidden]: TRL's head runs")
+    shape = getattr(weight, "ds_shape", weight.shape)  # ZeRO-3 partitioned: empty here, gathered around the op
+    if len(shape) != 2:
+        reasons.append(f"the LM head weight is {len(shape)}-D, expected [vocab, hidden]: TRL's head runs")
     if not weight.dtype.is_floating_point:
         reasons.append(f"the LM head weight is {weight.dtype} (a quantized head): TRL's head runs")
     if weight.device.type == "meta":
@@ -127,14 +128,26 @@ def weight_reasons(weight: Any) -> list[str]:
     return reasons
 
 
-def zero3_reason() -> str | None:
-    try:
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    except Exception:
-        return None
-    if is_deepspeed_zero3_enabled():
-        return "DeepSpeed ZeRO-3 is not supported yet (the head weight would need gathering): TRL's head runs"
-    return None
+def zero3_gather(*params: torch.Tensor | None) -> Any:
+    """A context in which DeepSpeed ZeRO-3 partitioned ``params`` hold their full tensors (nothing to do elsewhere).
+
+    Like TRL's own fused head, it gathers only what is not available yet: inside the engine's forward, reading
+    ``lm_head.weight`` already gathers it for the running module (DeepSpeed >= 0.15 parameter access), and gathering
+    an available parameter again would release it under that module. The op's backward recomputes the logits tiles
+    with the weight (trainable head), so it enters the same context; the full-shape weight gradient it returns is
+    reduced and partitioned by ZeRO's own gradient hooks."""
+    pending = [p for p in params if p is not None and hasattr(p, "ds_id") and not _available(p)]
+    if not pending:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(pending, modifier_rank=None)
+
+
+def _available(param: torch.Tensor) -> bool:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return param.ds_status == ZeroParamStatus.AVAILABLE
 
 
 @dataclass
@@ -196,7 +209,7 @@ def fused_forward(model: nn.Module, call: FusedCall, *args: Any, **kwargs: Any):
         autocast = torch.autocast(hidden.device.type, enabled=False)
     need_entropy = "entropy" in st.outputs
     entropy_grad = need_entropy and call.entropy_grad()
-    with autocast:
+    with autocast, zero3_gather(weight):
         logp, entropy = call.run_op(st, hidden[mask], weight, labels[mask], need_entropy, entropy_grad)
     # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero), like TRL
     log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)

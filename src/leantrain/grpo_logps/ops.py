@@ -19,7 +19,9 @@ pass per tile that folds statistics and writes the GEMM operand in place).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,6 +44,8 @@ class OpConfig:
     tile_mib: int = 512
     backend: str = "torch"
     compute_dtype: torch.dtype | None = None
+    # the weight's full tensor for the backward's recompute (DeepSpeed ZeRO-3 re-gathers a partitioned head)
+    weight_context: Callable[[], AbstractContextManager] | None = field(default=None, compare=False)
 
     @property
     def k(self) -> float:
@@ -333,7 +337,9 @@ class LogpEntropyFunction(torch.autograd.Function):
                 grad.addcmul_(g_ent.float()[:, None], jacs[1])
             return grad.to(hidden.dtype), None, None, None
         # Trainable head, or an entropy gradient that the forward was not asked to prepare: recompute the tiles
-        with torch.autocast(hidden.device.type, enabled=False):
+        gather = ctx.cfg.weight_context
+        with torch.autocast(hidden.device.type, enabled=False), gather() if gather else nullcontext():
+            weight = ctx.saved_tensors[1]  # again, inside the gather: a released ZeRO-3 weight is empty outside it
             grads = _backward_recompute(hidden, weight, targets, log_z, mu, g_logp, g_ent, ctx.cfg, need_h, need_w)
         grad_h, grad_w = grads
         return (
@@ -356,11 +362,13 @@ def logp_entropy(
     entropy_grad: bool = False,
     tile_mib: int = 512,
     backend: str | None = None,
+    weight_context: Callable[[], AbstractContextManager] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token fp32 log p(target) and entropy of ``softcap(logit_scale·h·Wᵀ)/T``; targets < 0 give 0 for both.
 
     ``entropy_grad`` prepares the entropy gradient in the forward pass (frozen head); without it an entropy gradient
     still works, through a slower recompute. ``backend``: "torch", "triton" or None (triton on CUDA).
+    ``weight_context``: entered around the backward's use of ``weight`` (to gather a partitioned one).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [N, H] and weight [V, H], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
@@ -368,6 +376,6 @@ def logp_entropy(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     backend = backend or default_backend(hidden.device)
     cfg = OpConfig(temperature, logit_scale, softcap, need_entropy, entropy_grad, tile_mib, backend)
-    cfg = replace(cfg, compute_dtype=_compute_dtype(hidden, cfg))
+    cfg = replace(cfg, compute_dtype=_compute_dtype(hidden, cfg), weight_context=weight_context)
     _checks.check_inputs(hidden, weight, targets, backend, cfg.compute_dtype)  # before any launch
     return LogpEntropyFunction.apply(hidden, weight, targets.contiguous(), cfg)

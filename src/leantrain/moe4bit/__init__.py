@@ -38,6 +38,11 @@ def _group(reasons: list[tuple[str, str]]) -> tuple[str, ...]:
     )
 
 
+def _zero3(trainer: Any) -> bool:
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    return getattr(trainer, "is_deepspeed_enabled", False) and getattr(plugin, "zero_stage", None) == 3
+
+
 def readiness(model: Any) -> Readiness:
     """The probe on a model: not applicable without 4-bit MoE experts, else every reason the path cannot run."""
     from . import _layouts
@@ -120,7 +125,18 @@ class Moe4bit(Optimization):
         return (reason,) if reason else ()
 
     def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
-        return readiness(trainer.model)
+        ready = readiness(trainer.model)
+        if ready.applicable and not ready.reasons and _zero3(trainer):
+            return Readiness.no(
+                "DeepSpeed ZeRO-3 partitions every parameter, the packed 4-bit expert stacks included, and the "
+                "grouped path reads whole stacks: use ZeRO-2 (frozen 4-bit experts stay whole on every rank) or DDP"
+            )
+        if ready.applicable and not ready.reasons and getattr(trainer, "is_fsdp_enabled", False):
+            return Readiness.no(
+                "FSDP shards the packed 4-bit expert stacks, and the grouped path's plan holds the whole stacks "
+                "it saw at patch time: use DDP or DeepSpeed ZeRO-2 (frozen 4-bit experts stay whole on every rank)"
+            )
+        return ready
 
     def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
         from . import _layouts
