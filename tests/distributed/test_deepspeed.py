@@ -62,12 +62,10 @@ def runs(tmp_path_factory):
     def get(engine: str) -> dict:
         if engine not in cache:
             out = tmp_path_factory.mktemp(engine)
-            with pytest.MonkeyPatch.context() as mpatch:
-                if engine == "single":
-                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-                        mpatch.delenv(name, raising=False)
-                    cache[engine] = {c: worker.single(c, out / c) for c in REFERENCES}
-                else:
+            if engine == "single":
+                cache[engine] = base.single_runs(REFERENCES, out)
+            else:
+                with pytest.MonkeyPatch.context() as mpatch:
                     mpatch.setenv("DS_ACCELERATOR", "cpu")  # inherited by the spawned ranks
                     cache[engine] = base.spawn(engine, list(CASES), out)
         return cache[engine]

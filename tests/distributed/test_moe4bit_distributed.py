@@ -49,10 +49,7 @@ def runs(tmp_path_factory):
         if engine not in cache:
             out = tmp_path_factory.mktemp(engine)
             if engine == "single":
-                with pytest.MonkeyPatch.context() as mpatch:
-                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-                        mpatch.delenv(name, raising=False)
-                    cache[engine] = worker.single("moe4bit", out / "moe4bit")
+                cache[engine] = base.single_runs(["moe4bit"], out)["moe4bit"]
             else:
                 cache[engine] = base.spawn(engine, ["moe4bit"], out)["moe4bit"]
         return cache[engine]

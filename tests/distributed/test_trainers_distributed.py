@@ -74,6 +74,14 @@ def spawn(engine: str, cases: list[str], out: Path) -> dict[str, list[dict]]:
     return {c: [torch.load(out / f"{c}_rank{r}.pt", weights_only=False) for r in range(worker.WORLD)] for c in cases}
 
 
+def single_runs(cases: list[str] | tuple[str, ...], out: Path) -> dict[str, dict]:
+    """Each case in this process as a lone process: no torchrun variables from the caller's environment."""
+    with pytest.MonkeyPatch.context() as mpatch:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            mpatch.delenv(name, raising=False)
+        return {c: worker.single(c, out / c) for c in cases}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``runs(engine)`` -> {case: [result per rank]} ('single': one result), computed once per engine."""
@@ -83,10 +91,7 @@ def runs(tmp_path_factory):
         if engine not in cache:
             out = tmp_path_factory.mktemp(engine)
             if engine == "single":
-                with pytest.MonkeyPatch.context() as mpatch:
-                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-                        mpatch.delenv(name, raising=False)
-                    cache[engine] = {c: worker.single(c, out / c) for c in CASES}
+                cache[engine] = single_runs(CASES, out)
             else:
                 cases = list(CASES) + ([CONTROL] if engine == "ddp" else [])
                 cache[engine] = spawn(engine, cases, out)
