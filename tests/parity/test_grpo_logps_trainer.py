@@ -349,10 +349,7 @@ def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
     ready = opt.probe(trainer, leantrain.config.resolve_config({}, environ={}))
     assert ready.ready and f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n_values}-tuple)" in ready.detail
 
-    ids = torch.randint(3, 500, (4, 14))
-    att = torch.ones_like(ids)
-    att[0, -3:] = 0  # padded completion tail
-    k = 6
+    ids, att, k = legacy_inputs()
     stock = method(base, ids, att, k, compute_entropy=True)
     patch_trainer_calls = count_op_calls(monkeypatch)
     report = leantrain.patch_trainer(trainer, grpo_logps=True)
@@ -377,6 +374,14 @@ def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
     assert trainer._get_per_token_logps_and_entropies is method and "forward" not in base.__dict__
 
 
+def legacy_inputs() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(input_ids [4, 14], attention mask with a padded completion tail, logits_to_keep) for the legacy methods."""
+    ids = torch.randint(3, 500, (4, 14))
+    att = torch.ones_like(ids)
+    att[0, -3:] = 0  # padded completion tail
+    return ids, att, 6
+
+
 def _raise_injected(*args, **kwargs):
     raise RuntimeError("injected failure")
 
@@ -388,10 +393,7 @@ def test_legacy_real_trl_method(model_dir, tmp_path, monkeypatch):
     base = trainer.model
     name = _trl.legacy_method_name(trainer)
     method = getattr(trainer, name)
-    ids = torch.randint(3, 500, (4, 14))
-    att = torch.ones_like(ids)
-    att[0, -3:] = 0  # padded completion tail
-    k = 6
+    ids, att, k = legacy_inputs()
     stock = method(base, ids, att, k, compute_entropy=True)
     calls = count_op_calls(monkeypatch)
     report = leantrain.patch_trainer(trainer, grpo_logps=True)
