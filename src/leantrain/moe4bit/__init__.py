@@ -126,12 +126,14 @@ class Moe4bit(Optimization):
 
     def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
         ready = readiness(trainer.model)
-        if ready.applicable and not ready.reasons and _zero3(trainer):
+        if not ready.ready:
+            return ready
+        if _zero3(trainer):
             return Readiness.no(
                 "DeepSpeed ZeRO-3 partitions every parameter, the packed 4-bit expert stacks included, and the "
                 "grouped path reads whole stacks: use ZeRO-2 (frozen 4-bit experts stay whole on every rank) or DDP"
             )
-        if ready.applicable and not ready.reasons and getattr(trainer, "is_fsdp_enabled", False):
+        if getattr(trainer, "is_fsdp_enabled", False):
             return Readiness.no(
                 "FSDP shards the packed 4-bit expert stacks, and the grouped path's plan holds the whole stacks "
                 "it saw at patch time: use DDP or DeepSpeed ZeRO-2 (frozen 4-bit experts stay whole on every rank)"
