@@ -28,6 +28,7 @@ zero_grad, callbacks); tokens/s; peak memory above what was allocated before the
     python benchmarks/bench_recipes.py --recipe grpo        # one recipe (CUDA); also sft, moe_qlora, osft
     python benchmarks/bench_recipes.py                      # --recipe all: the four in turn (~25 min)
     python benchmarks/bench_recipes.py --smoke              # every recipe on tiny shapes on CPU (< 60 s)
+    python benchmarks/bench_recipes.py --smoke --device cuda    # the same on the GPU: its CUDA paths, in seconds
     python benchmarks/bench_recipes.py --merge a.json b.json    # rebuild recipes.{json,md,png} from several runs
     BENCH_RECIPE=grpo BENCH_RECIPE_SHAPES=qwen2.5-0.5b bash benchmarks/gpu_run.sh recipes   # the same, by env vars
 
@@ -380,7 +381,7 @@ class Budget:
     def __init__(self, seconds: float) -> None:
         self.seconds, self.start, self.longest = seconds, time.perf_counter(), 0.0
 
-    def allows(self, count: int = 1) -> bool:
+    def allows(self, count: float = 1) -> bool:
         return time.perf_counter() - self.start + count * self.longest <= self.seconds
 
     def record(self, wall_s: float) -> None:
@@ -441,6 +442,7 @@ def run_variant(v: Variant, steps: tuple[int, int], s: Settings) -> dict[str, An
         clock.install(trainer)
         if v.hooks is not None:
             v.hooks(trainer, clock)
+        trainer.args.max_steps = sum(steps)  # a priming round runs fewer steps than the trainer was built for
         transformers.set_seed(0)
         t2 = time.perf_counter()
         trainer.train()
@@ -498,13 +500,13 @@ def run_group(
     ``prime`` first runs every variant once untimed on the same steps and data, and discards it: compile and
     specialization caches (TRL's Triton kernels and torch.compile'd chunks, leantrain's kernels, cuBLAS heuristics)
     fill per process and per shape, and without a priming round whichever variant runs first pays for them."""
-    if not budget.allows(len(variants) * (2 if prime else 1)):
+    if not budget.allows(len(variants) * (1.5 if prime else 1)):
         reason = f"recipe time budget ({budget.seconds:.0f} s) would be exceeded"
         return [run_variant(Variant(**{**v.__dict__, "skip": reason}), steps, s) for v in variants]
-    if prime:
+    if prime:  # two steps: the first compiles, the second meets a new completion length (dynamic shapes)
         for v in variants:
-            log(f"{v.recipe} {v.config} {v.name}: priming round (untimed, discarded)")
-            budget.record(run_variant(v, steps, s).get("wall_s", 0.0))
+            log(f"{v.recipe} {v.config} {v.name}: priming round (2 steps, untimed, discarded)")
+            run_variant(v, (1, 1), s)
     records = []
     for v in variants:
         rec = run_variant(v, steps, s)
@@ -1253,6 +1255,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     parser.add_argument("--recipe", default=env("BENCH_RECIPE", "all"), choices=(*RECIPES, "all"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, every recipe (< 60 s)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="with --smoke: run the tiny shapes here (cuda: check the CUDA paths)"
+    )
     parser.add_argument("--shapes", default=env("BENCH_RECIPE_SHAPES"), help="comma-separated grpo / sft shapes")
     parser.add_argument(
         "--only",
@@ -1283,6 +1288,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("the recipes need CUDA; use --smoke on CPU")
     s = SMOKE if args.smoke else FULL
+    if args.device is not None:
+        if not args.smoke:
+            raise SystemExit("--device goes with --smoke (the full recipes run on CUDA)")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this machine has no CUDA device")
+        s = Settings(**{**s.__dict__, "device": args.device})
     if args.budget_s is not None:
         s = Settings(**{**s.__dict__, "budget_s": args.budget_s})
     if not s.cuda:

@@ -24,7 +24,7 @@ for job in "$@"; do
               tests 2>&1 | tee "${OUT:-/tmp/out}/parity.log" | tail -n 60 ;;
     *=*) # name=arg1,arg2: bench_name.py arg1 arg2 (e.g. recipes=--recipe,grpo)
        name=${job%%=*}; IFS=, read -ra args <<< "${job#*=}"
-       python3 "benchmarks/bench_$name.py" "${args[@]}" 2>&1 | tee "${OUT:-/tmp/out}/$name.log" | tail -n 60 ;;
+       python3 "benchmarks/bench_$name.py" "${args[@]}" 2>&1 | tee -a "${OUT:-/tmp/out}/$name.log" | tail -n 60 ;;
     *) python3 "benchmarks/bench_$job.py" 2>&1 | tee "${OUT:-/tmp/out}/$job.log" | tail -n 60 ;;
   esac
   rc=${PIPESTATUS[0]}
