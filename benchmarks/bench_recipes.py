@@ -636,7 +636,7 @@ def recipe_grpo(s: Settings, budget: Budget, args: argparse.Namespace) -> list[d
             pristine.save_pretrained(path)  # TRL builds the reference model from the policy's path when beta > 0
             pristine.config._name_or_path = str(path)
             log(f"grpo {shape}: built and saved in {time.perf_counter() - t0:.1f} s")
-            for i, beta in enumerate(s.grpo_betas):
+            for i, beta in enumerate(args.betas or s.grpo_betas):
                 config = f"{short_shape(shape)} beta={beta:g}"
                 settings = dict(
                     shape=shape,
@@ -678,7 +678,8 @@ def recipe_grpo(s: Settings, budget: Budget, args: argparse.Namespace) -> list[d
                     grpo_hooks,
                     settings,
                 )
-                order = [stock, patched] if i % 2 == 0 else [patched, stock]  # alternate: drift shows as noise
+                # alternate (drift shows as noise); --reverse swaps, to repeat a pair in the other order
+                order = [stock, patched] if (i + args.reverse) % 2 == 0 else [patched, stock]
                 # the first config of a shape primes the kernels of both variants (beta > 0 runs every one of them)
                 records += run_group(filtered(order, args.only), s.grpo_steps, s, budget, prime=i == 0)
             pristine = None
@@ -1249,6 +1250,10 @@ def merge(old: Sequence[Row], new: Sequence[Row]) -> list[Row]:
 # -- main ----------------------------------------------------------------------------------------------------------
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # Defaults from the environment too, so `BENCH_RECIPE=grpo bash benchmarks/gpu_run.sh recipes` picks one.
@@ -1270,6 +1275,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=env("BENCH_RECIPE_BUDGET_S"),
         help="per-recipe time budget (default 450 s on CUDA)",
     )
+    parser.add_argument("--betas", type=_floats, default=None, help="grpo: comma-separated betas (default 0.04,0)")
+    parser.add_argument("--reverse", action="store_true", help="grpo: each pair in the other order (leantrain first)")
     parser.add_argument("--merge", nargs="+", type=Path, help="only merge these recipes.json files and redraw")
     return parser.parse_args(argv)
 
