@@ -498,15 +498,17 @@ def run_group(
     """Run variants that are compared with each other, or skip all of them when the budget cannot hold the group.
 
     ``prime`` first runs every variant once untimed on the same steps and data, and discards it: compile and
-    specialization caches (TRL's Triton kernels and torch.compile'd chunks, leantrain's kernels, cuBLAS heuristics)
-    fill per process and per shape, and without a priming round whichever variant runs first pays for them."""
-    if not budget.allows(len(variants) * (1.5 if prime else 1)):
+    specialization caches (TRL's Triton kernels and torch.compile'd chunks, leantrain's kernels, cuBLAS heuristics,
+    and on the H100 SDPA's default attention backend: 0.1-2.7 s the first time a padded sequence length appears,
+    measured by benchmarks/sdpa_shape_warmup.py) fill per process and per shape, and without a priming round over
+    all the steps whichever variant first meets a length pays for it (a 2-step priming left steps 3-6 to it)."""
+    if not budget.allows(len(variants) * (2 if prime else 1)):
         reason = f"recipe time budget ({budget.seconds:.0f} s) would be exceeded"
         return [run_variant(Variant(**{**v.__dict__, "skip": reason}), steps, s) for v in variants]
-    if prime:  # two steps: the first compiles, the second meets a new completion length (dynamic shapes)
+    if prime:  # every step: each new padded length costs a one-time warm-up (SDPA's plans; see the docstring)
         for v in variants:
-            log(f"{v.recipe} {v.config} {v.name}: priming round (2 steps, untimed, discarded)")
-            run_variant(v, (1, 1), s)
+            log(f"{v.recipe} {v.config} {v.name}: priming round (untimed, discarded)")
+            budget.record(run_variant(v, steps, s).get("wall_s", 0.0))
     records = []
     for v in variants:
         rec = run_variant(v, steps, s)
@@ -1020,6 +1022,19 @@ def summary(rec: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def timed_steps(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return [st for st in config.get("steps") or [] if not st["warmup"]]
+
+
+def without_generation(config: dict[str, Any]) -> float | None:
+    """Median over the timed steps of step time minus generation (what the log-prob kernels can change), or None
+    for recipes that do not generate. Generation is launch-bound decoding with a wide per-step spread (see notes)."""
+    steps = timed_steps(config)
+    if not steps or not any(st["parts"].get("generation", 0.0) > 0 for st in steps):
+        return None
+    return statistics.median(st["total_ms"] - st["parts"]["generation"] for st in steps)
+
+
 def to_rows(rec: dict[str, Any]) -> list[Row]:
     ident = dict(
         recipe=rec["recipe"],
@@ -1093,12 +1108,16 @@ def table(rows: Sequence[Row]) -> str:
         "peak GiB",
         "final loss",
         "vs stock",
-    ] + (["device"] if len(devices) > 1 else [])
+    ]
+    generating = any(r.metric == "speed" and without_generation(r.config) is not None for r in main)
+    header += ["without generation ms (p50), vs stock"] if generating else []
+    header += ["device"] if len(devices) > 1 else []
     body = []
     for r in main:
         c = r.config
         if r.metric != "speed":
             cells = [r.mode, r.x_value, r.provider, r.metric, r.unit, "", _gib(c.get("peak_gib")), "", ""]
+            cells += [""] if generating else []
         else:
             base = find(main, r.mode, r.x_value, c.get("baseline"))
             ratio = (
@@ -1118,8 +1137,20 @@ def table(rows: Sequence[Row]) -> str:
                 "n/a" if loss is None else f"{loss:.5g}",
                 ratio,
             ]
+            if generating:
+                cells.append(_without_generation_cell(r, base))
         body.append(cells + ([r.device] if len(devices) > 1 else []))
     return markdown_table(header, body)
+
+
+def _without_generation_cell(r: Row, base: Row | None) -> str:
+    mine = without_generation(r.config)
+    if mine is None:
+        return ""
+    theirs = without_generation(base.config) if base is not None and base.metric == "speed" else None
+    if r.config.get("baseline") is None:
+        return f"{ms(mine)} (1)"
+    return f"{ms(mine)} ({theirs / mine:.2f}x)" if theirs is not None else f"{ms(mine)} (n/a)"
 
 
 def _gib(value: float | None) -> str:
@@ -1150,6 +1181,9 @@ def differences(rows: Sequence[Row], threshold: float = 0.02) -> list[str]:
             f"({change:+.1%}){flag}"
         )
         text += "; " + "; ".join(parts) if parts else "; no part moved by more than 2% of the step"
+        mine, theirs = without_generation(c), without_generation(b)
+        if mine is not None and theirs is not None:
+            text += f"; without generation {ms(theirs)} -> {ms(mine)} ms ({theirs / mine:.2f}x)"
         text += f"; final loss {b.get('final_loss'):.5g} -> {c.get('final_loss'):.5g}"
         same = completions_match(base, r)
         if same:
@@ -1173,6 +1207,21 @@ def completions_match(a: Row, b: Row) -> str:
     )
 
 
+def warmup_spikes(config: dict[str, Any], factor: float = 3.0) -> list[str]:
+    """Timed steps whose time outside generation exceeds ``factor`` x the variant's median: a one-time warm-up
+    (a new sequence length, a recompile) that the priming round did not absorb; the medians include it."""
+    steps = timed_steps(config)
+    rest = [st["total_ms"] - st["parts"].get("generation", 0.0) for st in steps]
+    if len(rest) < 3:
+        return []
+    typical = statistics.median(rest)
+    return [
+        f"step {st['step']} took {ms(r)} ms outside generation ({r / typical:.1f}x the median: a one-time warm-up)"
+        for st, r in zip(steps, rest)
+        if r > factor * typical
+    ]
+
+
 def notes(rows: Sequence[Row]) -> list[str]:
     out = []
     for r in main_rows(rows):
@@ -1186,6 +1235,10 @@ def notes(rows: Sequence[Row]) -> list[str]:
             )
         if c.get("patch_s") is not None:
             bits.append(f"patch_trainer {c['patch_s']:.1f} s")
+        bits += warmup_spikes(c)
+        gen = [st["parts"].get("generation", 0.0) / 1e3 for st in timed_steps(c)]
+        if any(gen):
+            bits.append(f"generation per timed step {min(gen):.1f}-{max(gen):.1f} s")
         if "cggr/kept_fraction" in metrics:
             kept = metrics["cggr/kept_fraction"]
             bits.append(f"CGGR kept fraction {min(kept):.3f}-{max(kept):.3f}")
@@ -1228,6 +1281,9 @@ def plot(rows: Sequence[Row], path: Path) -> None:
             label += "" if r.metric == "speed" else f" ({r.metric})"
             values = r.config["parts_ms"] if r.metric == "speed" else {}
             bars[label] = {p: max(0.0, v) / 1e3 for p, v in values.items()}
+            if values.get("generation", 0.0) > 0:  # generation hides the rest: the same bars again without it
+                rest = panels.setdefault(f"{recipe}: without generation", {})
+                rest[label] = {p: max(0.0, v) / 1e3 for p, v in values.items() if p != "generation"}
     title = "Training step time per recipe, stock vs leantrain (s, lower is better)"
     stacked_bar_panels(path, title, panels, PARTS, "s / step")
 

@@ -74,6 +74,22 @@ def test_merge_replaces_only_the_recipe_configs_run():
     ]
 
 
+def _steps(rows: list[tuple[bool, float, float]]) -> dict:
+    return {"steps": [{"step": i + 1, "warmup": w, "total_ms": tot, "parts": {"generation": gen}}
+                      for i, (w, tot, gen) in enumerate(rows)]}  # fmt: skip
+
+
+def test_time_outside_generation_and_warmup_spikes():
+    # warm-up steps ignored; timed rests 250, 2600 (a new sequence length), 260, 240 -> median 255
+    config = _steps([(True, 9000, 1000), (False, 8250, 8000), (False, 10600, 8000), (False, 9260, 9000),
+                     (False, 7240, 7000)])  # fmt: skip
+    assert bench_recipes.without_generation(config) == pytest.approx(255.0)
+    spikes = bench_recipes.warmup_spikes(config)
+    assert len(spikes) == 1 and spikes[0].startswith("step 3 took 2600 ms outside generation (10.2x")
+    assert bench_recipes.warmup_spikes(_steps([(False, 300, 0), (False, 320, 0), (False, 310, 0)])) == []
+    assert bench_recipes.without_generation(_steps([(False, 300, 0), (False, 320, 0)])) is None  # no generation
+
+
 # -- the smoke run (one subprocess for all tests below) ------------------------------------------------------------
 
 
