@@ -43,6 +43,30 @@ def _zero3(trainer: Any) -> bool:
     return getattr(trainer, "is_deepspeed_enabled", False) and getattr(plugin, "zero_stage", None) == 3
 
 
+def _fsdp2(trainer: Any) -> bool:
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
+    return getattr(trainer, "is_fsdp_enabled", False) and getattr(plugin, "fsdp_version", 1) == 2
+
+
+def _fsdp_reason(trainer: Any, model: Any) -> str | None:
+    """FSDP2 serves the stacked layout (the plan follows the unsharded stacks); FSDP1 flattens parameters and the
+    per-expert Linear4bit layout is consolidated into shared buffers that sharding would split."""
+    from . import _layouts
+
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    if not _fsdp2(trainer):
+        return "FSDP1 flattens the packed 4-bit expert stacks into its flat parameters: use FSDP2 (fsdp_version: 2)"
+    lists = [f.name for f in _layouts.find_experts(unwrap_model(model)) if f.layout != "stacked"]
+    if lists:
+        return (
+            f"FSDP2 would shard each expert's Linear4bit weight ({lists[0]}{' and more' if len(lists) > 1 else ''}),"
+            " which the grouped path reads as one consolidated stack: use DDP or DeepSpeed ZeRO-2, where frozen "
+            "4-bit experts stay whole on every rank"
+        )
+    return None
+
+
 def readiness(model: Any) -> Readiness:
     """The probe on a model: not applicable without 4-bit MoE experts, else every reason the path cannot run."""
     from . import _layouts
@@ -97,13 +121,23 @@ def _routing_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return indices, weights
 
 
-def _patched_forward(plan, check, fallback):
+def _fixed(plan, check):
+    """A plan built at patch time, served after the per-call check (a moved model takes the stock path)."""
+
+    def plan_for(hidden_states, indices, weights):
+        check(hidden_states, indices, weights)
+        return plan
+
+    return plan_for
+
+
+def _patched_forward(plan_for, fallback):
     from ._grouped import grouped_forward
 
     def make(original):
         def fast(hidden_states, *args, **kwargs):
             indices, weights = _routing_args(args, kwargs)
-            check(hidden_states, indices, weights)  # before any kernel: a moved model takes the stock path
+            plan = plan_for(hidden_states, indices, weights)  # before any kernel: raises into the fallback
             return grouped_forward(plan, hidden_states, indices, weights)
 
         def forward(hidden_states, *args, **kwargs):
@@ -133,27 +167,28 @@ class Moe4bit(Optimization):
                 "DeepSpeed ZeRO-3 partitions every parameter, the packed 4-bit expert stacks included, and the "
                 "grouped path reads whole stacks: use ZeRO-2 (frozen 4-bit experts stay whole on every rank) or DDP"
             )
-        if getattr(trainer, "is_fsdp_enabled", False):
-            return Readiness.no(
-                "FSDP shards the packed 4-bit expert stacks, and the grouped path's plan holds the whole stacks "
-                "it saw at patch time: use DDP or DeepSpeed ZeRO-2 (frozen 4-bit experts stay whole on every rank)"
-            )
-        return ready
+        reason = _fsdp_reason(trainer, trainer.model)
+        return Readiness.no(reason) if reason else ready
 
     def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
         from . import _layouts
 
         model = unwrap_model(trainer.model)
         recompute = bool(ctx.config.moe_recompute)
+        live = _fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
         undo = Undo()
         targets = []
         try:
             for found in _layouts.find_experts(model):
-                plan, check = _layouts.build_plan(found, undo, recompute)
-                undo.wrap_method(found.module, "forward", _patched_forward(plan, check, ctx.fallback))
+                if live:
+                    plan_for = _layouts.live_stacked_plan(found.module, recompute)
+                else:
+                    plan_for = _fixed(*_layouts.build_plan(found, undo, recompute))
+                undo.wrap_method(found.module, "forward", _patched_forward(plan_for, ctx.fallback))
                 targets.append(found.name)
         except BaseException:
             undo()
             raise
         detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"
+        detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
         return Applied(undo, tuple(targets), detail)

@@ -9,6 +9,7 @@ Two layouts:
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -483,3 +484,50 @@ def _stacked_plan(module: nn.Module, recompute: bool) -> tuple[ExpertsPlan, Call
         return not any(module.parametrizations[name].original.requires_grad for name in STACK_NAMES)
 
     return plan, _make_check(plan, snapshot, frozen, "packed expert stacks")
+
+
+PlanFor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], ExpertsPlan]
+
+
+def live_stacked_plan(module: nn.Module, recompute: bool) -> PlanFor:
+    """For FSDP2: the plan rebuilt on every call around the module's live packed stacks and biases.
+
+    ``fully_shard`` replaces the packed stacks and biases by shards and swaps the whole tensors in only around the
+    layer's forward and backward, so a plan captured at patch time would hold a stale whole copy. The quantization
+    states (absmax, code) are plain attributes that FSDP leaves whole on every rank: they are taken once. A forward
+    saves its plan for backward, whose recompute reads the same unsharded tensor after FSDP's pre-backward unshard
+    has refilled it. Per call: attribute reads and a few small objects, no device sync."""
+    template, _ = _stacked_plan(module, recompute)
+    states = [module.parametrizations[name][0].quant_state for name in STACK_NAMES]
+    projections = (template.gate_up, template.down)
+
+    def live(name: str, qs, proj: Projection, bias_name: str, device: torch.device) -> Projection:
+        plist = module.parametrizations[name]
+        packed = plist.original
+        if plist[0].quant_state is not qs:
+            raise RuntimeError(f"the quantization state of {name} was replaced after patching")
+        if type(packed) not in (torch.Tensor, nn.Parameter) or packed.dtype != torch.uint8:
+            raise RuntimeError(f"{name} is a {type(packed).__name__} of {packed.dtype}, not the whole packed stack")
+        if packed.numel() * 2 != proj.stack.numel or packed.device != device or packed.requires_grad:
+            raise RuntimeError(
+                f"{name}: {packed.numel()} packed bytes on {packed.device} (requires_grad={packed.requires_grad}); "
+                f"the plan needs {proj.stack.numel // 2}, frozen, on {device}"
+            )
+        bias = module._parameters.get(bias_name) if proj.bias is not None else None
+        if bias is not None and (bias.device != device or bias.requires_grad):
+            raise RuntimeError(f"{bias_name} on {bias.device} (requires_grad={bias.requires_grad}), inputs: {device}")
+        return dataclasses.replace(proj, stack=dataclasses.replace(proj.stack, data=packed.reshape(-1)), bias=bias)
+
+    def plan_for(hidden_states: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> ExpertsPlan:
+        device = hidden_states.device
+        if indices.device != device or weights.device != device:
+            raise RuntimeError(f"experts inputs on {device} / {indices.device} / {weights.device}")
+        if any(t.device != device for qs in states for t in state_tensors(qs).values()):
+            raise RuntimeError(f"the quantization states are not on the inputs' device {device}")
+        gate_up, down = (
+            live(name, qs, proj, bias_name, device)
+            for name, qs, proj, bias_name in zip(STACK_NAMES, states, projections, BIAS_NAMES)
+        )
+        return dataclasses.replace(template, gate_up=gate_up, down=down)
+
+    return plan_for
