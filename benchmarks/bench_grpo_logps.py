@@ -115,6 +115,32 @@ def bench_case(name, fn, hidden, weight, targets, mode, trainable, reps, warmup)
     return t, mem
 
 
+def gemm_count(mode: str, trainable: bool) -> int:
+    """The N x H x V GEMMs no log-prob op can avoid: the logits (forward); with grad, dH = dZ @ W (the forward's
+    logits reused); a trainable head adds dW = dZ^T @ H. Each is 2*N*H*V flops."""
+    return 1 if mode == "forward" else 3 if trainable else 2
+
+
+def gemm_floor(hidden: torch.Tensor, weight: torch.Tensor, mode: str, trainable: bool, reps: int, warmup: int):
+    """The floor: those GEMMs alone, back to back in the inputs' dtype (cuBLAS; the logits materialized, memory
+    ignored). A provider's ratio to it is what its softmax passes, recompute and tiling cost on top."""
+    count = gemm_count(mode, trainable)
+
+    def step(_i=0):
+        with torch.no_grad():
+            z = hidden @ weight.T
+            if count >= 2:
+                z @ weight
+            if count == 3:
+                z.T @ hidden
+
+    return time_fn(step, warmup=warmup, reps=reps)
+
+
+def tflops(n: int, h: int, v: int, mode: str, trainable: bool, ms: float) -> float:
+    return gemm_count(mode, trainable) * 2 * n * h * v / (ms * 1e-3) / 1e12
+
+
 def parity(device: str, shape, rows: int = 1024) -> list[tuple[str, float, float]]:
     """max |Δlogp| and relative dh error vs fp64 on the first `rows` tokens (bf16 inputs)."""
     n, h, v = shape
@@ -162,6 +188,10 @@ def main() -> None:
         label = f"N={n} H={h} V={v} {mode}{' trainable head' if trainable else ''}"
         groups.append(label)
         results = {}
+        floor = gemm_floor(hidden, weight, mode, trainable, reps, warmup)
+        config = dict(N=n, H=h, V=v, dtype=str(dtype), temperature=TEMPERATURE, trainable_head=trainable)
+        rows.append(Row.timing(BENCH, "gemm_floor", mode, "shape", f"{n}x{h}x{v}", floor, **config))
+        print(f"{label:48s} {'gemm_floor':18s} {floor.p50:9.2f} ms", flush=True)
         for name, fn in providers(device).items():
             if trainable and name not in ("trl_chunked", "leantrain_triton", "leantrain_torch", "materialized"):
                 continue
@@ -173,9 +203,12 @@ def main() -> None:
                 print(f"{label} {name}: {type(error).__name__}: {error}")
                 continue
             results[name] = (t, mem)
-            config = dict(N=n, H=h, V=v, dtype=str(dtype), temperature=TEMPERATURE, trainable_head=trainable)
             rows.append(Row.timing(BENCH, name, mode, "shape", f"{n}x{h}x{v}", t, **config))
             rows.append(Row(BENCH, name, mode, "memory", "GiB", "shape", f"{n}x{h}x{v}", mem, config=config))
+            achieved = tflops(n, h, v, mode, trainable, t.p50)
+            extra = {**config, "gemms": gemm_count(mode, trainable), "floor_ms": floor.p50}
+            shape = f"{n}x{h}x{v}"
+            rows.append(Row(BENCH, name, mode, "throughput", "TFLOP/s", "shape", shape, achieved, config=extra))
             print(f"{label:48s} {name:18s} {t.p50:9.2f} ms  {mem:6.3f} GiB", flush=True)
         for name, (t, mem) in results.items():
             trl_ms = results.get("trl_chunked", (None,))[0]
@@ -188,8 +221,12 @@ def main() -> None:
                     mem,
                     trl_ms.p50 / t.p50 if trl_ms else float("nan"),
                     cce_ms.p50 / t.p50 if cce_ms else float("nan"),
+                    tflops(n, h, v, mode, trainable, t.p50),
+                    t.p50 / floor.p50,
                 ]
             )
+        table.append([label, "gemm_floor", floor.p50, float("nan"), float("nan"), float("nan"),
+                      tflops(n, h, v, mode, trainable, floor.p50), 1.0])  # fmt: skip
         for name in providers(device):
             plot.setdefault(name, []).append(results[name][0].p50 if name in results else 0.0)
     for name, err, gerr in parity(device, shapes[0]):
@@ -199,7 +236,13 @@ def main() -> None:
         )
         rows.append(Row(BENCH, name, "parity", "quality", "rel_dh_err", "shape", str(shapes[0]), gerr, config=cfg))
         print(f"parity {name:18s} max|Δlogp| {err:.3e}  rel dh err {gerr:.3e}")
-    md = markdown_table(["case", "provider", "median ms", "peak GiB", "speed-up vs TRL", "speed-up vs CCE"], table)
+    header = ["case", "provider", "median ms", "peak GiB", "speed-up vs TRL", "speed-up vs CCE", "TFLOP/s", "x floor"]
+    md = markdown_table(header, table)
+    md += (
+        "\n\nTFLOP/s: the GEMMs no log-prob op can avoid (logits; dH with grad; dW with a trainable head; 2NHV flops "
+        "each) over the provider's time. x floor: its time over those GEMMs' alone (gemm_floor: cuBLAS, logits "
+        "materialized)."
+    )
     out = write_results(BENCH, rows, md)
     try:
         bar_plot(out / f"{BENCH}.png", "GRPO log-probs (median ms, lower is better)", groups, plot, "ms")
