@@ -8,25 +8,23 @@ and under each backend forced. Prints one line per call; ~1 minute on an H100:
     python3 benchmarks/sdpa_shape_warmup.py
 """
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import QWEN25_SHAPES  # noqa: E402
+
+
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-    )
+    fields = QWEN25_SHAPES["qwen2.5-0.5b"]
+    cfg = transformers.Qwen2Config(**fields, tie_word_embeddings=True, max_position_embeddings=32768)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().train()
     model.gradient_checkpointing_enable()
     return model
