@@ -4,6 +4,9 @@ Layer benchmark at gpt-oss-20b expert shapes (E=32, top-4, H=I=2880; bf16; fwd+b
 weights) at 512 / 4096 / 16384 tokens:
 - ``bnb loop``: per-expert ``bnb.nn.Linear4bit`` lists with the stock per-expert loop (community 4-bit gpt-oss);
 - ``leantrain grouped``: the same modules patched (one dequantize per stack + grouped GEMMs), recompute on / off;
+- ``leantrain fused (Triton)``: the same plan with ``kernel="fused"`` (a Triton grouped GEMM that reads the packed
+  4-bit stacks and dequantizes in registers; no dequantized stack is written); CUDA only, skipped with its reasons
+  elsewhere;
 - ``leantrain grouped (stacked)``: stock 3-D experts after ``leantrain.quantize_experts_4bit``;
 - ``transformers grouped_mm (4-bit stacked)``: the stock path of that module (dequantize-on-access parametrization);
 - ``grouped floor (pre-dequantized)``: leantrain's grouped path on pre-dequantized bf16 stacks (no dequantize);
@@ -36,13 +39,15 @@ from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_f
 
 import leantrain  # noqa: E402
 from leantrain._patching import Undo  # noqa: E402
-from leantrain.moe4bit import _grouped, _layouts  # noqa: E402
+from leantrain.moe4bit import _grouped, _layouts, _triton  # noqa: E402
 from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 
 
 NAME = "moe4bit"
 LOOP, GROUPED, FLOOR = "bnb loop", "leantrain grouped", "grouped floor (pre-dequantized)"
+FUSED = "leantrain fused (Triton)"
+DENSE_ROUTING = (LOOP, GROUPED, FUSED)  # the community layout's router returns dense [T, E] scores
 
 
 @dataclasses.dataclass
@@ -126,9 +131,16 @@ def providers(s: Setup) -> dict[str, object]:
     def grouped(p):
         return lambda x, idx, w: _grouped.grouped_forward(p, x, idx, w)
 
+    fused = {}
+    reasons = _triton.fused_reasons(plan.gate_up.stack, torch.empty(1, s.hidden, device=s.device, dtype=s.dtype))
+    if reasons:
+        print(f"skipping {FUSED}: {'; '.join(reasons)}", flush=True)
+    else:
+        fused[FUSED] = grouped(dataclasses.replace(plan, kernel="fused"))
     return {
         LOOP: loop,
         GROUPED: grouped(plan),
+        **fused,
         f"{GROUPED} (no recompute)": grouped(no_recompute),
         f"{GROUPED} (stacked)": grouped(stacked_plan),
         "transformers grouped_mm (4-bit stacked)": stacked,
@@ -156,7 +168,7 @@ def bench_layers(s: Setup, rows: list[Row]) -> dict[str, dict[int, float]]:
     config = {"experts": s.experts, "top_k": s.top_k, "hidden": s.hidden, "intermediate": s.inter, "dtype": dtype}
     for tokens in s.tokens:
         for name, fn in fns.items():
-            x, idx, weights, grad = layer_inputs(s, tokens, dense=name in (LOOP, GROUPED))
+            x, idx, weights, grad = layer_inputs(s, tokens, dense=name in DENSE_ROUTING)
 
             def step(_i: int = 0, fn=fn, x=x, idx=idx, weights=weights, grad=grad) -> None:
                 x.grad = weights.grad = None
@@ -244,6 +256,18 @@ def summary(s: Setup, medians: dict[str, dict[int, float]], rows: list[Row], mod
         for t in s.tokens
     ]
     lines += [markdown_table(header, ratios), ""]
+    if FUSED in medians:
+        header = ["tokens", "fused / grouped", "fused / floor", "grouped - fused GiB"]
+        ratios = [
+            [
+                t,
+                medians[FUSED][t] / medians[GROUPED][t],
+                medians[FUSED][t] / medians[FLOOR][t],
+                mem[(GROUPED, t)] - mem[(FUSED, t)],
+            ]
+            for t in s.tokens
+        ]
+        lines += [markdown_table(header, ratios), ""]
     mid = s.tokens[len(s.tokens) // 2]
     speedup, over_floor = medians[LOOP][mid] / medians[GROUPED][mid], medians[GROUPED][mid] / medians[FLOOR][mid]
     lines.append(
@@ -261,7 +285,7 @@ def summary(s: Setup, medians: dict[str, dict[int, float]], rows: list[Row], mod
     return "\n".join(lines)
 
 
-PROFILED = (FLOOR, "transformers grouped_mm (dense weights)", GROUPED, f"{GROUPED} (no recompute)")
+PROFILED = (FLOOR, "transformers grouped_mm (dense weights)", GROUPED, f"{GROUPED} (no recompute)", FUSED)
 GEMM_OPS = ("aten::_grouped_mm", "aten::mm", "aten::bmm", "aten::addmm")
 VIEW_OPS = {  # metadata-only ops: no kernel on a GPU
     f"aten::{n}"
@@ -292,8 +316,8 @@ def profile_summary(s: Setup, tokens: int, reps: int = 3) -> str:
 
     fns = providers(s)
     lines = [f"CPU profile, {tokens} tokens ({str(s.dtype).replace('torch.', '')}, best of {reps}):"]
-    for name in PROFILED:
-        x, idx, weights, grad = layer_inputs(s, tokens, dense=name in (LOOP, GROUPED))
+    for name in (name for name in PROFILED if name in fns):
+        x, idx, weights, grad = layer_inputs(s, tokens, dense=name in DENSE_ROUTING)
 
         def step(fn=fns[name], x=x, idx=idx, weights=weights, grad=grad) -> None:
             x.grad = weights.grad = None
@@ -334,7 +358,7 @@ def main() -> None:
     model = {} if args.no_model else bench_model(s, rows)
     table = summary(s, medians, rows, model)
     out_dir = write_results(NAME, rows, table, out_dir)
-    shown = [LOOP, GROUPED, f"{GROUPED} (stacked)", FLOOR]
+    shown = [name for name in (LOOP, GROUPED, FUSED, f"{GROUPED} (stacked)", FLOOR) if name in medians]
     bar_plot(
         out_dir / f"{NAME}.png",
         f"MoE layer E={s.experts} top-{s.top_k} H=I={s.hidden} {str(s.dtype).replace('torch.', '')} fwd+bwd",

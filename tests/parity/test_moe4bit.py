@@ -93,8 +93,9 @@ def routing(num_experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
 
 def run(fn, x0, logits0, idx, dense: bool, dtype, device: str = "cpu"):
     """Output, d(loss)/d(hidden) and d(loss)/d(router logits); routing weights are a softmax of the top logits."""
-    x = x0.to(device, dtype).requires_grad_()
-    logits = logits0.to(device, dtype).requires_grad_()
+    # copy=True: in fp32 on CPU `.to` would return x0 itself and every run would accumulate into the same .grad
+    x = x0.to(device, dtype, copy=True).requires_grad_()
+    logits = logits0.to(device, dtype, copy=True).requires_grad_()
     idx = idx.to(device)
     weights = logits.gather(1, idx).softmax(-1)
     if dense:  # the community router's dense [T, E] scores
