@@ -381,7 +381,7 @@ class Budget:
     def __init__(self, seconds: float) -> None:
         self.seconds, self.start, self.longest = seconds, time.perf_counter(), 0.0
 
-    def allows(self, count: float = 1) -> bool:
+    def allows(self, count: int = 1) -> bool:
         return time.perf_counter() - self.start + count * self.longest <= self.seconds
 
     def record(self, wall_s: float) -> None:
@@ -442,7 +442,6 @@ def run_variant(v: Variant, steps: tuple[int, int], s: Settings) -> dict[str, An
         clock.install(trainer)
         if v.hooks is not None:
             v.hooks(trainer, clock)
-        trainer.args.max_steps = sum(steps)  # a priming round runs fewer steps than the trainer was built for
         transformers.set_seed(0)
         t2 = time.perf_counter()
         trainer.train()
@@ -1026,13 +1025,17 @@ def timed_steps(config: dict[str, Any]) -> list[dict[str, Any]]:
     return [st for st in config.get("steps") or [] if not st["warmup"]]
 
 
+def outside_generation(step: dict[str, Any]) -> float:
+    return step["total_ms"] - step["parts"].get("generation", 0.0)
+
+
 def without_generation(config: dict[str, Any]) -> float | None:
     """Median over the timed steps of step time minus generation (what the log-prob kernels can change), or None
     for recipes that do not generate. Generation is launch-bound decoding with a wide per-step spread (see notes)."""
     steps = timed_steps(config)
     if not steps or not any(st["parts"].get("generation", 0.0) > 0 for st in steps):
         return None
-    return statistics.median(st["total_ms"] - st["parts"]["generation"] for st in steps)
+    return statistics.median(outside_generation(st) for st in steps)
 
 
 def to_rows(rec: dict[str, Any]) -> list[Row]:
@@ -1211,7 +1214,7 @@ def warmup_spikes(config: dict[str, Any], factor: float = 3.0) -> list[str]:
     """Timed steps whose time outside generation exceeds ``factor`` x the variant's median: a one-time warm-up
     (a new sequence length, a recompile) that the priming round did not absorb; the medians include it."""
     steps = timed_steps(config)
-    rest = [st["total_ms"] - st["parts"].get("generation", 0.0) for st in steps]
+    rest = [outside_generation(st) for st in steps]
     if len(rest) < 3:
         return []
     typical = statistics.median(rest)
