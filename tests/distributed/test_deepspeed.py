@@ -39,11 +39,7 @@ import _trainer_worker as worker  # noqa: E402
 import test_trainers_distributed as base  # noqa: E402  (helpers and tolerances; its tests stay in its module)
 
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.slow,
-    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed"),
-]
+pytestmark = base.pytestmark  # distributed, slow, needs torch.distributed
 
 ENGINES = tuple(worker.ZERO_STAGES)
 MOE_SKIP = worker.moe_skip_reason()

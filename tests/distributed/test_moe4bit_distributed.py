@@ -31,11 +31,7 @@ if worker.moe_skip_reason():
     pytest.skip(worker.moe_skip_reason(), allow_module_level=True)
 
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.slow,
-    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed"),
-]
+pytestmark = base.pytestmark  # distributed, slow, needs torch.distributed
 
 ENGINES = ("ddp", "fsdp2")
 

@@ -38,13 +38,18 @@ def _group(reasons: list[tuple[str, str]]) -> tuple[str, ...]:
     )
 
 
+def _plugin(trainer: Any, name: str) -> Any:
+    """accelerate's ``deepspeed_plugin`` / ``fsdp_plugin`` of the trainer's accelerator state, or None."""
+    return getattr(getattr(getattr(trainer, "accelerator", None), "state", None), name, None)
+
+
 def _zero3(trainer: Any) -> bool:
-    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    plugin = _plugin(trainer, "deepspeed_plugin")
     return getattr(trainer, "is_deepspeed_enabled", False) and getattr(plugin, "zero_stage", None) == 3
 
 
 def _fsdp2(trainer: Any) -> bool:
-    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
+    plugin = _plugin(trainer, "fsdp_plugin")
     return getattr(trainer, "is_fsdp_enabled", False) and getattr(plugin, "fsdp_version", 1) == 2
 
 
