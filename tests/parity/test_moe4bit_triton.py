@@ -47,8 +47,8 @@ LAYER_REL = {torch.float32: 256 * EPS32, torch.bfloat16: 4 * EPS_BF16}
 # The interpreter costs ~0.5 ms per tensor op per program: few, small programs. BLOCK_M 16 against groups of up to
 # 40 rows (several M tiles per group, partial tiles, empty groups in between); GEMM tests: BLOCK_N 64 / BLOCK_K 32
 # against 64..128 (several N tiles and K steps); whole-layer tests: one N tile, two K steps at most.
-GEMM_TILES = "TileConfig(block_m=16, block_n=64, block_k=32)"
-LAYER_TILES = "TileConfig(block_m=16, block_n=128, block_k=64)"
+GEMM_TILES = "TileConfig(block_m=16, block_n=64, block_k=32)"  # the W^T cases use the gather lookup, W the tree
+LAYER_TILES = "TileConfig(block_m=16, block_n=128, block_k=64, lookup='gather')"  # the default lookup
 GROUP_SIZES = [0, 21, 3, 0, 40, 0]  # empty first and last groups, one group of 40 > BLOCK_M
 
 _SCRIPT = textwrap.dedent(
@@ -83,8 +83,10 @@ _SCRIPT = textwrap.dedent(
                     stacks["linear4bit"] = consolidate_linear4bit(list(lin.down_projs), Undo())
                 for kind, stack in stacks.items():
                     for dt in DTYPES:
-                        saved[("dequant", qt, nested, bs, kind, dt)] = (
-                            _triton.dequantize_4bit(stack, dt), stack.dequantize(dt))
+                        ref = stack.dequantize(dt)
+                        for lookup in ("tree", "gather"):
+                            saved[("dequant", qt, nested, bs, kind, dt, lookup)] = (
+                                _triton.dequantize_4bit(stack, dt, lookup), ref)
 
     # (2) grouped GEMM, both orientations: stack [E, 64, 128]
     use_tiles(_triton.{GEMM_TILES})
@@ -98,7 +100,8 @@ _SCRIPT = textwrap.dedent(
         for dt in (torch.float32, torch.bfloat16):
             for transpose in (False, True):
                 a = torch.randn(rows, 128 if transpose else 64).to(dt)
-                out = _triton.grouped_mm_4bit(a, stack, offs, transpose)
+                tiles = dataclasses.replace(_triton.{GEMM_TILES}, lookup="gather" if transpose else "tree")
+                out = _triton.grouped_mm_4bit(a, stack, offs, transpose, tiles=tiles)
                 saved[("gemm", qt, dt, transpose)] = (a, stack.dequantize(dt), offs, out)
         # a non-contiguous activation (a column slice): strides, not copies
         a = torch.randn(rows, 2 * 64)[:, ::2]
@@ -147,10 +150,11 @@ def _items(results: dict, kind: str) -> list:
 
 
 def test_dequantize_kernel_bitwise_equals_bitsandbytes(interpreted):
-    """nf4/fp4 x nested or not x blocksize 64/128 x fp32/bf16/fp16, 3-D and consolidated per-expert stacks: the
-    GEMM's dequantize helper writes exactly bitsandbytes' values (so the GEMM multiplies the same operand)."""
+    """nf4/fp4 x nested or not x blocksize 64/128 x fp32/bf16/fp16, 3-D and consolidated per-expert stacks, both code
+    lookups (select tree, register gather): the GEMM's dequantize helper writes exactly bitsandbytes' values (so the
+    GEMM multiplies the same operand)."""
     cases = _items(interpreted, "dequant")
-    assert len(cases) == 2 * 2 * 2 * 3 + 2 * 2 * 3
+    assert len(cases) == 2 * (2 * 2 * 2 * 3 + 2 * 2 * 3)  # x2: both code lookups
     for key, (ours, ref) in cases:
         assert ours.dtype == ref.dtype and ours.shape == ref.shape, key
         assert torch.equal(ours, ref), f"{key}: max abs diff {(ours.float() - ref.float()).abs().max().item():.3g}"
@@ -258,25 +262,29 @@ def test_kernels_compile_for_cuda_offline(arch):
     pytest.importorskip("triton.backends.nvidia")
     tiles = _triton.DEFAULT_TILES[torch.bfloat16]
     pointers = {"packed_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "offs_ptr": "*i32"}
-    ints = {name: "i32" for name in ("N", "K", "stride_am", "stride_om", "stride_k")}
-    gemm = _compile(
-        _triton.grouped_kernel,
-        {**pointers, **ints, "a_ptr": "*bf16", "out_ptr": "*bf16", "expert_numel": "i64"},
-        {"stride_ak": 1, "stride_on": 1, "stride_n": 1, "E": 32, "E_POW2": 32, "LOG2_BLOCKSIZE": 6,
-         "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "PRECISION": "tf32",
-         "INTERPRETED": False},
-        arch, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+    ints = {name: "i32" for name in ("N", "K", "stride_am", "stride_om")}
+    gemms = [
+        _compile(
+            _triton.grouped_kernel,
+            {**pointers, **ints, "a_ptr": "*bf16", "out_ptr": "*bf16", "expert_numel": "i64"},
+            {"stride_ak": 1, "stride_on": 1, "E": 32, "E_POW2": 32, "LOG2_BLOCKSIZE": 6, "TRANSPOSED": transposed,
+             "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "PRECISION": "tf32",
+             "LOOKUP": lookup, "INTERPRETED": False},
+            arch, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+        for transposed in (False, True)
+        for lookup in ("tree", "gather")
+    ]  # fmt: skip
     flat = _compile(
         _triton.dequant_kernel,
-        {**pointers, "out_ptr": "*bf16", "numel": "i64"},
-        {"LOG2_BLOCKSIZE": 6, "BLOCK": _triton.DEQUANT_BLOCK, "INTERPRETED": False},
+        {**pointers, "out_ptr": "*bf16", "n_bytes": "i64"},
+        {"LOG2_BLOCKSIZE": 6, "BLOCK": _triton.DEQUANT_BLOCK, "LOOKUP": "tree", "INTERPRETED": False},
         arch, num_warps=4,
     )  # fmt: skip
-    for kernel in (gemm, flat):
+    for kernel in (*gemms, flat):
         ptx = kernel.asm["ptx"]
         assert "cvt.rn.bf16" in ptx and "cvt.rz.bf16" not in ptx
-    assert gemm.asm["cubin"]
+    assert all(gemm.asm["cubin"] for gemm in gemms)
 
 
 # ----------------------------------------------------------------------------------- reasons (no interpreter)
@@ -325,3 +333,8 @@ def test_fused_reasons_name_what_the_kernel_cannot_do(monkeypatch):
 def test_unknown_kernel_name_raises():
     with pytest.raises(ValueError, match="unknown experts kernel 'cutlass'"):
         _grouped.ExpertsPlan(2, 64, None, None, lambda h: h, False, kernel="cutlass")
+
+
+def test_unknown_code_lookup_raises():
+    with pytest.raises(ValueError, match="unknown code lookup 'table'"):
+        _triton.TileConfig(lookup="table")

@@ -110,7 +110,8 @@ class ExpertsPlan:
     dense_weights: bool  # routing weights arrive as [T, E] when their last dim is E
     recompute: bool = True
     # "dequant": dequantize each stack to the compute dtype, then torch's grouped_mm (the default);
-    # "fused": the Triton grouped GEMM that dequantizes in registers (CUDA; opt-in until measured on GPUs)
+    # "fused": the Triton grouped GEMM that dequantizes in registers (CUDA; opt-in: measured 2.4-4.5x slower on an
+    # H100, benchmarks/results/moe4bit_fused_kernel.md)
     kernel: str = "dequant"
 
     def __post_init__(self) -> None:

@@ -7,9 +7,11 @@ the HIGH nibble of byte ``i`` and ``2i + 1`` in the low one; one absmax per ``bl
 ``value = code[nibble] * absmax`` in fp32, then cast to the compute dtype. The dequantize below does exactly that,
 so a tile the GEMM multiplies holds bitwise the values ``PackedStack.dequantize`` would have written.
 
-One kernel serves both weight orientations through element strides: element ``(k, n)`` of group ``g``'s operand
-``B_g`` is flat element ``g * rows * cols + k * sk + n * sn`` (``W[g]``: ``sk = cols, sn = 1``; ``W[g]^T``:
-``sk = 1, sn = cols``).
+One kernel serves both weight orientations (``TRANSPOSED``): ``B_g = W[g]`` stored ``[E, K, N]`` or ``W[g]^T``
+stored ``[E, N, K]``. Either way a weight tile is loaded in its stored orientation, one contiguous run of bytes per
+stored row (the stored row length is even: whole bytes), split into nibbles that are decoded by a select tree over
+the 16 code values (no per-element memory gather) and interleaved back; the transposed case then transposes the
+tile in registers.
 
 Grid, without host syncs: axis 0 is an upper bound on the number of M tiles, ``cdiv(S, BLOCK_M) + E`` (each group
 adds at most one partial tile); every program reads the ``[E]`` group ends ``offs``, finds the group its tile index
@@ -39,6 +41,7 @@ except ImportError:
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 QUANT_TYPES = ("nf4", "fp4")
 MAX_EXPERTS = 4096  # the group ends are held as one register vector of next_pow2(E) int32 per program
+LOOKUPS = ("gather", "tree")
 MAX_BLOCK_M = 256  # the largest BLOCK_M a TileConfig may use (int32 offsets within a tile are checked for it)
 
 
@@ -51,15 +54,22 @@ class TileConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    lookup: str = "gather"  # code[nibble] by a register gather ("gather", faster on the H100) or a select tree
+
+    def __post_init__(self) -> None:
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"unknown code lookup {self.lookup!r}: expected one of {LOOKUPS}")
 
 
-# Starting points, not tuned: compiled offline (Triton 3.9, ptxas) bf16/fp16 64x128x64 uses 185 registers and 152 KiB
-# of shared memory on sm_90 (wgmma, no spills; too much shared memory for GPUs with ~100 KiB, e.g. sm_86/sm_89);
-# fp32 (tests; IEEE dot = FMA loop) takes small tiles and still spills a few bytes.
+# Measured on an H100 (2026-11-23, gpt-oss-20b gate_up stack [32, 2880, 5760], nf4, bf16; benchmarks/results/
+# moe4bit_fused_kernel.md): 256x128x64 with the gather lookup was fastest at 4096 tokens (7.4 ms fwd / dX) and within
+# 10% of the best at 512 (2.7-3.1 ms); it needs 80 KiB of shared memory (fits sm_80..sm_90, also the ~100 KiB
+# GPUs). All of it is 3-16x slower than dequantize + grouped_mm (see ExpertsPlan.kernel): the decode is redone per
+# M tile and its ALU work is not overlapped with the MMAs. fp32 (tests; IEEE dot = FMA loop) takes small tiles.
 DEFAULT_TILES = {
-    torch.bfloat16: TileConfig(),
-    torch.float16: TileConfig(),
-    torch.float32: TileConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=2),
+    torch.bfloat16: TileConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, lookup="gather"),
+    torch.float16: TileConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3, lookup="gather"),
+    torch.float32: TileConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=2, lookup="gather"),
 }
 DEQUANT_BLOCK = 1024
 # Explicit (Triton 3.9 warns when left to its default): nothing here may contract, since the dequantize is one
@@ -135,6 +145,8 @@ def _stack_reasons(stack: PackedStack) -> list[str]:
         )
     if (rows * cols) % 2 or (bs >= 2 and (rows * cols) % bs):  # each expert starts a byte and an absmax block
         reasons.append(f"an expert's {rows}x{cols} elements are not a whole number of bytes and {bs}-element blocks")
+    elif cols % 2:  # the kernel loads whole bytes per stored row
+        reasons.append(f"an expert's stored rows have {cols} elements, not a whole number of bytes (odd)")
     if stack.nested is None and (stack.absmax is None or stack.absmax.numel() != stack.numel // max(bs, 1)):
         reasons.append(f"absmax must hold one fp32 scale per {bs}-element block")
     if rows * cols >= 2**31 or max(rows, cols) * MAX_BLOCK_M >= 2**31:
@@ -199,26 +211,84 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
     @triton.jit
-    def dequant_4bit(packed_ptr, absmax_ptr, code_ptr, idx, mask, LOG2_BLOCKSIZE: tl.constexpr):
-        """fp32 values of the elements ``idx``, counted from ``packed_ptr``'s first element (which starts a byte and
-        a block): byte ``idx // 2``, high nibble for even ``idx``, times the absmax of block
-        ``idx >> log2(blocksize)``. Masked lanes give 0 (absmax 0, code finite)."""
-        byte = tl.load(packed_ptr + (idx >> 1), mask=mask, other=0).to(tl.int32)
-        nibble = tl.where((idx & 1) == 0, byte >> 4, byte & 15)
-        code = tl.load(code_ptr + nibble)  # 16-entry table: cached, never out of range
-        scale = tl.load(absmax_ptr + (idx >> LOG2_BLOCKSIZE), mask=mask, other=0.0)
-        return code * scale
+    def code_tree(nib, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+        """``code[nib]`` for a tensor of nibbles: a select tree over the 4 bits (15 selects, no memory gather; the
+        16 code values are scalars the caller loads once)."""
+        b = (nib & 1) != 0
+        v0, v1 = tl.where(b, c1, c0), tl.where(b, c3, c2)
+        v2, v3 = tl.where(b, c5, c4), tl.where(b, c7, c6)
+        v4, v5 = tl.where(b, c9, c8), tl.where(b, c11, c10)
+        v6, v7 = tl.where(b, c13, c12), tl.where(b, c15, c14)
+        b = (nib & 2) != 0
+        w0, w1, w2, w3 = tl.where(b, v1, v0), tl.where(b, v3, v2), tl.where(b, v5, v4), tl.where(b, v7, v6)
+        b = (nib & 4) != 0
+        x0, x1 = tl.where(b, w1, w0), tl.where(b, w3, w2)
+        return tl.where((nib & 8) != 0, x1, x0)
+
+    @triton.jit
+    def load_codes(code_ptr, LOOKUP: tl.constexpr):
+        """The 16 code values as the decoder wants them: 16 scalars for the select tree, a [16] tensor to gather."""
+        if LOOKUP == "gather":
+            codes = tl.load(code_ptr + tl.arange(0, 16))
+        else:
+            codes = (
+                tl.load(code_ptr + 0), tl.load(code_ptr + 1), tl.load(code_ptr + 2), tl.load(code_ptr + 3),
+                tl.load(code_ptr + 4), tl.load(code_ptr + 5), tl.load(code_ptr + 6), tl.load(code_ptr + 7),
+                tl.load(code_ptr + 8), tl.load(code_ptr + 9), tl.load(code_ptr + 10), tl.load(code_ptr + 11),
+                tl.load(code_ptr + 12), tl.load(code_ptr + 13), tl.load(code_ptr + 14), tl.load(code_ptr + 15),
+            )  # fmt: skip
+        return codes
+
+    @triton.jit
+    def decode(nib, codes, LOOKUP: tl.constexpr):
+        """``code[nib]``: a gather from the [16] table (broadcast along the nibbles' other axis), or the tree."""
+        if LOOKUP == "gather":
+            if len(nib.shape) == 2:
+                value = tl.gather(tl.broadcast_to(codes[:, None], (16, nib.shape[1])), nib, 0)
+            else:
+                value = tl.gather(codes, nib, 0)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = codes
+            value = code_tree(nib, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+        return value
+
+    @triton.jit
+    def dequant_bytes(packed_ptr, absmax_ptr, idx, mask, codes, LOG2_BLOCKSIZE: tl.constexpr, LOOKUP: tl.constexpr):
+        """fp32 values of the two elements in each byte ``idx`` (counted from ``packed_ptr``'s first byte, which
+        starts an absmax block): ``(high nibble, low nibble)`` = elements ``2·idx`` and ``2·idx + 1``, both in
+        block ``2·idx >> log2(blocksize)`` (blocks hold an even number of elements), ``value = code * absmax`` in
+        fp32 as bitsandbytes computes it. Masked bytes give 0 (absmax 0, codes finite)."""
+        byte = tl.load(packed_ptr + idx, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(absmax_ptr + ((idx * 2) >> LOG2_BLOCKSIZE), mask=mask, other=0.0)
+        return decode(byte >> 4, codes, LOOKUP) * scale, decode(byte & 15, codes, LOOKUP) * scale
 
     @triton.jit
     def dequant_kernel(
-        packed_ptr, absmax_ptr, code_ptr, out_ptr, numel,
-        LOG2_BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+        packed_ptr, absmax_ptr, code_ptr, out_ptr, n_bytes,
+        LOG2_BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr, LOOKUP: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
-        # Test/reference kernel: the same helper the GEMM uses, written out flat
+        # Test/reference kernel: the GEMM's own per-byte dequantize, written out flat (BLOCK bytes per program)
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        mask = idx < numel
-        value = dequant_4bit(packed_ptr, absmax_ptr, code_ptr, idx, mask, LOG2_BLOCKSIZE)
-        tl.store(out_ptr + idx, cast(value, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        mask = idx < n_bytes
+        codes = load_codes(code_ptr, LOOKUP)
+        hi, lo = dequant_bytes(packed_ptr, absmax_ptr, idx, mask, codes, LOG2_BLOCKSIZE, LOOKUP)
+        out = tl.reshape(tl.join(hi, lo), (2 * BLOCK,))
+        pos = tl.reshape(tl.join(2 * idx, 2 * idx + 1), (2 * BLOCK,))
+        tl.store(out_ptr + pos, cast(out, out_ptr.dtype.element_ty, INTERPRETED), mask=pos < 2 * n_bytes)
+
+    @triton.jit
+    def weight_tile(
+        packed_ptr, absmax_ptr, codes, rows, row_ok, byte0, row_bytes,
+        ROWS: tl.constexpr, COLS: tl.constexpr, LOG2_BLOCKSIZE: tl.constexpr, LOOKUP: tl.constexpr,
+    ):  # fmt: skip
+        """fp32 ``[ROWS, COLS]`` tile of one expert in its stored orientation: stored rows ``rows``, stored columns
+        ``2·byte0 .. 2·byte0 + COLS`` (the row length is even, so each tile row is whole bytes: one contiguous
+        ``COLS / 2``-byte load per row, split into nibbles, interleaved back)."""
+        b = byte0 + tl.arange(0, COLS // 2)
+        idx = rows[:, None] * row_bytes + b[None, :]
+        mask = row_ok[:, None] & (b < row_bytes)[None, :]
+        hi, lo = dequant_bytes(packed_ptr, absmax_ptr, idx, mask, codes, LOG2_BLOCKSIZE, LOOKUP)
+        return tl.reshape(tl.join(hi, lo), (ROWS, COLS))
 
     @triton.jit
     def find_tile(offs_ptr, tile, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -240,10 +310,10 @@ if triton is not None:
     @triton.jit
     def grouped_kernel(
         a_ptr, packed_ptr, absmax_ptr, code_ptr, offs_ptr, out_ptr,
-        N, K, stride_am, stride_ak, stride_om, stride_on, stride_k, stride_n, expert_numel,
-        E: tl.constexpr, E_POW2: tl.constexpr, LOG2_BLOCKSIZE: tl.constexpr,
+        N, K, stride_am, stride_ak, stride_om, stride_on, expert_numel,
+        E: tl.constexpr, E_POW2: tl.constexpr, LOG2_BLOCKSIZE: tl.constexpr, TRANSPOSED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        LOOKUP: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         group, row0, row_end = find_tile(offs_ptr, tl.program_id(0), E, E_POW2, BLOCK_M)
         if group >= E:  # the grid is an upper bound: this tile index belongs to no group
@@ -256,10 +326,11 @@ if triton is not None:
         absmax_ptr += base >> LOG2_BLOCKSIZE
         a_ptr += row0.to(tl.int64) * stride_am
         out_ptr += row0.to(tl.int64) * stride_om
+        codes = load_codes(code_ptr, LOOKUP)
         rows = tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tl.program_id(1) * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < row_end - row0, cols < N
-        w_cols = cols[None, :] * stride_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -269,8 +340,12 @@ if triton is not None:
                 mask=row_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            idx = ks[:, None] * stride_k + w_cols
-            w = dequant_4bit(packed_ptr, absmax_ptr, code_ptr, idx, k_ok[:, None] & col_ok[None, :], LOG2_BLOCKSIZE)
+            if TRANSPOSED:  # B_g = W[g]^T, W[g] stored [N, K]: load [BLOCK_N, BLOCK_K] rows of K, then transpose
+                w = tl.trans(weight_tile(packed_ptr, absmax_ptr, codes, cols, col_ok, k0 // 2, K // 2,
+                                         BLOCK_N, BLOCK_K, LOG2_BLOCKSIZE, LOOKUP))  # fmt: skip
+            else:  # B_g = W[g] stored [K, N]
+                w = weight_tile(packed_ptr, absmax_ptr, codes, ks, k_ok, n0 // 2, N // 2,
+                                BLOCK_K, BLOCK_N, LOG2_BLOCKSIZE, LOOKUP)  # fmt: skip
             # Rounded to the activation dtype exactly as the dequantize-then-GEMM path rounds its stack
             acc = dot(a, cast(w, a.dtype, INTERPRETED), acc, PRECISION, INTERPRETED)
         out = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
@@ -287,24 +362,24 @@ def _raise_unless_ready(stack: PackedStack, a: torch.Tensor, offs: torch.Tensor 
         raise ValueError("fused 4-bit kernel cannot run: " + "; ".join(reasons))
 
 
-def dequantize_4bit(stack: PackedStack, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_4bit(stack: PackedStack, dtype: torch.dtype, lookup: str = "gather") -> torch.Tensor:
     """The whole stack in ``dtype`` through the GEMM's own dequantize helper (tests prove it bitwise equal to
     bitsandbytes' ``dequantize_4bit``; the GEMM path never calls this)."""
     _raise_unless_ready(stack, torch.empty(0, 0, dtype=dtype, device=stack.data.device), None)
     out = torch.empty(stack.shape, dtype=dtype, device=stack.data.device)
-    grid = (triton.cdiv(stack.numel, DEQUANT_BLOCK),)
+    grid = (triton.cdiv(stack.numel // 2, DEQUANT_BLOCK),)
     code = code_table(stack.quant_type, out.device)
     dequant_kernel[grid](
-        stack.data, _absmax_fp32(stack), code, out, stack.numel, LOG2_BLOCKSIZE=_log2(stack.blocksize),
-        BLOCK=DEQUANT_BLOCK, INTERPRETED=INTERPRETED, enable_fp_fusion=FP_FUSION,
+        stack.data, _absmax_fp32(stack), code, out, stack.numel // 2, LOG2_BLOCKSIZE=_log2(stack.blocksize),
+        BLOCK=DEQUANT_BLOCK, LOOKUP=lookup, INTERPRETED=INTERPRETED, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out
 
 
-def operand_strides(stack: PackedStack, transpose_w: bool) -> tuple[int, int, int, int]:
-    """(K, N, stride_k, stride_n) of ``B_g``: ``W[g]`` (stored [E, K, N]) or ``W[g]^T`` (stored [E, N, K])."""
+def operand_shape(stack: PackedStack, transpose_w: bool) -> tuple[int, int]:
+    """(K, N) of ``B_g``: ``W[g]`` (stored [E, K, N]) or ``W[g]^T`` (stored [E, N, K])."""
     _, rows, cols = stack.shape
-    return (cols, rows, 1, cols) if transpose_w else (rows, cols, cols, 1)
+    return (cols, rows) if transpose_w else (rows, cols)
 
 
 def grouped_mm_4bit(
@@ -322,7 +397,7 @@ def grouped_mm_4bit(
     _raise_unless_ready(stack, a, offs)
     if out_dtype is not None and out_dtype not in FUSED_DTYPES:
         raise ValueError(f"the fused 4-bit kernel writes bf16/fp16/fp32, not {out_dtype}")
-    k, n, stride_k, stride_n = operand_strides(stack, transpose_w)
+    k, n = operand_shape(stack, transpose_w)
     if a.shape[1] != k:
         raise ValueError(f"activations have {a.shape[1]} features, the {'transposed ' * transpose_w}stack needs {k}")
     experts = stack.shape[0]
@@ -337,9 +412,10 @@ def grouped_mm_4bit(
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     grouped_kernel[grid](
         a, stack.data, _absmax_fp32(stack), code_table(stack.quant_type, a.device), offs, out,
-        n, k, a.stride(0), a.stride(1), out.stride(0), out.stride(1), stride_k, stride_n, stack.numel // experts,
+        n, k, a.stride(0), a.stride(1), out.stride(0), out.stride(1), stack.numel // experts,
         E=experts, E_POW2=max(2, triton.next_power_of_2(experts)), LOG2_BLOCKSIZE=_log2(stack.blocksize),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PRECISION=precision,
+        TRANSPOSED=transpose_w,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PRECISION=precision, LOOKUP=t.lookup,
         INTERPRETED=INTERPRETED, num_warps=t.num_warps, num_stages=t.num_stages, enable_fp_fusion=FP_FUSION,
     )  # fmt: skip
     return out
