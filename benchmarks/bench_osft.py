@@ -2,7 +2,8 @@
 
 1. Projection of one target's gradients (U and V; and V alone, the anchor shape), Llama-3.1-8B shapes 4096×4096,
    14336×4096, 4096×14336 at unfrozen ratio 0.5: leantrain factored (fp32, TF32, bf16 factors, and the split
-   tf32x3 / bf16x3 products, leantrain only) vs the Gram form vs
+   tf32x3 / bf16x3 products, leantrain only; tf32x3 runs the Triton GEMM that splits in registers on CUDA,
+   tf32x3_split the three cuBLAS GEMMs over split copies) vs the Gram form vs
    mini_trainer 0.9.0's ``project_gradient_to_orthogonal_space`` vs PEFT's; with the residual left in the frozen
    subspace, max(|U_highᵀ dU′|, |dV′ V_highᵀ|) / max|d·|, per precision (what TF32 costs in orthogonality).
 2. Forward + backward of one factored linear, 16,384 tokens, bf16: leantrain ``OSFTLinear`` (eager and compiled)
@@ -10,8 +11,8 @@
    project per micro-batch) vs a dense ``nn.Linear``.
 3. Training step of a ~1B Llama shape (hidden 2048, 16 layers, vocab 32000), batch 4×2048, fp32 master weights
    under bf16 autocast (the HF Trainer ``bf16=True`` setup), AdamW: dense vs leantrain OSFT (projection GEMMs
-   tf32x3 (default), fp32, one-pass TF32, bf16x3) vs mini_trainer 0.9.0 (same factors, its own forward and
-   ``optim_wrapper`` projections).
+   tf32x3 (Triton on CUDA), tf32x3 cuBLAS split, fp32, one-pass TF32, bf16x3) vs mini_trainer 0.9.0 (same factors,
+   its own forward and ``optim_wrapper`` projections).
    Tokens/s, peak memory, projection time, frozen/trainable max |cos| after the timed steps.
 
     python benchmarks/bench_osft.py            # CUDA, full size (< 4 min on an H100)
@@ -69,10 +70,13 @@ FULL = {
     "steps": (2, 8),  # warm-up, timed
 }
 # Projection GEMMs (fp32 factors unless "bf16"): fp32 exact; tf32 / bf16 one reduced-precision pass; tf32x3 /
-# bf16x3 hi·hi + hi·lo + lo·hi split products (tf32x3 is patch_trainer's default on CUDA).
-PROJECTION_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
+# bf16x3 hi·hi + hi·lo + lo·hi split products. tf32x3 runs the Triton GEMM that splits in registers (kernel "auto":
+# on CUDA), tf32x3_split the three cuBLAS GEMMs over split copies (both timed in the same run; on CPU both take the
+# emulated split).
+PROJECTION_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "tf32x3_split", "bf16x3")
 TRAIN_PRECISIONS = {
-    "leantrain": "tf32x3",  # the default
+    "leantrain": "tf32x3",
+    "leantrain_tf32x3splitproj": "tf32x3_split",
     "leantrain_fp32proj": "fp32",
     "leantrain_tf32proj": "tf32",
     "leantrain_bf16x3proj": "bf16x3",
@@ -130,6 +134,12 @@ def load_peft_osf() -> tuple[Any, str]:
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
+
+
+def projector_options(variant: str) -> dict[str, str]:
+    """Projector keywords of a PROJECTION_PRECISIONS / TRAIN_PRECISIONS variant ("<precision>[_triton|_split]")."""
+    precision, _, kernel = variant.partition("_")
+    return {"precision": precision, "kernel": kernel or "auto"}
 
 
 def device() -> torch.device:
@@ -199,7 +209,8 @@ def bench_projection(cfg: dict, rows: list[Row], mt: Any, peft: Any) -> None:
             f = {k: v.to(dtype) for k, v in f32.items()}
             layer = make_layer(f32, dtype)
             # "bf16": bf16 factors (their own GEMMs); "tf32x3" / "bf16x3": fp32 factors, split reduced-precision GEMMs
-            projector = Projector([layer], precision="fp32" if precision == "bf16" else precision, emulate=EMULATE)
+            options = projector_options("fp32" if precision == "bf16" else precision)
+            projector = Projector([layer], emulate=EMULATE, **options)
 
             def leantrain_call(i: int, layer=layer, projector=projector, dtype=dtype) -> None:
                 layer.U_low.grad, layer.V_low.grad = du0.to(dtype), dv0.to(dtype)
@@ -219,7 +230,7 @@ def bench_projection(cfg: dict, rows: list[Row], mt: Any, peft: Any) -> None:
                     dv0.to(dtype) @ (f["V_high"].t() @ f["V_high"])
 
             calls: dict[str, Callable[[int], Any]] = {"leantrain": leantrain_call, "gram": gram_call}
-            split = precision.endswith("x3")  # leantrain only: the peers have no split-precision mode
+            split = "x3" in precision  # leantrain only: the peers have no split-precision mode
             if split:
                 del calls["gram"]
             if mt is not None and not split:
@@ -420,7 +431,7 @@ def bench_training(cfg: dict, rows: list[Row], mt: Any, mt_reason: str) -> None:
     layers = conversion.layers
     cpu_layers = {n: copy.deepcopy(layer).cpu() for n, layer in layers.items()} if mt is not None else {}
     for label, precision in TRAIN_PRECISIONS.items():
-        projector = Projector(list(layers.values()), precision=precision, emulate=EMULATE)
+        projector = Projector(list(layers.values()), emulate=EMULATE, **projector_options(precision))
         results[label] = train_steps(model, cfg, projector.project_gradients, projector.project_parameters)
         results[label]["overlap"] = max(frozen_overlap(layer) for layer in layers.values())
     del model, layers, conversion

@@ -79,7 +79,8 @@ class LeantrainConfig:
     osft_projection_precision: str = _opt(
         "fp32",
         "str",
-        "projection GEMMs for fp32 factors on CUDA: fp32 (exact), tf32 (fastest, ~1e-4), tf32x3 / bf16x3 (split)",
+        "projection GEMMs for fp32 factors on CUDA: fp32 (exact), tf32 (fastest, ~1e-4), tf32x3 (fp32-level, "
+        "Triton, 0.88x fp32 time), bf16x3",
         _one_of(*OSFT_PRECISIONS),
     )
     # MoE 4-bit

@@ -22,14 +22,12 @@ summation order differs):
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests._interpreter import run_interpreted
 
 
 pytest.importorskip("triton")
@@ -40,7 +38,6 @@ from leantrain.moe4bit import _grouped, _triton  # noqa: E402
 from leantrain.moe4bit._stacks import stack_from_quant_state  # noqa: E402
 
 
-ROOT = Path(__file__).resolve().parents[2]
 EPS32 = torch.finfo(torch.float32).eps
 EPS_BF16 = torch.finfo(torch.bfloat16).eps
 LAYER_REL = {torch.float32: 256 * EPS32, torch.bfloat16: 4 * EPS_BF16}
@@ -134,13 +131,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
     """Every interpreter result of this file, from one subprocess (interpreter start-up dominates)."""
-    path = tmp_path_factory.mktemp("triton") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(path, weights_only=False)
+    return run_interpreted(_SCRIPT, tmp_path_factory.mktemp("triton") / "results.pt")
 
 
 def _items(results: dict, kind: str) -> list:

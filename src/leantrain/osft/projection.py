@@ -25,6 +25,14 @@ ones, one pass, so sharded layouts keep one collective. Re-projecting with round
 does not help: the second coefficient ``B_highᵀ·G₁`` is small but its operands are not, so rounding B and G₁ alone
 leaves ~eps again (measured: tf32 4.1e-4 → 2.4e-4, bf16 2.9e-3 → 2.2e-3). Reduced precision only runs on CUDA
 (elsewhere the fp32 GEMMs are used) unless ``emulate=True`` rounds the GEMM inputs in software (tests).
+
+``tf32x3`` with ``kernel="triton"`` runs a Triton GEMM (``_triton``) that splits the fp32 tiles in registers
+(``tl.dot(..., input_precision="tf32x3")``): one launch per product instead of three cuBLAS GEMMs plus the split
+passes, and same-shaped local targets (many layers share shapes) are projected with one launch per shape class and
+product, through device tables of their addresses. A job the kernel cannot take (``_triton.projection_reasons``,
+host metadata only) runs the split path instead; the reasons are kept in ``Projector.fallbacks``.
+``kernel="split"`` keeps the cuBLAS split; ``kernel="auto"`` (default) picks per ``TRITON_BY_DEFAULT`` (on);
+``kernel="triton"`` also asks for it off CUDA (the CPU interpreter).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import OSFT_PRECISIONS
+from . import _triton
 from .linear import OSFTLinear
 
 
@@ -169,6 +178,25 @@ def _gemm(precision: str, device: torch.device, emulate: bool) -> _Gemm | None:
     return _Gemm(precision[:4], 3 if precision.endswith("x3") else 1, emulate)
 
 
+@dataclass(frozen=True)
+class _TritonGemm:
+    """The Triton GEMM (``_triton.addmm``) at ``precision``; ``fallback`` runs a job the kernel cannot take."""
+
+    precision: str
+    fallback: _Gemm | None
+
+    def addmm(self, out: Any, a: Any, b: Any, *, alpha: float, beta: float) -> None:
+        _triton.addmm(out, a, b, alpha=alpha, beta=beta, precision=self.precision)
+
+
+KERNELS = ("auto", "triton", "split")
+# What "auto" picks for tf32x3 on CUDA. Measured on an H100 (triton 3.6, benchmarks/results/osft_projection_triton.md:
+# one gradient pass over the 112 targets of bench_osft's 1.1B Llama): Triton batched 51 ms at the default tiles
+# (one launch per target, older tiles: 99 ms), fp32 cuBLAS 58 ms, cuBLAS split 76 ms; residual
+# max|U_highᵀdU′|/max|dU| 1.2e-6 (Triton), 1.4e-6 (fp32), 2.6e-5 (split). False restores the split path.
+TRITON_BY_DEFAULT = True
+
+
 def _t(parts: Parts) -> Parts:
     return parts[0].t(), None if parts[1] is None else parts[1].t()
 
@@ -184,11 +212,15 @@ class _Job:
     shape: tuple[int, int]
     dtype: torch.dtype  # of the coefficient: the target's (fast path) or float32 (simple path)
     group: Any = None
-    gemm: _Gemm | None = None  # reduced-precision GEMMs (fp32 target and basis only)
+    gemm: _Gemm | _TritonGemm | None = None  # reduced-precision GEMMs (fp32 target and basis only)
 
     def coefficient(self, out: torch.Tensor, basis: Parts | None = None) -> None:
         if self.target is None:
             out.zero_()
+            return
+        if isinstance(self.gemm, _TritonGemm):
+            a, b = (self.basis.t(), self.target) if self.side == "u" else (self.target, self.basis.t())
+            self.gemm.addmm(out, a, b, alpha=1.0, beta=0.0)
             return
         if self.gemm is not None:
             basis_t, target = _t(basis or self.gemm.split(self.basis)), self.gemm.split(self.target)
@@ -203,6 +235,10 @@ class _Job:
 
     def apply(self, coeff: torch.Tensor, basis: Parts | None = None) -> None:
         if self.target is None:
+            return
+        if isinstance(self.gemm, _TritonGemm):
+            a, b = (self.basis, coeff) if self.side == "u" else (coeff, self.basis)
+            self.gemm.addmm(self.target, a, b, alpha=-1.0, beta=1.0)
             return
         if self.gemm is not None:
             parts, c = basis or self.gemm.split(self.basis), self.gemm.split(coeff)
@@ -223,9 +259,15 @@ class _Job:
         if self.target is None:
             return
         coeff = torch.empty(self.shape, dtype=self.dtype, device=self.target.device)
-        basis = None if self.gemm is None else self.gemm.split(self.basis)  # split once for both products
+        basis = self.gemm.split(self.basis) if isinstance(self.gemm, _Gemm) else None  # once for both products
         self.coefficient(coeff, basis)
         self.apply(coeff, basis)
+
+
+def _shape_class(job: _Job) -> tuple:
+    """Jobs with equal keys run in one batched launch (shapes and strides are the kernel's, per launch)."""
+    basis, target = job.basis, job.target
+    return job.side, basis.shape, basis.stride(), target.shape, target.stride(), target.device
 
 
 @dataclass
@@ -253,7 +295,10 @@ class Projector:
     dtype, one collective per coefficient / per gathered V_high, no flat buffers, fp32 GEMMs (the exact reference).
     ``precision`` (one of :data:`PRECISIONS`) sets the GEMMs for fp32 factors on CUDA (module docstring);
     ``tf32=True`` is the legacy spelling of ``precision="tf32"`` (it wins). ``emulate`` runs the reduced-precision
-    GEMMs in software on any device (tests).
+    GEMMs in software on any device (tests). ``kernel`` (tf32x3 only): "auto" the Triton GEMM on CUDA when
+    ``TRITON_BY_DEFAULT`` (not with ``emulate``), "triton" wherever its readiness check passes (also CPU under
+    ``TRITON_INTERPRET=1``), "split" the cuBLAS split products; ``fallbacks`` counts the reasons jobs ran
+    the split path instead of Triton.
     """
 
     def __init__(
@@ -265,12 +310,18 @@ class Projector:
         bucket_mib: float = 256,
         batched: bool = True,
         emulate: bool = False,
+        kernel: str = "auto",
     ) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"osft projection kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         self.layers = list(layers)
         self.precision = "tf32" if tf32 else check_precision(precision)
         self.emulate = emulate
         self.bucket_bytes = int(bucket_mib * 2**20)
         self.batched = batched
+        self.kernel = kernel
+        self.fallbacks: dict[str, int] = {}  # reason → jobs that ran the split path instead of the Triton GEMM
+        self._tables = _triton.PointerTables()  # address tables of batched local targets, reused across steps
 
     def project_gradients(self) -> None:
         self._run(grad=True)
@@ -285,13 +336,17 @@ class Projector:
     def _run(self, grad: bool) -> None:
         reduce_jobs: list[_Job] = []
         gathers: list[_Gather] = []
+        batched: list[_Job] = []  # local Triton jobs, run per shape class
         with matmul_tf32(self.precision in ("tf32", "tf32x3")):
             for layer in self.layers:
-                self._plan(layer, grad, reduce_jobs, gathers)
+                self._plan(layer, grad, reduce_jobs, gathers, batched)
+            self._project_batches(batched, grad)
             self._gather_and_project(gathers)
             self._reduce_and_project(reduce_jobs)
 
-    def _plan(self, layer: OSFTLinear, grad: bool, reduce_jobs: list[_Job], gathers: list[_Gather]) -> None:
+    def _plan(
+        self, layer: OSFTLinear, grad: bool, reduce_jobs: list[_Job], gathers: list[_Gather], batched: list[_Job]
+    ) -> None:
         if layer.k_high == 0:
             return  # ratio 1.0: nothing frozen, nothing to project
         u_low, v_low = layer.U_low, layer.V_low
@@ -307,24 +362,75 @@ class Projector:
         k_high, k_low = layer.k_high, layer.k_low
         dtype = u_low.dtype if self.batched else torch.float32
         gemm = self._gemm(u_low)
-        u_job = _Job("u", _local(layer.U_high), u_target, (k_high, k_low), dtype, lu_high.group, gemm)
+        u_job = self._job("u", _local(layer.U_high), u_target, (k_high, k_low), dtype, lu_high.group, gemm)
         if lu_high.dim is None:
-            u_job.run_local()
+            self._run_local(u_job, batched)
         else:
             reduce_jobs.append(u_job)
         if lv_high.dim == 0:
             gathers.append(_Gather(_local(layer.V_high), k_high, v_target, lv_high))
             return
-        v_job = _Job("v", _local(layer.V_high), v_target, (k_low, k_high), dtype, lv_high.group, gemm)
+        v_job = self._job("v", _local(layer.V_high), v_target, (k_low, k_high), dtype, lv_high.group, gemm)
         if lv_high.dim is None:
-            v_job.run_local()
+            self._run_local(v_job, batched)
         else:
             reduce_jobs.append(v_job)
 
-    def _gemm(self, factor: torch.Tensor) -> _Gemm | None:
+    def _gemm(self, factor: torch.Tensor) -> _Gemm | _TritonGemm | None:
         if not self.batched or factor.dtype != torch.float32:
             return None  # the simple path is the fp32 reference; low-precision factors use their own dtype
-        return _gemm(self.precision, factor.device, self.emulate)
+        split = _gemm(self.precision, factor.device, self.emulate)
+        auto = TRITON_BY_DEFAULT and factor.device.type == "cuda" and not self.emulate
+        triton = self.kernel == "triton" or (self.kernel == "auto" and auto)
+        if self.precision == "tf32x3" and triton:
+            return _TritonGemm(self.precision, split)
+        return split
+
+    def _job(self, side: str, basis: torch.Tensor, target, shape, dtype, group, gemm) -> _Job:
+        """A job whose Triton GEMM, if any, passed its readiness check (else it gets the split fallback)."""
+        if isinstance(gemm, _TritonGemm):
+            reasons = _triton.projection_reasons(side, basis, target)
+            for reason in reasons:
+                self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            if reasons:
+                gemm = gemm.fallback
+        return _Job(side, basis, target, shape, dtype, group, gemm)
+
+    @staticmethod
+    def _run_local(job: _Job, batched: list[_Job]) -> None:
+        if isinstance(job.gemm, _TritonGemm) and job.target is not None:
+            batched.append(job)
+        else:
+            job.run_local()
+
+    def _project_batches(self, jobs: list[_Job], grad: bool) -> None:
+        """Local Triton jobs of one shape class (side, shapes, strides, device) → one launch per product and
+        bucket (``bucket_mib`` caps the stacked coefficients), targets and bases addressed through tables."""
+        counts: dict[Any, int] = {}
+        for bucket in self._buckets(jobs, _shape_class, lambda j: j.shape[0] * j.shape[1] * 4):
+            first, members = bucket[0], len(bucket)
+            cls = _shape_class(first)
+            slot = (cls, grad, counts.setdefault(cls, 0))  # stable across calls: the same layers in the same order
+            counts[cls] += 1
+            bases, targets = [j.basis for j in bucket], [j.target for j in bucket]
+            basis_table, target_table = (
+                self._tables.get((*slot, "basis"), bases),
+                self._tables.get((*slot, "target"), targets),
+            )
+            aligned = _triton.PointerTables.aligned(bases + targets)
+            target = _triton.Operand(first.target, members, target_table, aligned=aligned)
+            basis = _triton.Operand(first.basis, members, basis_table, aligned=aligned)
+            basis_t = _triton.Operand(first.basis.t(), members, basis_table, aligned=aligned)
+            coeff = _triton.Operand.stacked(
+                torch.empty((members, *first.shape), dtype=torch.float32, device=first.target.device)
+            )
+            gemm = first.gemm
+            if first.side == "u":  # C = basisᵀ·target, target −= basis·C
+                gemm.addmm(coeff, basis_t, target, alpha=1.0, beta=0.0)
+                gemm.addmm(target, basis, coeff, alpha=-1.0, beta=1.0)
+            else:  # C = target·basisᵀ, target −= C·basis
+                gemm.addmm(coeff, target, basis_t, alpha=1.0, beta=0.0)
+                gemm.addmm(target, coeff, basis, alpha=-1.0, beta=1.0)
 
     def _buckets(self, items: list[Any], key, size) -> Iterator[list[Any]]:
         """Consecutive runs of same-key items up to the byte cap (one item each when not batched)."""
@@ -384,7 +490,7 @@ class Projector:
                 if g.target is not None:
                     dtype = g.target.dtype if self.batched else torch.float32
                     gemm = self._gemm(g.target)
-                    _Job("v", full, g.target, (g.target.shape[0], g.k_high), dtype, None, gemm).run_local()
+                    self._job("v", full, g.target, (g.target.shape[0], g.k_high), dtype, None, gemm).run_local()
 
 
 @torch.no_grad()
