@@ -21,8 +21,8 @@
 
 ``--fsdp2`` runs section 3 under FSDP2 (blocks and root sharded): dense; leantrain with ``leantrain.osft.fully_shard``
 (V on Shard(1): one all-reduce per bucket of coefficients); leantrain on FSDP's default Shard(0) (V_high
-all-gathered per bucket); mini_trainer 0.9.0 on Shard(0) (its per-target V all-gathers). Step time, projection
-time, peak memory per rank, orthogonality.
+all-gathered per bucket, or once with ``cache_v_high``); mini_trainer 0.9.0 on Shard(0) (its per-target V
+all-gathers). Step time, projection time, peak memory per rank, orthogonality.
 
 mini_trainer is imported from an installed ``mini_trainer`` or from ``rhai_innovation_mini_trainer-0.9.0`` wheel in
 ``.whl/`` (its ``osft_utils`` module alone, under a stub package: the package ``__init__`` imports numba and more);
@@ -503,14 +503,19 @@ def bench_fsdp2(cfg: dict, mt: Any, mt_reason: str) -> list[Row]:
     record("dense", train_steps(dense, cfg, nothing, nothing, autocast=False))
     del dense
     cpu_layers = None
-    for provider, how in (("leantrain_shard1", fully_shard), ("leantrain_shard0", torch_fully_shard)):
+    variants = (
+        ("leantrain_shard1", fully_shard, False),
+        ("leantrain_shard0", torch_fully_shard, False),
+        ("leantrain_shard0_cached", torch_fully_shard, True),  # V_high gathered once (osft_cache_v_high)
+    )
+    for provider, how, cache_v_high in variants:
         model = copy.deepcopy(base).train()
         conversion = convert(model, unfrozen_rank_ratio=0.5, progress=rank == 0)  # round-robin SVD + broadcast
         if cpu_layers is None and mt is not None:
             cpu_layers = {n: copy.deepcopy(layer).cpu() for n, layer in conversion.layers.items()}
         shard(model, how)
         layers = list(osft_layers(model).values())
-        projector = Projector(layers)
+        projector = Projector(layers, cache_v_high=cache_v_high)
         r = train_steps(model, cfg, projector.project_gradients, projector.project_parameters, autocast=False)
         r["overlap"] = max(frozen_overlap(layer) for layer in layers)
         record(provider, r)

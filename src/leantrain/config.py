@@ -83,6 +83,12 @@ class LeantrainConfig:
         "Triton, 0.88x fp32 time), bf16x3",
         _one_of(*OSFT_PRECISIONS),
     )
+    osft_cache_v_high: bool = _opt(
+        False,
+        "bool",
+        "FSDP2 Shard(0) V: keep the all-gathered frozen V_high between steps (no per-step all-gather; costs the "
+        "full V_high on every rank)",
+    )
     # MoE 4-bit
     moe_recompute: bool = _opt(True, "bool", "re-dequantize expert stacks in backward instead of saving them")
 

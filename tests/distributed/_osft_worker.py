@@ -82,7 +82,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def train(mode: str, ratio: float = 0.3) -> dict[str, Any]:
+def train(mode: str, ratio: float = 0.3, cache_v_high: bool = False) -> dict[str, Any]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = ToyLM()
@@ -90,7 +90,7 @@ def train(mode: str, ratio: float = 0.3) -> dict[str, Any]:
     factors0 = {n: {f: full(getattr(m, f)) for f in ("U_high", "V_high")} for n, m in conversion.layers.items()}
     wrapped = wrap(model, mode)
     layers = list(osft_layers(model).values())
-    projector = Projector(layers)
+    projector = Projector(layers, cache_v_high=cache_v_high)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for batch in batches(rank, world):
         wrapped(batch).backward()
@@ -106,7 +106,20 @@ def train(mode: str, ratio: float = 0.3) -> dict[str, Any]:
         "u_layout": {n: layout(layer.U_high).dim for n, layer in osft_layers(model).items()},
         "overlap": max(frozen_overlap(layer) for layer in layers),
         "collectives": projector.uses_collectives(),
+        "gathers": projector.gathers,
+        "regathers": regather_after_change(projector, layers) if cache_v_high else None,
     }
+
+
+def regather_after_change(projector: Projector, layers: list) -> tuple[int, int]:
+    """All-gathers issued by one more projection with V_high unchanged, then after an in-place edit of one V_high on
+    every rank (what a checkpoint load does): the cache is reused, then invalidated."""
+    before = projector.gathers
+    projector.project_parameters()
+    unchanged = projector.gathers - before
+    layers[0].V_high.to_local().mul_(1.0)  # same values, a new version of the storage
+    projector.project_parameters()
+    return unchanged, projector.gathers - before - unchanged
 
 
 def naive_vs_leantrain_shard0() -> dict[str, float]:
@@ -139,6 +152,7 @@ SCENARIOS = {
     "fsdp": lambda: {
         "fsdp_shard1": train("fsdp_shard1"),
         "fsdp_default": train("fsdp_default"),
+        "fsdp_default_cached": train("fsdp_default", cache_v_high=True),
         "naive": naive_vs_leantrain_shard0(),
     },
     "ddp": lambda: {"ddp": train("ddp")},

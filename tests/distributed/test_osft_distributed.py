@@ -66,6 +66,12 @@ def test_fsdp2_both_layouts_match_single_process_and_naive_shard0_is_wrong(tmp_p
         else:  # FSDP's default (what accelerate produces): Shard(0) everywhere, V_high gathered
             assert set(result["v_layout"].values()) == {0}
         assert_matches_single(result, reference)
+    # Shard(0) V: one all-gather per projection call (2 per step) unless cached: then once, bitwise the same run
+    assert results["fsdp_default"]["gathers"] == 2 * worker.STEPS
+    cached = results["fsdp_default_cached"]
+    assert cached["gathers"] == 1 and cached["regathers"] == (0, 1), cached["regathers"]
+    for name, value in results["fsdp_default"]["params"].items():
+        assert torch.equal(cached["params"][name], value), name
     naive = results["naive"]
     # leantrain: dV·V_highᵀ is zero to fp32 rounding; the naive all-reduce of diagonal blocks leaves O(1) residue.
     assert naive["leantrain"] <= 1e-5

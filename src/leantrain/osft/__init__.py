@@ -122,7 +122,8 @@ class OSFT(Optimization):
         precision = cfg.config.osft_projection_precision  # validated by the config at patch time
         from .callback import OSFTCallback
 
-        callback = OSFTCallback(Projector(layers, precision=precision), Projector(layers, batched=False), ctx.fallback)
+        projector = Projector(layers, precision=precision, cache_v_high=cfg.config.osft_cache_v_high)
+        callback = OSFTCallback(projector, Projector(layers, batched=False), ctx.fallback)
         undo.add_callback(trainer, callback)
         _wrap_dense_save(trainer, undo)
         short = sorted({name.rsplit(".", 1)[-1] for name in conversion.layers})
@@ -131,7 +132,7 @@ class OSFT(Optimization):
             f"{1 - cfg.osft_unfrozen_rank_ratio:.3g}), max reconstruction error {conversion.max_error:.2e} "
             f"(relative Frobenius, {layers[0].U_low.dtype if layers else 'n/a'} factors); factored projection "
             f"({precision} GEMMs for fp32 factors on CUDA) before and after optimizer.step(), batched, shard layout "
-            "detected per step"
+            "detected per step" + ("; gathered V_high cached" if cfg.config.osft_cache_v_high else "")
         )
         if conversion.skipped:
             detail += f"; skipped {len(conversion.skipped)}: " + "; ".join(

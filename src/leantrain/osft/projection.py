@@ -13,8 +13,10 @@ are the same on every rank):
 - V Shard(1) (``leantrain.osft.fully_shard``): ``dV V_highᵀ`` contracts over the sharded M: partial sums too.
   Every partial coefficient of every target goes into one flat buffer and one all-reduce (per ``bucket_mib``);
 - V Shard(0) (accelerate's default FSDP2 prepare): the local block ``dV_p V_high,pᵀ`` is only a diagonal block,
-  so all-reducing it is wrong; instead V_high is all-gathered (one padded collective per bucket of targets) and
-  each rank projects its own rows of dV exactly.
+  so all-reducing it is wrong; instead V_high is all-gathered (one padded collective per bucket of targets, the next
+  bucket's in flight while one is projected) and each rank projects its own rows of dV exactly. V_high is frozen:
+  with ``cache_v_high`` it is gathered once and kept (the full V_high on every rank) while each member's identity
+  (parameter, storage, version) is unchanged.
 
 Precision of fp32 targets (``precision``; bf16 factors always use their own dtype): ``fp32`` exact reference;
 ``tf32`` / ``bf16`` one pass of reduced-precision GEMMs (leaves ~eps of the gradient in the frozen subspace:
@@ -278,6 +280,12 @@ class _Gather:
     k_high: int
     target: torch.Tensor | None
     layout: Layout
+    source: Any = None  # the V_high parameter (its identity keys the gathered-V_high cache)
+
+    def identity(self) -> tuple:
+        """What a cached gather of this V_high is valid for: the parameter object, its local storage and the
+        storage's version (an in-place copy, e.g. a checkpoint load, bumps it). Host metadata only."""
+        return id(self.source), self.v_high.data_ptr(), self.v_high._version, tuple(self.v_high.shape)
 
     @property
     def rows(self) -> int:
@@ -311,6 +319,7 @@ class Projector:
         batched: bool = True,
         emulate: bool = False,
         kernel: str = "auto",
+        cache_v_high: bool = False,
     ) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"osft projection kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
@@ -322,6 +331,13 @@ class Projector:
         self.kernel = kernel
         self.fallbacks: dict[str, int] = {}  # reason → jobs that ran the split path instead of the Triton GEMM
         self._tables = _triton.PointerTables()  # address tables of batched local targets, reused across steps
+        self.cache_v_high = cache_v_high
+        self._gathered: dict[int, tuple[tuple, list[Any], torch.Tensor]] = {}  # bucket → (identity, sources, V_high)
+        self.gathers = 0  # all-gathers issued (V_high of Shard(0) targets), for tests and benchmarks
+
+    def clear_cache(self) -> None:
+        """Forget the gathered V_high (call on every rank after changing V_high other than on all ranks at once)."""
+        self._gathered.clear()
 
     def project_gradients(self) -> None:
         self._run(grad=True)
@@ -368,7 +384,7 @@ class Projector:
         else:
             reduce_jobs.append(u_job)
         if lv_high.dim == 0:
-            gathers.append(_Gather(_local(layer.V_high), k_high, v_target, lv_high))
+            gathers.append(_Gather(_local(layer.V_high), k_high, v_target, lv_high, layer.V_high))
             return
         v_job = self._job("v", _local(layer.V_high), v_target, (k_low, k_high), dtype, lv_high.group, gemm)
         if lv_high.dim is None:
@@ -469,28 +485,53 @@ class Projector:
     def _gather_and_project(self, gathers: list[_Gather]) -> None:
         key = lambda g: (id(g.layout.group), g.v_high.dtype)  # noqa: E731
         size = lambda g: g.numel * g.v_high.dtype.itemsize * g.layout.size  # noqa: E731
-        for bucket in self._buckets(gathers, key, size):
-            first = bucket[0]
-            world = first.layout.size
-            local = torch.zeros(sum(g.numel for g in bucket), dtype=first.v_high.dtype, device=first.v_high.device)
-            offset = 0
-            for g in bucket:
-                local[offset : offset + g.v_high.numel()].copy_(g.v_high.reshape(-1))  # pad rows at the end
-                offset += g.numel
-            out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-            dist.all_gather_into_tensor(out, local, group=first.layout.group)
-            out = out.view(world, -1)
-            offset = 0
-            for g in bucket:
-                m = g.v_high.shape[1]
-                # torch.chunk layout: rank r holds rows [r·c, r·c + len_r), only the tail is short or empty, so
-                # the first k_high rows of the rank-major concatenation are V_high in order.
-                full = out[:, offset : offset + g.numel].reshape(world * g.rows, m)[: g.k_high]
-                offset += g.numel
-                if g.target is not None:
-                    dtype = g.target.dtype if self.batched else torch.float32
-                    gemm = self._gemm(g.target)
-                    self._job("v", full, g.target, (g.target.shape[0], g.k_high), dtype, None, gemm).run_local()
+        buckets = list(self._buckets(gathers, key, size))
+        # One bucket's all-gather in flight while the previous bucket is projected (NCCL: on its own stream; the
+        # wait only orders the compute stream after it, no host sync)
+        pending = self._start_gather(0, buckets[0]) if buckets else None
+        for index, bucket in enumerate(buckets):
+            out, work = pending
+            pending = self._start_gather(index + 1, buckets[index + 1]) if index + 1 < len(buckets) else None
+            if work is not None:
+                work.wait()
+            self._project_gathered(bucket, out)
+
+    def _start_gather(self, index: int, bucket: list[_Gather]) -> tuple[torch.Tensor, Any]:
+        """``[world, numel]``: every rank's padded V_high rows of the bucket, and the collective's work handle (None
+        when served from the cache: V_high is frozen, so with ``cache_v_high`` it is gathered once and reused while
+        every member's identity is unchanged; the identities are rank-uniform when V_high changes on all ranks)."""
+        identity = tuple(g.identity() for g in bucket)
+        hit = self._gathered.get(index) if self.cache_v_high else None
+        if hit is not None and hit[0] == identity:
+            return hit[2], None
+        first = bucket[0]
+        world = first.layout.size
+        local = torch.zeros(sum(g.numel for g in bucket), dtype=first.v_high.dtype, device=first.v_high.device)
+        offset = 0
+        for g in bucket:
+            local[offset : offset + g.v_high.numel()].copy_(g.v_high.reshape(-1))  # pad rows at the end
+            offset += g.numel
+        out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+        work = dist.all_gather_into_tensor(out, local, group=first.layout.group, async_op=True)
+        self.gathers += 1
+        out = out.view(world, -1)
+        if self.cache_v_high:  # the sources are held so their ids cannot be reused while cached
+            self._gathered[index] = (identity, [g.source for g in bucket], out)
+        return out, work
+
+    def _project_gathered(self, bucket: list[_Gather], out: torch.Tensor) -> None:
+        world = bucket[0].layout.size
+        offset = 0
+        for g in bucket:
+            m = g.v_high.shape[1]
+            # torch.chunk layout: rank r holds rows [r·c, r·c + len_r), only the tail is short or empty, so
+            # the first k_high rows of the rank-major concatenation are V_high in order.
+            full = out[:, offset : offset + g.numel].reshape(world * g.rows, m)[: g.k_high]
+            offset += g.numel
+            if g.target is not None:
+                dtype = g.target.dtype if self.batched else torch.float32
+                gemm = self._gemm(g.target)
+                self._job("v", full, g.target, (g.target.shape[0], g.k_high), dtype, None, gemm).run_local()
 
 
 @torch.no_grad()
