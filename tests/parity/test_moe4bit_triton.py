@@ -27,7 +27,7 @@ import textwrap
 import pytest
 import torch
 
-from tests._interpreter import run_interpreted
+from tests._interpreter import assert_within, run_interpreted
 
 
 pytest.importorskip("triton")
@@ -170,15 +170,6 @@ def _accumulation_bound(a: torch.Tensor, weights: torch.Tensor, offs: torch.Tens
     return a.shape[1] * EPS32 * _loop(a.abs(), weights.abs(), offs)
 
 
-def _assert_within(ours: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str) -> None:
-    assert torch.isfinite(ours).all(), f"{what}: non-finite values"
-    err = (ours.double() - ref.double()).abs()
-    worst = (err - bound).argmax()
-    assert bool((err <= bound).all()), (
-        f"{what}: |diff| {err.flatten()[worst].item():.3g} > bound {bound.flatten()[worst].item():.3g}"
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("transpose", [False, True], ids=["W", "W^T"])
 def test_grouped_gemm_matches_grouped_mm_and_loop(interpreted, dtype, transpose):
@@ -192,19 +183,19 @@ def test_grouped_gemm_matches_grouped_mm_and_loop(interpreted, dtype, transpose)
         acc = _accumulation_bound(a, b, offs)
         exact = _loop(a, b, offs)
         if dtype == torch.float32:
-            _assert_within(out, ref, acc, f"{qt} vs grouped_mm")
-            _assert_within(out, exact, acc / 2, f"{qt} vs fp64 loop")
+            assert_within(out, ref, acc, f"{qt} vs grouped_mm")
+            assert_within(out, exact, acc / 2, f"{qt} vs fp64 loop")
         else:  # one bf16 rounding each: at most one ulp (<= eps * |value|) apart, plus the accumulation difference
             ulp = EPS_BF16 * torch.maximum(out.double().abs(), ref.double().abs())
-            _assert_within(out, ref, ulp + acc, f"{qt} vs grouped_mm")
-            _assert_within(out, exact, EPS_BF16 / 2 * out.double().abs() + acc / 2, f"{qt} vs fp64 loop")
+            assert_within(out, ref, ulp + acc, f"{qt} vs grouped_mm")
+            assert_within(out, exact, EPS_BF16 / 2 * out.double().abs() + acc / 2, f"{qt} vs fp64 loop")
 
 
 def test_grouped_gemm_reads_strided_activations(interpreted):
     for qt in ("nf4", "fp4"):
         a, w, offs, out = interpreted[("gemm-strided", qt)]
         assert not a.is_contiguous()
-        _assert_within(out, _loop(a, w, offs), _accumulation_bound(a, w, offs) / 2, f"{qt} strided vs fp64 loop")
+        assert_within(out, _loop(a, w, offs), _accumulation_bound(a, w, offs) / 2, f"{qt} strided vs fp64 loop")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

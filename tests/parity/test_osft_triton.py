@@ -25,7 +25,7 @@ import textwrap
 import pytest
 import torch
 
-from tests._interpreter import run_interpreted
+from tests._interpreter import assert_within, run_interpreted
 
 
 pytest.importorskip("triton")
@@ -161,15 +161,6 @@ def interpreted(tmp_path_factory) -> dict:
     return run_interpreted(_SCRIPT, tmp_path_factory.mktemp("triton") / "results.pt")
 
 
-def _assert_within(ours: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str) -> None:
-    assert torch.isfinite(ours).all(), f"{what}: non-finite values"
-    err = (ours.double() - ref.double()).abs()
-    worst = (err - bound).argmax()
-    assert bool((err <= bound).all()), (
-        f"{what}: |diff| {err.flatten()[worst].item():.3g} > bound {bound.flatten()[worst].item():.3g}"
-    )
-
-
 def _gemm_bound(a: torch.Tensor, b: torch.Tensor, out0: torch.Tensor, beta: float) -> torch.Tensor:
     k = a.shape[1]
     return (k + 1) * U32 * (a.double().abs() @ b.double().abs() + beta * out0.double().abs())
@@ -182,7 +173,7 @@ def test_gemm_matches_fp64_every_alpha_beta_layout_and_split(interpreted):
         *_, transposed, _split, alpha, beta = key
         assert out.is_contiguous() != transposed and a.is_contiguous() != transposed  # views, not copies
         exact = beta * out0.double() + alpha * (a.double() @ b.double())
-        _assert_within(out, exact, _gemm_bound(a, b, out0, beta), str(key))
+        assert_within(out, exact, _gemm_bound(a, b, out0, beta), str(key))
         assert (out.double() - exact).abs().max() < 0.1 * exact.abs().max()  # the check can fail: O(1) errors
 
 
@@ -190,11 +181,11 @@ def test_batched_gemm_through_address_tables(interpreted):
     xs, ys, c, before, targets = interpreted["batched"]
     for i, (x, y, t0, t) in enumerate(zip(xs, ys, before, targets)):
         coeff = x.double().t() @ y.double()
-        _assert_within(c[i], coeff, _gemm_bound(x.t(), y, c[i], 0.0), f"coefficient {i}")
+        assert_within(c[i], coeff, _gemm_bound(x.t(), y, c[i], 0.0), f"coefficient {i}")
         # the update reads the rounded coefficient: its own bound, plus |x|·(coefficient error bound)
         exact = t0.double() - x.double() @ coeff
         carry = x.double().abs() @ _gemm_bound(x.t(), y, c[i], 0.0)
-        _assert_within(t, exact, _gemm_bound(x, c[i], t0, 1.0) + carry, f"update {i}")
+        assert_within(t, exact, _gemm_bound(x, c[i], t0, 1.0) + carry, f"update {i}")
 
 
 def _projection_bounds(basis: torch.Tensor, x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,9 +210,9 @@ def _frozen(basis: torch.Tensor, x: torch.Tensor, side: str) -> torch.Tensor:
 def _check_projection(u_high, v_high, du, dv, got_u, got_v, ref_u, ref_v, what: str) -> None:
     for side, basis, x, got, ref in (("u", u_high, du, got_u, ref_u), ("v", v_high, dv, got_v, ref_v)):
         elem, residual = _projection_bounds(basis, x, side)
-        _assert_within(got, ref, 2 * elem, f"{what} {side}: Triton vs fp32 reference")
+        assert_within(got, ref, 2 * elem, f"{what} {side}: Triton vs fp32 reference")
         left = _frozen(basis, got, side)
-        _assert_within(left, torch.zeros_like(left), residual, f"{what} {side}: frozen-subspace residual")
+        assert_within(left, torch.zeros_like(left), residual, f"{what} {side}: frozen-subspace residual")
         assert _frozen(basis, x, side).abs().max() > 1e3 * left.abs().max()  # it removed a large component
 
 
