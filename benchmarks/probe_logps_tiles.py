@@ -7,9 +7,14 @@ forward, trainable head). Results: benchmarks/results/grpo_logps_tiles.{json,md}
 
 import json
 import os
-import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import time_fn  # noqa: E402
 
 from leantrain.grpo_logps import ops
 
@@ -23,17 +28,8 @@ targets = torch.randint(0, V, (N,), device=dev, generator=g)
 
 
 def timeit(fn, reps=10):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    """Median CUDA-event milliseconds of ``fn()`` after 3 warm-up calls (the benchmarks' harness)."""
+    return time_fn(lambda _i: fn(), reps=reps).p50
 
 
 def fwd_bwd(trainable=False):

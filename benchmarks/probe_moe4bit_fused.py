@@ -7,10 +7,15 @@ at gpt-oss-20b shapes. Results: benchmarks/results/moe4bit_fused_kernel.{json,md
 
 import json
 import os
-import statistics
+import sys
+from pathlib import Path
 
 import bitsandbytes.functional as bnbf
 import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import time_fn  # noqa: E402
 
 from leantrain.moe4bit import _triton
 from leantrain.moe4bit._grouped import grouped_mm
@@ -23,17 +28,8 @@ torch.manual_seed(0)
 
 
 def timeit(fn, reps=20):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    """Median CUDA-event milliseconds of ``fn()`` after 3 warm-up calls (the benchmarks' harness)."""
+    return time_fn(lambda _i: fn(), reps=reps).p50
 
 
 def stack(shape):

@@ -25,6 +25,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import time_fn  # noqa: E402
 from bench_osft import FULL  # noqa: E402
 
 from leantrain.osft import OSFTLinear, Projector, _triton  # noqa: E402
@@ -87,18 +88,8 @@ def set_grads(layers: list[OSFTLinear], seed: int = 1) -> list[tuple[torch.Tenso
 
 
 def time_ms(fn, reps: int = REPS, warmup: int = WARMUP) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median CUDA-event milliseconds of ``fn()`` after ``warmup`` calls (the benchmarks' harness)."""
+    return time_fn(lambda _i: fn(), warmup=warmup, reps=reps).p50
 
 
 def residual(layers: list[OSFTLinear], grads) -> float:

@@ -280,7 +280,7 @@ class _Gather:
     k_high: int
     target: torch.Tensor | None
     layout: Layout
-    source: Any = None  # the V_high parameter (its identity keys the gathered-V_high cache)
+    source: Any  # the V_high parameter (its identity keys the gathered-V_high cache)
 
     def identity(self) -> tuple:
         """What a cached gather of this V_high is valid for: the parameter object, its local storage and the
