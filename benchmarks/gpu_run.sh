@@ -11,7 +11,8 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1
-export BENCH_RESULTS=${OUT:-/tmp/out}/results BENCH_COMMIT=$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# results go to /tmp and come back as one tarball: $OUT returns at most 8 files
+export BENCH_RESULTS=/tmp/bench_results BENCH_COMMIT=$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 mkdir -p "$BENCH_RESULTS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
@@ -30,6 +31,6 @@ for job in "$@"; do
   rc=${PIPESTATUS[0]}
   echo "=== $job rc=$rc in $(( $(date +%s) - start )) s"
   [ "$rc" = 0 ] || status=1
+  tar czf "${OUT:-/tmp/out}/results.tgz" -C "$BENCH_RESULTS" .  # after each job: a run cut off at its limit keeps what finished
 done
-tar czf "${OUT:-/tmp/out}/results.tgz" -C "$BENCH_RESULTS" .
 exit $status

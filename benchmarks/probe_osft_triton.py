@@ -6,10 +6,12 @@ intermediate 8192, 16 layers, GQA k/v 512×2048; ``bench_osft.FULL`` / ``llama()
    and the frozen-subspace residual max(|U_highᵀ dU′|, |dV′ V_highᵀ|) / max|d·| over all targets.
 2. Tile sweep of the Triton kernel per shape class (batched over the 16 layers), best config per class.
 3. Split-K sweep of one target's coefficient GEMM (the unbatched / sharded case) per class.
-4. One target's four GEMMs per class through the kernel at tf32x3 / tf32 / ieee and through cuBLAS fp32 / TF32
+4. One batched pass per class with the kernel at tf32x3 / tf32 / ieee (what the split costs at few launches).
+5. One target's four GEMMs per class through the kernel at tf32x3 / tf32 / ieee and through cuBLAS fp32 / TF32
    (beta 0: the update layouts' timing without the read of the target).
 
     python benchmarks/probe_osft_triton.py      # < 2 min on an H100; JSON into $OUT when set
+    PROBE_SWEEP=wide python benchmarks/probe_osft_triton.py   # 17 tile configs instead of 6
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ SWEEP = [
     TileConfig(64, 128, 32, 4, 4),
     TileConfig(128, 256, 32, 8, 3),
     TileConfig(128, 128, 64, 8, 2),
+]
+# PROBE_SWEEP=wide adds these (stages, warps, K depth, narrower N, L2 grouping around the default)
+WIDE = [
+    TileConfig(128, 64, 32, 4, 3),
+    TileConfig(128, 64, 32, 4, 5),
+    TileConfig(128, 64, 32, 8, 4),
+    TileConfig(128, 64, 16, 4, 6),
+    TileConfig(128, 64, 64, 4, 3),
+    TileConfig(64, 64, 32, 4, 4),
+    TileConfig(128, 32, 32, 4, 4),
+    TileConfig(256, 64, 32, 8, 3),
+    TileConfig(64, 64, 64, 4, 3),
+    TileConfig(128, 64, 32, 4, 4, group_m=4),
+    TileConfig(128, 64, 32, 4, 4, group_m=16),
 ]
 SPLITS = (1, 2, 4, 8)
 
@@ -128,14 +144,14 @@ def compare(all_layers: list[OSFTLinear]) -> dict[str, dict]:
 
 def sweep_tiles(classes: dict[str, list[OSFTLinear]]) -> dict[str, list]:
     out: dict[str, list] = {}
-    default = _triton.DEFAULT_TILES
+    default = _triton.default_tiles
     try:
         for name, layers in classes.items():
             set_grads(layers)
             projector = Projector(layers, precision="tf32x3", kernel="triton")
             rows = []
-            for tiles in SWEEP:
-                _triton.DEFAULT_TILES = tiles
+            for tiles in SWEEP + (WIDE if os.environ.get("PROBE_SWEEP") == "wide" else []):
+                _triton.default_tiles = lambda device, tiles=tiles: tiles
                 try:
                     ms = time_ms(projector.project_gradients, reps=10, warmup=2)
                 except Exception as error:  # e.g. out of shared memory for this config
@@ -147,7 +163,27 @@ def sweep_tiles(classes: dict[str, list[OSFTLinear]]) -> dict[str, list]:
             print(f"{name:8s} best {best}", flush=True)
             out[name] = rows
     finally:
-        _triton.DEFAULT_TILES = default
+        _triton.default_tiles = default
+    return out
+
+
+def batched_precisions(classes: dict[str, list[OSFTLinear]]) -> dict[str, dict]:
+    """One batched gradient pass per class with the kernel forced to tf32x3 / tf32 / ieee: what the in-register
+    split costs over one TF32 pass when launches are few (the per-target rows below are launch-bound)."""
+    out: dict[str, dict] = {}
+    addmm = _triton.addmm
+    try:
+        for name, layers in classes.items():
+            set_grads(layers)
+            projector = Projector(layers, precision="tf32x3", kernel="triton")
+            row = {}
+            for precision in _triton.PRECISIONS:
+                _triton.addmm = lambda *a, p=precision, **kw: addmm(*a, **{**kw, "precision": p})  # noqa: E731
+                row[precision] = time_ms(projector.project_gradients, reps=10, warmup=2)
+            print(f"{name:8s} batched pass: " + "  ".join(f"{k}={v:.2f}" for k, v in row.items()), flush=True)
+            out[name] = row
+    finally:
+        _triton.addmm = addmm
     return out
 
 
@@ -210,6 +246,7 @@ def main() -> None:
     print(f"compare done at {time.perf_counter() - start:.0f} s", flush=True)
     report["tiles"] = sweep_tiles(classes)
     print(f"tile sweep done at {time.perf_counter() - start:.0f} s", flush=True)
+    report["batched_precisions"] = batched_precisions(classes)
     report["split_k"] = sweep_split_k(classes)
     report["precisions"] = precisions(classes)
     print(f"wall {time.perf_counter() - start:.0f} s")

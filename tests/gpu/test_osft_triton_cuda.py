@@ -1,6 +1,6 @@
 """The OSFT Triton GEMM (``leantrain.osft._triton``) on CUDA: tf32x3 in registers against fp64 and against one-pass
 TF32, and the Projector's Triton path against the fp32 reference at 1B-Llama shapes (batched and per target),
-the readiness fallback, no host syncs.
+the readiness fallback (fp32 GEMMs), no host syncs, and FSDP2's sharded layouts on one NCCL rank.
 
 Run: ``python3 -m pytest -q -m gpu tests/gpu/test_osft_triton_cuda.py``. Import-safe without CUDA / triton (skips).
 
@@ -16,6 +16,8 @@ Tolerances (u = eps32 / 2, u_tf32 = 2^-11; fp64 references):
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ from leantrain.osft import OSFTLinear, Projector, _triton  # noqa: E402
 
 U32 = torch.finfo(torch.float32).eps / 2
 U_TF32 = 2.0**-11
+U_BF16 = 2.0**-8
 SHAPES = [(2048, 2048), (5632, 2048)]  # (out, in) at k_high = k_low = 1024
 RESIDUAL = 1e-6
 
@@ -146,17 +149,79 @@ def test_auto_follows_triton_by_default(cuda):
     assert isinstance(Projector([layer], precision="tf32x3")._gemm(layer.U_low), wanted)
 
 
-def test_readiness_fallback_runs_the_split_path_bitwise(cuda, monkeypatch):
+def test_readiness_fallback_runs_fp32_bitwise(cuda, monkeypatch):
+    """A job the kernel refuses runs plain fp32 GEMMs (TF32 off around them), not the cuBLAS split."""
     layers = [_layer(1024, 512, seed, cuda) for seed in range(2)]
     g = torch.Generator(device=cuda).manual_seed(2)
     grads = _grads(layers, g)
-    _project(layers, grads, precision="tf32x3", kernel="split")
-    split = [(x.U_low.grad.clone(), x.V_low.grad.clone()) for x in layers]
+    _project(layers, grads, precision="fp32")
+    fp32 = [(x.U_low.grad.clone(), x.V_low.grad.clone()) for x in layers]
     _, projector = _project(layers, grads, precision="tf32x3", kernel="triton")
     assert projector.fallbacks == {}
-    assert not all(torch.equal(x.U_low.grad, s[0]) for x, s in zip(layers, split))  # Triton really ran
+    assert not all(torch.equal(x.U_low.grad, s[0]) for x, s in zip(layers, fp32))  # Triton really ran
+    _project(layers, grads, precision="tf32x3", kernel="split")
+    assert not all(torch.equal(x.U_low.grad, s[0]) for x, s in zip(layers, fp32))  # and so would the split
     monkeypatch.setattr(_triton, "projection_reasons", lambda *args: ["forced for the test"])
     _, projector = _project(layers, grads, precision="tf32x3", kernel="triton")
     assert projector.fallbacks == {"forced for the test": 2 * len(layers)}
-    for layer, (su, sv) in zip(layers, split):
-        assert torch.equal(layer.U_low.grad, su) and torch.equal(layer.V_low.grad, sv)
+    for layer, (fu, fv) in zip(layers, fp32):
+        assert torch.equal(layer.U_low.grad, fu) and torch.equal(layer.V_low.grad, fv)
+
+
+@pytest.fixture
+def one_rank_nccl(tmp_path):
+    """A one-process NCCL group: FSDP2's sharded layouts and their collectives on the GPU (world size 1)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", world_size=1, rank=0)
+    try:
+        yield init_device_mesh("cuda", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16x3", "tf32"])
+@pytest.mark.parametrize("layout", ["shard1", "shard0"])
+def test_projector_under_fsdp2_on_cuda(cuda, one_rank_nccl, layout, precision):
+    """FSDP2 on CUDA, one rank: U Shard(0) and V Shard(1) (``leantrain.osft.fully_shard``: coefficients into the
+    flat all-reduce buffer) or V Shard(0) (torch's ``fully_shard``: V_high all-gathered), each reduced precision
+    against the unsharded fp32 projection of the same parameters. tf32x3 must stay at fp32 level; the one-pass and
+    bf16 split precisions leave their documented residual (tf32 ~u_tf32, bf16x3 ~1e-5) and no more."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from leantrain.osft import fully_shard
+
+    layers = [_layer(n, m, seed, cuda) for seed, (n, m) in enumerate([(1024, 512), (512, 1024), (1024, 512)])]
+    g = torch.Generator(device=cuda).manual_seed(3)
+    with torch.no_grad():
+        for layer in layers:  # parameters well off the subspace: the projection has something to remove
+            layer.U_low.add_(torch.randn(layer.U_low.shape, device=cuda, generator=g))
+            layer.V_low.add_(torch.randn(layer.V_low.shape, device=cuda, generator=g))
+    before = [(x.U_low.detach().clone(), x.V_low.detach().clone()) for x in layers]
+    plain = copy.deepcopy(layers)
+    holder = nn.Module()
+    holder.layers = nn.ModuleList(layers)
+    (fully_shard if layout == "shard1" else torch_fully_shard)(holder, mesh=one_rank_nccl)
+    projector = Projector(list(holder.layers), precision=precision)
+    assert projector.uses_collectives()
+    projector.project_parameters()
+    Projector(plain, precision="fp32").project_parameters()
+    assert projector.fallbacks == {}
+    # one pass reads each operand rounded to TF32 (~u_tf32 each); bf16x3 drops the tails' own rounding (~u_bf16²)
+    level = {"tf32x3": RESIDUAL, "bf16x3": 8 * U_BF16**2, "tf32": 8 * U_TF32}[precision]
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    for layer, ref, (u0, v0) in zip(holder.layers, plain, before):
+        u, v = full(layer.U_low.detach()).double(), full(layer.V_low.detach()).double()
+        u_high, v_high = ref.U_high.double(), ref.V_high.double()
+        residual = max(
+            float((u_high.t() @ u).abs().max() / u0.abs().max()), float((v @ v_high.t()).abs().max() / v0.abs().max())
+        )
+        assert residual <= level, (layout, precision, residual)
+        assert float((u_high.t() @ u0.double()).abs().max() / u0.abs().max()) > 100 * residual  # it projected
+        # the same projection as fp32 up to the precision's own level (relative to the input)
+        assert float((u - ref.U_low.double()).abs().max() / u0.abs().max()) <= 10 * level
+        assert float((v - ref.V_low.double()).abs().max() / v0.abs().max()) <= 10 * level

@@ -155,14 +155,14 @@ def test_off_by_default_and_user_targets(tmp_path):
 
 def test_options_reach_the_projector(tmp_path):
     trainer = plain_trainer(tmp_path)
-    report = leantrain.patch_trainer(trainer, osft=True, osft_cache_v_high=True, osft_projection_precision="tf32x3")
+    report = leantrain.patch_trainer(trainer, osft=True, osft_cache_v_high=True, osft_projection_precision="fp32")
     callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OSFTCallback))
-    assert callback.projector.cache_v_high and callback.projector.precision == "tf32x3"
+    assert callback.projector.cache_v_high and callback.projector.precision == "fp32"
     assert "gathered V_high cached" in report["osft"].detail
     leantrain.unpatch_trainer(trainer)
     leantrain.patch_trainer(trainer, osft=True)
     callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OSFTCallback))
-    assert not callback.projector.cache_v_high and callback.projector.precision == "fp32"
+    assert not callback.projector.cache_v_high and callback.projector.precision == "tf32x3"
 
 
 def test_unpatch_restores_modules_methods_and_callbacks(tmp_path):

@@ -249,13 +249,14 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, **options):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def test_kernels_compile_for_sm90_with_tf32x3_on_tensor_cores():
-    """Compiles as a GPU would (Triton IR → PTX → cubin) with the default tiles, address tables and the three
+@pytest.mark.parametrize("tiles", ["DEFAULT_TILES", "LARGE_TILES"])
+def test_kernels_compile_for_sm90_with_tf32x3_on_tensor_cores(tiles):
+    """Compiles as a GPU would (Triton IR → PTX → cubin) with both default tile sets, address tables and the three
     layouts the projection uses: every one lowers to Hopper wgmma, three TF32 MMAs per fp32 product (tf32x3)."""
     if _triton.INTERPRETED:
         pytest.skip("kernels were defined for the interpreter in this process")
     pytest.importorskip("triton.backends.nvidia")
-    t = _triton.DEFAULT_TILES
+    t = getattr(_triton, tiles)
     ints = ("M", "N", "K", "K_SPLIT", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn")
     batch = {"batch_a": "i32", "batch_b": "i32", "batch_c": "i32"}
     layouts = {
@@ -293,7 +294,7 @@ def test_kernels_compile_for_sm90_with_tf32x3_on_tensor_cores():
 
 def test_reasons_cpu_without_interpreter_and_projector_default_unchanged(monkeypatch):
     """On CPU without the interpreter the kernel refuses (before any launch), and a default Projector never asks
-    for it there: the fp32 path runs bitwise as before."""
+    for it there: the fp32 path runs bitwise as before; a refused job runs fp32 GEMMs, not the split."""
     from torch import nn
 
     from leantrain.osft import OSFTLinear, Projector
@@ -310,17 +311,33 @@ def test_reasons_cpu_without_interpreter_and_projector_default_unchanged(monkeyp
     results = {}
     for kernel in ("auto", "triton"):
         layer.U_low.grad, layer.V_low.grad = du.clone(), dv.clone()
-        projector = Projector([layer], precision="tf32x3", kernel=kernel)
+        # emulate: the split GEMMs would round their inputs here, so only the fp32 fallback is bitwise fp32
+        projector = Projector([layer], precision="tf32x3", kernel=kernel, emulate=kernel == "triton")
         projector.project_gradients()
         results[kernel] = layer.U_low.grad.clone(), layer.V_low.grad.clone()
-        # "auto" never asks off CUDA; "triton" asks, is refused with the reason, and takes the fallback
+        # "auto" never asks off CUDA; "triton" asks, is refused with the reason, and runs fp32 GEMMs instead
         assert bool(projector.fallbacks) == (kernel == "triton"), projector.fallbacks
+    layer.U_low.grad, layer.V_low.grad = du.clone(), dv.clone()
+    Projector([layer], precision="tf32x3", kernel="split", emulate=True).project_gradients()
+    assert not torch.equal(layer.U_low.grad, results["triton"][0])  # the control: the split differs from fp32
     layer.U_low.grad, layer.V_low.grad = du.clone(), dv.clone()
     Projector([layer], precision="fp32").project_gradients()
     for got in results.values():
         assert torch.equal(got[0], layer.U_low.grad) and torch.equal(got[1], layer.V_low.grad)
     with pytest.raises(ValueError, match="kernel must be one of"):
         Projector([layer], kernel="cutlass")
+
+
+def test_default_tiles_follow_the_devices_shared_memory(monkeypatch):
+    """The large tiles only where a block may take their shared memory (checked before any launch)."""
+    large, small = _triton.LARGE_TILES, _triton.DEFAULT_TILES
+    assert _triton.shared_memory(large) == 120 * 2**10 and _triton.shared_memory(small) == 96 * 2**10
+    cuda = torch.device("cuda", 0)
+    for optin, expected in ((227 * 2**10, large), (120 * 2**10, large), (99 * 2**10, small), (0, small)):
+        monkeypatch.setattr(_triton, "_shared_memory_optin", lambda device, optin=optin: optin)
+        assert _triton.default_tiles(cuda) == expected, optin
+    monkeypatch.undo()
+    assert _triton.default_tiles(torch.device("cpu")) == small  # the interpreter: no shared memory to size
 
 
 def test_reasons_name_what_the_kernel_cannot_do(monkeypatch):

@@ -54,10 +54,13 @@ class TileConfig:
     group_m: int = 8
 
 
-# Measured best on an H100 (triton 3.6, benchmarks/probe_osft_triton.py) for every shape class of a 1B Llama,
-# batched over 16 layers: 128x64x32, 4 warps, 4 stages (q/o 11.3 ms, gate/up 25.3, down 11.7 per pass) against
-# 128x128x32 / 8 warps (15.4, 38.2, 15.6); 96 KiB of shared memory.
+# Measured on an H100 (triton 3.6, benchmarks/probe_osft_triton.py, every shape class of a 1B Llama batched over
+# 16 layers; benchmarks/results/osft_projection_triton.md). 128x64x32, 4 warps, 4 stages (q/o 11.4 ms, gate/up 24.9,
+# down 11.7, k/v 3.1 per pass; 2026-11-23: 128x128x32 / 8 warps 15.4, 38.2, 15.6) needs 96 KiB of shared memory;
+# 256x64x32, 8 warps, 3 stages is faster on every class (10.7, 23.0, 11.2, 2.8 on 2026-11-24: -6.5% a pass) and
+# needs 120 KiB, so it is the default where the GPU grants a block that much (Hopper, A100), else the former.
 DEFAULT_TILES = TileConfig(block_m=128, block_n=64, block_k=32, num_warps=4, num_stages=4)
+LARGE_TILES = TileConfig(block_m=256, block_n=64, block_k=32, num_warps=8, num_stages=3)
 REDUCE_BLOCK = 1024
 # Explicit (Triton 3.9 warns when left to its default); the kernels have no multiply-add outside tl.dot to contract.
 FP_FUSION = False
@@ -298,6 +301,24 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def shared_memory(tiles: TileConfig) -> int:
+    """Bytes of shared memory the pipelined fp32 operand tiles take (what decides whether a config can launch)."""
+    return (tiles.block_m + tiles.block_n) * tiles.block_k * 4 * tiles.num_stages
+
+
+@functools.cache
+def _shared_memory_optin(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0))
+
+
+def default_tiles(device: torch.device) -> TileConfig:
+    """LARGE_TILES where the device can hold them (host metadata, cached), else DEFAULT_TILES."""
+    return LARGE_TILES if _shared_memory_optin(device) >= shared_memory(LARGE_TILES) else DEFAULT_TILES
+
+
 def choose_split_k(m: int, n: int, k: int, members: int, tiles: TileConfig, device: torch.device) -> int:
     """Splits of the contraction so that the grid covers the GPU about once; 1 when the output tiles already do
     (batched projections usually) or the contraction is short (each split keeps ≥ 4 K steps)."""
@@ -333,7 +354,7 @@ def addmm(
     with split-K). Tensors are single members. ``split_k`` None: :func:`choose_split_k`. No host sync."""
     out, a, b = (x if isinstance(x, Operand) else Operand(x) for x in (out, a, b))
     _check(out, a, b, alpha, beta, precision)
-    t = tiles or DEFAULT_TILES
+    t = tiles or default_tiles(out.first.device)
     (m, k), n = a.first.shape, b.first.shape[1]
     if out.size == 0 or m == 0 or n == 0:
         return

@@ -32,7 +32,8 @@ leaves ~eps again (measured: tf32 4.1e-4 → 2.4e-4, bf16 2.9e-3 → 2.2e-3). Re
 (``tl.dot(..., input_precision="tf32x3")``): one launch per product instead of three cuBLAS GEMMs plus the split
 passes, and same-shaped local targets (many layers share shapes) are projected with one launch per shape class and
 product, through device tables of their addresses. A job the kernel cannot take (``_triton.projection_reasons``,
-host metadata only) runs the split path instead; the reasons are kept in ``Projector.fallbacks``.
+host metadata only) runs plain fp32 GEMMs instead (exact; faster than the split on an H100); the reasons are kept
+in ``Projector.fallbacks``. TF32 is enabled around the split / one-pass TF32 GEMMs alone, never around fp32 ones.
 ``kernel="split"`` keeps the cuBLAS split; ``kernel="auto"`` (default) picks per ``TRITON_BY_DEFAULT`` (on);
 ``kernel="triton"`` also asks for it off CUDA (the CPU interpreter).
 """
@@ -166,11 +167,13 @@ class _Gemm:
     def addmm(self, out: torch.Tensor, a: Parts, b: Parts, *, alpha: float, beta: float) -> None:
         """out ← beta·out + alpha·a·b (beta 0 or 1), a and b split by :meth:`split`."""
         (a_hi, a_lo), (b_hi, b_lo) = a, b
-        if a_lo is not None and b_lo is not None:  # small terms first, the head last
-            self._mm(out, a_hi, b_lo, alpha, beta)
-            self._mm(out, a_lo, b_hi, alpha, 1.0)
-            beta = 1.0
-        self._mm(out, a_hi, b_hi, alpha, beta)
+        # TF32 tensor cores for these GEMMs only: a job that runs plain fp32 GEMMs beside them stays exact
+        with matmul_tf32(self.kind == "tf32" and not self.emulate):
+            if a_lo is not None and b_lo is not None:  # small terms first, the head last
+                self._mm(out, a_hi, b_lo, alpha, beta)
+                self._mm(out, a_lo, b_hi, alpha, 1.0)
+                beta = 1.0
+            self._mm(out, a_hi, b_hi, alpha, beta)
 
 
 def _gemm(precision: str, device: torch.device, emulate: bool) -> _Gemm | None:
@@ -182,10 +185,9 @@ def _gemm(precision: str, device: torch.device, emulate: bool) -> _Gemm | None:
 
 @dataclass(frozen=True)
 class _TritonGemm:
-    """The Triton GEMM (``_triton.addmm``) at ``precision``; ``fallback`` runs a job the kernel cannot take."""
+    """The Triton GEMM (``_triton.addmm``) at ``precision``."""
 
     precision: str
-    fallback: _Gemm | None
 
     def addmm(self, out: Any, a: Any, b: Any, *, alpha: float, beta: float) -> None:
         _triton.addmm(out, a, b, alpha=alpha, beta=beta, precision=self.precision)
@@ -306,7 +308,7 @@ class Projector:
     GEMMs in software on any device (tests). ``kernel`` (tf32x3 only): "auto" the Triton GEMM on CUDA when
     ``TRITON_BY_DEFAULT`` (not with ``emulate``), "triton" wherever its readiness check passes (also CPU under
     ``TRITON_INTERPRET=1``), "split" the cuBLAS split products; ``fallbacks`` counts the reasons jobs ran
-    the split path instead of Triton.
+    fp32 GEMMs instead of Triton.
     """
 
     def __init__(
@@ -329,7 +331,7 @@ class Projector:
         self.bucket_bytes = int(bucket_mib * 2**20)
         self.batched = batched
         self.kernel = kernel
-        self.fallbacks: dict[str, int] = {}  # reason → jobs that ran the split path instead of the Triton GEMM
+        self.fallbacks: dict[str, int] = {}  # reason → jobs that ran fp32 GEMMs instead of the Triton GEMM
         self._tables = _triton.PointerTables()  # address tables of batched local targets, reused across steps
         self.cache_v_high = cache_v_high
         self._gathered: dict[int, tuple[tuple, list[Any], torch.Tensor]] = {}  # bucket → (identity, sources, V_high)
@@ -353,12 +355,11 @@ class Projector:
         reduce_jobs: list[_Job] = []
         gathers: list[_Gather] = []
         batched: list[_Job] = []  # local Triton jobs, run per shape class
-        with matmul_tf32(self.precision in ("tf32", "tf32x3")):
-            for layer in self.layers:
-                self._plan(layer, grad, reduce_jobs, gathers, batched)
-            self._project_batches(batched, grad)
-            self._gather_and_project(gathers)
-            self._reduce_and_project(reduce_jobs)
+        for layer in self.layers:
+            self._plan(layer, grad, reduce_jobs, gathers, batched)
+        self._project_batches(batched, grad)
+        self._gather_and_project(gathers)
+        self._reduce_and_project(reduce_jobs)
 
     def _plan(
         self, layer: OSFTLinear, grad: bool, reduce_jobs: list[_Job], gathers: list[_Gather], batched: list[_Job]
@@ -399,17 +400,19 @@ class Projector:
         auto = TRITON_BY_DEFAULT and factor.device.type == "cuda" and not self.emulate
         triton = self.kernel == "triton" or (self.kernel == "auto" and auto)
         if self.precision == "tf32x3" and triton:
-            return _TritonGemm(self.precision, split)
+            return _TritonGemm(self.precision)
         return split
 
     def _job(self, side: str, basis: torch.Tensor, target, shape, dtype, group, gemm) -> _Job:
-        """A job whose Triton GEMM, if any, passed its readiness check (else it gets the split fallback)."""
+        """A job whose Triton GEMM, if any, passed its readiness check. A job the kernel cannot take runs plain fp32
+        GEMMs: on an H100 they are faster and ~20x closer to exact than the cuBLAS split (58 ms, residual 1.4e-6 vs
+        76 ms, 2.6e-5 per pass over a 1.1B Llama; benchmarks/results/osft_projection_triton.md)."""
         if isinstance(gemm, _TritonGemm):
             reasons = _triton.projection_reasons(side, basis, target)
             for reason in reasons:
                 self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             if reasons:
-                gemm = gemm.fallback
+                gemm = None
         return _Job(side, basis, target, shape, dtype, group, gemm)
 
     @staticmethod
