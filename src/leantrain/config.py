@@ -73,6 +73,13 @@ class LeantrainConfig:
     cggr_ratio_schedule: str = _opt("constant", "str", "ratio during warmup", _one_of("constant", "linear"))
     # Fused log-probs
     grpo_logps_tile_mib: int = _opt(512, "int", "memory bound of one logits tile, MiB", _at_least(1))
+    grpo_logps_keep_logits_mib: int = _opt(
+        0,
+        "int",
+        "trainable head: keep the forward's logits tiles for the backward when they fit in this many MiB (saves one "
+        "of four GEMMs; costs N·V·2 bytes in bf16)",
+        _at_least(0),
+    )
     # OSFT
     osft_unfrozen_rank_ratio: float = _opt(0.5, "float", "fraction of each target's rank that trains", _ratio)
     osft_targets: tuple[str, ...] | None = _opt(None, "names", "target module name patterns (comma-separated)")

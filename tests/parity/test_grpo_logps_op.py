@@ -264,12 +264,12 @@ def test_unsupported_input_falls_back_to_torch(monkeypatch):
     hidden, weight, targets = make_inputs(n=9, v=31, h=8)
     guard = RuntimeFallback("grpo_logps triton kernel", strict=False)
     with pytest.warns(RuntimeWarning, match="UnsupportedInput: the Triton backend runs on CUDA"):
-        logp, entropy = _run_op(guard, 64, st, hidden, weight, targets, True, False)
+        logp, entropy = _run_op(guard, 64, 0, st, hidden, weight, targets, True, False)
     ref = ops.logp_entropy(hidden, weight, targets, temperature=0.7, backend="torch")
     assert torch.equal(logp, ref[0]) and torch.equal(entropy, ref[1])
     strict = RuntimeFallback("grpo_logps triton kernel", strict=True)
     with pytest.raises(ValueError, match="runs on CUDA"):
-        _run_op(strict, 64, st, hidden, weight, targets, True, False)
+        _run_op(strict, 64, 0, st, hidden, weight, targets, True, False)
 
 
 def test_probe_declines_unusable_head_weights():

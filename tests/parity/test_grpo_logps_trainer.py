@@ -273,6 +273,38 @@ def test_fused_forward_matches_trl_with_all_masked_rows(model_dir, tmp_path):
     torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-7)
 
 
+@needs_fused_head
+def test_keep_logits_option_reaches_the_op(model_dir, tmp_path, monkeypatch):
+    """grpo_logps_keep_logits_mib: checked at patch time, then the policy's trainable head keeps its logits for the
+    backward (same gradient as the recompute, bitwise on CPU)."""
+    trainer = make_trainer(model_dir, tmp_path)
+    model = trainer.model
+    monkeypatch.setenv("LEANTRAIN_GRPO_LOGPS_KEEP_LOGITS_MIB", "-1")
+    with pytest.raises(ValueError, match="LEANTRAIN_GRPO_LOGPS_KEEP_LOGITS_MIB must be >= 0"):
+        leantrain.patch_trainer(trainer)
+    monkeypatch.delenv("LEANTRAIN_GRPO_LOGPS_KEEP_LOGITS_MIB")
+    kept: list[bool] = []
+    real = ops.LogpEntropyFunction.forward
+
+    def spy(ctx, *args):
+        out = real(ctx, *args)
+        kept.append(ctx.kept_logits is not None)
+        return out
+
+    monkeypatch.setattr(ops.LogpEntropyFunction, "forward", staticmethod(spy))
+    ids = torch.randint(3, 500, (2, 10))
+    labels = ids.masked_fill(torch.arange(10) < 4, -100)
+    grads = []
+    for keep_mib in (0, 64):
+        with leantrain.patched(trainer, grpo_logps_keep_logits_mib=keep_mib):
+            model.zero_grad()
+            out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+            (out.log_probs.sum() + out.entropy.sum()).backward()
+        grads.append((model.lm_head.weight.grad.clone(), model.model.layers[0].mlp.up_proj.weight.grad.clone()))
+    assert kept == [False, True]
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def test_probe_reasons(model_dir, tmp_path):
     opt = GrpoLogps()
     cfg = leantrain.config.resolve_config({}, environ={})

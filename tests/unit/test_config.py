@@ -46,6 +46,8 @@ def test_unknown_env_var_is_an_error():
         ({"LEANTRAIN_CGGR": "sometimes"}, "expected one of .*auto"),
         ({"LEANTRAIN_CGGR_ROUTER_LAYERS": "two"}, "expected a int"),
         ({"LEANTRAIN_CGGR_MIN_TOKENS_RATIO": "1.5"}, r"LEANTRAIN_CGGR_MIN_TOKENS_RATIO must be in \(0, 1\]"),
+        ({"LEANTRAIN_GRPO_LOGPS_KEEP_LOGITS_MIB": "-1"}, "LEANTRAIN_GRPO_LOGPS_KEEP_LOGITS_MIB must be >= 0, got -1"),
+        ({"LEANTRAIN_GRPO_LOGPS_KEEP_LOGITS_MIB": "4GiB"}, "expected a int"),
     ],
 )
 def test_unparsable_or_invalid_env_values(env, message):
@@ -61,12 +63,19 @@ def test_unparsable_or_invalid_env_values(env, message):
         ({"cggr_scoring": "perplexity"}, ValueError, "must be one of"),
         ({"cggr_router_layers": 0}, ValueError, "must be a layer"),
         ({"cggr_router_layers": 1.5}, TypeError, "expected int"),
+        ({"grpo_logps_keep_logits_mib": -1}, ValueError, "grpo_logps_keep_logits_mib must be >= 0"),
         ({"strict": "definitely"}, ValueError, "expected one of"),
     ],
 )
 def test_bad_keyword_values(kwargs, error, message):
     with pytest.raises(error, match=message):
         resolve_config(kwargs, environ={})
+
+
+def test_keep_logits_budget_is_off_by_default_and_read_from_env():
+    assert resolve_config({}, environ={}).grpo_logps_keep_logits_mib == 0  # the memory-lean recompute
+    cfg = resolve_config({}, environ={"LEANTRAIN_GRPO_LOGPS_KEEP_LOGITS_MIB": " 4096 "})
+    assert cfg.grpo_logps_keep_logits_mib == 4096 and cfg.sources["grpo_logps_keep_logits_mib"] == "env"
 
 
 def test_every_option_has_doc_and_env_name():

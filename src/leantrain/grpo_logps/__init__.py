@@ -80,7 +80,9 @@ class GrpoLogps(Optimization):
         path = self._path(trainer)
         undo = ctx.undo
         kernel_guard = RuntimeFallback("grpo_logps triton kernel", ctx.fallback.strict)
-        run_op = functools.partial(_run_op, kernel_guard, ctx.config.grpo_logps_tile_mib)
+        run_op = functools.partial(
+            _run_op, kernel_guard, ctx.config.grpo_logps_tile_mib, ctx.config.grpo_logps_keep_logits_mib
+        )
         names = []
         for label, model in _targets(trainer):
             if path == "fused":
@@ -161,6 +163,7 @@ def _guarded(fallback: RuntimeFallback, fast: Callable[..., Any], stock: Callabl
 def _run_op(
     guard: RuntimeFallback,
     tile_mib: int,
+    keep_logits_mib: int,
     st: _trl.HeadSettings,
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -182,6 +185,7 @@ def _run_op(
             entropy_grad=entropy_grad,
             tile_mib=tile_mib,
             backend=backend,
+            keep_logits_mib=keep_logits_mib,
             weight_context=functools.partial(_trl.zero3_gather, weight) if hasattr(weight, "ds_id") else None,
         )
 

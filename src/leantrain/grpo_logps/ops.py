@@ -10,7 +10,9 @@ Frozen head with a gradient into ``hidden`` ("jacobian" mode): ``d logp/dh = k((
 by the weight tile into an fp32 ``[rows, H]`` accumulator: one extra GEMM per tile, and the backward is an elementwise
 product with the incoming gradient (2 GEMMs in total instead of 3). The entropy gradient
 ``dH/dh = -k Σ p_j (z_j-μ) f_j W_j`` is accumulated the same way when asked for (``entropy_grad``).
-Trainable head: the backward recomputes each tile and accumulates ``dW`` (and ``dh``) in fp32.
+Trainable head: the backward recomputes each tile and accumulates ``dW`` (and ``dh``) in fp32: 4 GEMMs in all.
+With ``keep_logits_mib`` large enough for the whole ``[N, V]`` logits in the compute dtype, the forward writes its
+tiles into one kept tensor instead and the backward reuses them (3 GEMMs, ``N·V`` elements of memory until then).
 
 Two backends share the loop: "torch" (any device, the reference fallback) and "triton" (CUDA; cuBLAS tile + one Triton
 pass per tile that folds statistics and writes the GEMM operand in place).
@@ -32,6 +34,8 @@ from . import _checks
 MAX_TILE_ROWS = 4096
 MAX_TILE_COLS = 32768
 _BLOCK = 1024
+# Kept logits' row stride in elements: aligned rows for any V (V = 50257 would give cuBLAS misaligned tile views)
+_KEPT_ROW_ALIGN = 128
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class OpConfig:
     entropy_grad: bool = False
     tile_mib: int = 512
     backend: str = "torch"
+    # trainable head: keep the forward's raw logits for the backward when all of [N, V] fits in this many MiB
+    keep_logits_mib: int = 0
     compute_dtype: torch.dtype | None = None
     # the weight's full tensor for the backward's recompute (DeepSpeed ZeRO-3 re-gathers a partitioned head)
     weight_context: Callable[[], AbstractContextManager] | None = field(default=None, compare=False)
@@ -199,6 +205,22 @@ def _tile_bytes(cfg: OpConfig, dtype: torch.dtype, jacobian: bool) -> int:
     return size + 6 * 4  # the torch fold keeps a handful of fp32 temporaries per element
 
 
+def _kept_width(vocab: int) -> int:
+    return -(-vocab // _KEPT_ROW_ALIGN) * _KEPT_ROW_ALIGN
+
+
+def _keeps_logits(n_rows: int, vocab: int, dtype: torch.dtype, keep_logits_mib: int) -> bool:
+    """Whether the whole ``[n_rows, vocab]`` logits in ``dtype`` fit the keep budget (0 MiB: never)."""
+    return keep_logits_mib > 0 and n_rows * _kept_width(vocab) * dtype.itemsize <= keep_logits_mib * 2**20
+
+
+def _logits_tile(buf, kept, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+    """Where tile [r0:r1, c0:c1] lives: a view of the kept logits (row stride V), else of the reused buffer."""
+    if kept is not None:
+        return kept[r0:r1, c0:c1]
+    return buf[: r1 - r0, : c1 - c0]
+
+
 @dataclass
 class _Forward:
     logp: torch.Tensor
@@ -207,9 +229,10 @@ class _Forward:
     mu: torch.Tensor
     jac_logp: torch.Tensor | None
     jac_ent: torch.Tensor | None
+    kept: torch.Tensor | None  # the raw logits [N, V] for the backward (trainable head within the keep budget)
 
 
-def _forward(hidden, weight, targets, cfg: OpConfig, jacobian: bool) -> _Forward:
+def _forward(hidden, weight, targets, cfg: OpConfig, jacobian: bool, keep: bool = False) -> _Forward:
     n_rows, width = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
@@ -224,7 +247,9 @@ def _forward(hidden, weight, targets, cfg: OpConfig, jacobian: bool) -> _Forward
     u = torch.zeros(n_rows, **f32)
     jac_logp = torch.zeros((n_rows, width), **f32) if jacobian else None
     jac_ent = torch.zeros((n_rows, width), **f32) if jacobian and cfg.entropy_grad else None
-    buf = torch.empty((min(rows, n_rows), cols), device=dev, dtype=dtype)
+    # kept: the stats fold only reads its tile, so the GEMM writes straight into the tensor the backward reuses
+    kept = torch.empty((n_rows, _kept_width(vocab)), device=dev, dtype=dtype)[:, :vocab] if keep else None
+    buf = None if keep else torch.empty((min(rows, n_rows), cols), device=dev, dtype=dtype)
     e2_full = torch.empty_like(buf) if jac_ent is not None else None
     for r0 in range(0, n_rows, rows):
         r1 = min(r0 + rows, n_rows)
@@ -233,7 +258,7 @@ def _forward(hidden, weight, targets, cfg: OpConfig, jacobian: bool) -> _Forward
         for c0 in range(0, vocab, cols):
             c1 = min(c0 + cols, vocab)
             w = weight[c0:c1].to(dtype)
-            tile = buf[: r1 - r0, : c1 - c0]
+            tile = _logits_tile(buf, kept, r0, r1, c0, c1)
             torch.mm(h, w.t(), out=tile)
             e2 = None if e2_full is None else e2_full[: r1 - r0, : c1 - c0]
             resc = fold(tile, targets[r0:r1] - c0, st, cfg, jacobian, e2)
@@ -254,7 +279,7 @@ def _forward(hidden, weight, targets, cfg: OpConfig, jacobian: bool) -> _Forward
     entropy = torch.where(valid, log_z - mu, 0.0) if cfg.need_entropy else None
     if jacobian:
         _finish_jacobians(jac_logp, jac_ent, weight, targets, valid, zy, s, s_other, e_y, mu, r, cfg, dtype)
-    return _Forward(logp, entropy, log_z, mu, jac_logp, jac_ent)
+    return _Forward(logp, entropy, log_z, mu, jac_logp, jac_ent, kept)
 
 
 def _finish_jacobians(jac_logp, jac_ent, weight, targets, valid, zy, s, s_other, e_y, mu, r, cfg, dtype) -> None:
@@ -272,7 +297,8 @@ def _finish_jacobians(jac_logp, jac_ent, weight, targets, valid, zy, s, s_other,
     jac_logp.mul_((-cfg.k * inv_s)[:, None]).add_(coef_y[:, None] * w_y)
 
 
-def _backward_recompute(hidden, weight, targets, log_z, mu, g_logp, g_ent, cfg: OpConfig, need_h, need_w):
+def _backward_recompute(hidden, weight, targets, log_z, mu, g_logp, g_ent, cfg: OpConfig, need_h, need_w, kept=None):
+    """dh, dW from each logits tile: ``kept`` (the forward's logits, overwritten with dL/dz) or recomputed."""
     n_rows, width = hidden.shape
     vocab = weight.shape[0]
     dtype = cfg.compute_dtype
@@ -283,7 +309,7 @@ def _backward_recompute(hidden, weight, targets, log_z, mu, g_logp, g_ent, cfg: 
     g_ent = None if g_ent is None else torch.where(valid, g_ent.float(), 0.0).contiguous()
     grad_h = torch.zeros((n_rows, width), device=hidden.device, dtype=torch.float32) if need_h else None
     grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
-    buf = torch.empty((min(rows, n_rows), cols), device=hidden.device, dtype=dtype)
+    buf = None if kept is not None else torch.empty((min(rows, n_rows), cols), device=hidden.device, dtype=dtype)
     for r0 in range(0, n_rows, rows):
         r1 = min(r0 + rows, n_rows)
         h = hidden[r0:r1].to(dtype)
@@ -292,8 +318,9 @@ def _backward_recompute(hidden, weight, targets, log_z, mu, g_logp, g_ent, cfg: 
         for c0 in range(0, vocab, cols):
             c1 = min(c0 + cols, vocab)
             w = weight[c0:c1].to(dtype)
-            tile = buf[: r1 - r0, : c1 - c0]
-            torch.mm(h, w.t(), out=tile)
+            tile = _logits_tile(buf, kept, r0, r1, c0, c1)
+            if kept is None:
+                torch.mm(h, w.t(), out=tile)
             grad_tile(tile, targets[r0:r1] - c0, log_z[r0:r1], mu[r0:r1], gl, ge, cfg)
             if grad_h is not None:
                 _addmm_fp32(grad_h[r0:r1], tile, w)
@@ -310,10 +337,13 @@ class LogpEntropyFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         need_h, need_w = ctx.needs_input_grad[:2]
         jacobian = need_h and not need_w
+        keep = need_w and _keeps_logits(hidden.shape[0], weight.shape[0], cfg.compute_dtype, cfg.keep_logits_mib)
         with torch.autocast(hidden.device.type, enabled=False):
-            out = _forward(hidden, weight, targets, cfg, jacobian)
+            out = _forward(hidden, weight, targets, cfg, jacobian, keep)
         ctx.cfg = cfg
         ctx.jacobian = jacobian
+        # not saved for backward: the first backward consumes it in place and drops it (a second one recomputes)
+        ctx.kept_logits = out.kept
         if need_h or need_w:
             saved = [hidden, weight, targets, out.log_z, out.mu]
             if jacobian:
@@ -325,6 +355,7 @@ class LogpEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
+        kept, ctx.kept_logits = ctx.kept_logits, None
         if g_logp is None and g_ent is None:
             return None, None, None, None
         hidden, weight, targets, log_z, mu, *jacs = ctx.saved_tensors
@@ -340,7 +371,10 @@ class LogpEntropyFunction(torch.autograd.Function):
         gather = ctx.cfg.weight_context
         with torch.autocast(hidden.device.type, enabled=False), gather() if gather else nullcontext():
             weight = ctx.saved_tensors[1]  # again, inside the gather: a released ZeRO-3 weight is empty outside it
-            grads = _backward_recompute(hidden, weight, targets, log_z, mu, g_logp, g_ent, ctx.cfg, need_h, need_w)
+            grads = _backward_recompute(
+                hidden, weight, targets, log_z, mu, g_logp, g_ent, ctx.cfg, need_h, need_w, kept=kept
+            )
+        del kept  # overwritten with dL/dz: its memory returns before the casts below
         grad_h, grad_w = grads
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
@@ -362,6 +396,7 @@ def logp_entropy(
     entropy_grad: bool = False,
     tile_mib: int = 512,
     backend: str | None = None,
+    keep_logits_mib: int = 0,
     weight_context: Callable[[], AbstractContextManager] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token fp32 log p(target) and entropy of ``softcap(logit_scale·h·Wᵀ)/T``; targets < 0 give 0 for both.
@@ -369,13 +404,17 @@ def logp_entropy(
     ``entropy_grad`` prepares the entropy gradient in the forward pass (frozen head); without it an entropy gradient
     still works, through a slower recompute. ``backend``: "torch", "triton" or None (triton on CUDA).
     ``weight_context``: entered around the backward's use of ``weight`` (to gather a partitioned one).
+    ``keep_logits_mib``: trainable head only; when the ``[N, V]`` logits in the compute dtype fit in this many MiB the
+    forward keeps them and the first backward reuses them instead of recomputing (one GEMM fewer).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [N, H] and weight [V, H], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     backend = backend or default_backend(hidden.device)
-    cfg = OpConfig(temperature, logit_scale, softcap, need_entropy, entropy_grad, tile_mib, backend)
+    # nothing to keep without a graph (needs_input_grad stays True under no_grad, e.g. the old policy's log-probs)
+    keep_mib = keep_logits_mib if torch.is_grad_enabled() and weight.requires_grad else 0
+    cfg = OpConfig(temperature, logit_scale, softcap, need_entropy, entropy_grad, tile_mib, backend, keep_mib)
     cfg = replace(cfg, compute_dtype=_compute_dtype(hidden, cfg), weight_context=weight_context)
     _checks.check_inputs(hidden, weight, targets, backend, cfg.compute_dtype)  # before any launch
     return LogpEntropyFunction.apply(hidden, weight, targets.contiguous(), cfg)
