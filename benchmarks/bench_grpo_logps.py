@@ -1,6 +1,7 @@
 """Fused GRPO log-probs: leantrain's op vs materialized logits, TRL 1.16's ChunkedLogProbFunction,
-cut-cross-entropy and Liger (when importable), frozen-head fwd+bwd, no-grad forward and a trainable-head row;
-plus CUDA parity (max |Δlogp| vs fp64 on a slice).
+cut-cross-entropy and Liger (when importable), frozen-head fwd+bwd, no-grad forward and a trainable-head row (with
+leantrain_triton_keep: the forward's logits kept for the backward, issue #13); plus CUDA parity (max |Δlogp| vs fp64
+on a slice).
 
     python benchmarks/bench_grpo_logps.py            # CUDA, full shapes (H100: < 4 min)
     python benchmarks/bench_grpo_logps.py --smoke    # tiny shapes, CPU or GPU, < 60 s
@@ -28,6 +29,9 @@ BENCH = "grpo_logps"
 TEMPERATURE = 0.7
 FULL_SHAPES = [(8192, 2048, 151936), (16384, 4096, 128256)]
 SMOKE_SHAPES = [(256, 64, 1001)]
+KEEP_ALL_MIB = 1 << 20  # keep_logits_mib that keeps any shape's logits (issue #13: 3 GEMMs instead of 4)
+TRAINABLE_PROVIDERS = ("trl_chunked", "leantrain_triton", "leantrain_triton_keep", "leantrain_torch", "materialized")
+TRAINABLE_ONLY = ("leantrain_triton_keep",)  # a frozen head never keeps logits: same as leantrain_triton
 
 
 def make_inputs(n: int, h: int, v: int, device: str, dtype: torch.dtype, seed: int = 0):
@@ -74,9 +78,9 @@ def liger(h, w, t):
     return -nll, None
 
 
-def leantrain_backend(backend: str) -> Callable:
+def leantrain_backend(backend: str, keep_logits_mib: int = 0) -> Callable:
     def run(h, w, t):
-        return ops.logp_entropy(h, w, t, temperature=TEMPERATURE, backend=backend)
+        return ops.logp_entropy(h, w, t, temperature=TEMPERATURE, backend=backend, keep_logits_mib=keep_logits_mib)
 
     return run
 
@@ -92,8 +96,14 @@ def providers(device: str) -> dict[str, Callable]:
                 print(f"skipping {name}: {type(error).__name__}: {error}")
     if device == "cuda" and ops.triton_available():
         found["leantrain_triton"] = leantrain_backend("triton")
+        found["leantrain_triton_keep"] = leantrain_backend("triton", KEEP_ALL_MIB)
     found["leantrain_torch"] = leantrain_backend("torch")
     return found
+
+
+def runs_in_case(name: str, trainable: bool) -> bool:
+    """Trainable-head rows: the providers with a weight gradient; leantrain_triton_keep only there."""
+    return name in TRAINABLE_PROVIDERS if trainable else name not in TRAINABLE_ONLY
 
 
 # ------------------------------------------------------------------------------------------------- timing
@@ -151,6 +161,8 @@ def parity(device: str, shape, rows: int = 1024) -> list[tuple[str, float, float
     ref.sum().backward()
     out = []
     for name, fn in providers(device).items():
+        if name in TRAINABLE_ONLY:
+            continue
         hh = hidden.detach().requires_grad_()
         try:
             logp, _ = fn(hh, weight, targets)
@@ -193,7 +205,7 @@ def main() -> None:
         rows.append(Row.timing(BENCH, "gemm_floor", mode, "shape", f"{n}x{h}x{v}", floor, **config))
         print(f"{label:48s} {'gemm_floor':18s} {floor.p50:9.2f} ms", flush=True)
         for name, fn in providers(device).items():
-            if trainable and name not in ("trl_chunked", "leantrain_triton", "leantrain_torch", "materialized"):
+            if not runs_in_case(name, trainable):
                 continue
             if name == "leantrain_torch" and device == "cuda" and n > 8192:
                 continue  # the reference path; one CUDA shape is enough to show it

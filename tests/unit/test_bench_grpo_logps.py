@@ -24,3 +24,23 @@ def test_gemm_floor_runs(mode, trainable):
     hidden, weight = torch.randn(16, 8), torch.randn(32, 8)
     timing = bench.gemm_floor(hidden, weight, mode, trainable, reps=2, warmup=1)
     assert timing.p50 > 0 and len(timing.samples) == 2
+
+
+def test_keep_provider_only_in_trainable_rows(monkeypatch):
+    """leantrain_triton_keep (issue #13) is timed next to the others in the trainable-head row and nowhere else."""
+    monkeypatch.setattr(bench.ops, "triton_available", lambda: True)
+    names = list(bench.providers("cuda"))  # CUDA's list; nothing is called
+    assert "leantrain_triton_keep" in names
+    trainable = [n for n in names if bench.runs_in_case(n, True)]
+    frozen = [n for n in names if bench.runs_in_case(n, False)]
+    assert {"leantrain_triton", "leantrain_triton_keep", "trl_chunked", "materialized"} <= set(trainable)
+    assert "leantrain_triton_keep" not in frozen and "leantrain_triton" in frozen
+    assert "leantrain_triton_keep" not in bench.providers("cpu")
+
+
+def test_keep_provider_keeps_the_logits():
+    """The provider's budget keeps a trainable head's logits (checked through the torch backend on CPU)."""
+    run = bench.leantrain_backend("torch", bench.KEEP_ALL_MIB)
+    hidden, weight = torch.randn(16, 8), torch.randn(32, 8).requires_grad_()
+    logp, _ = run(hidden, weight, torch.randint(0, 32, (16,)))
+    assert logp.grad_fn.kept_logits is not None
