@@ -161,7 +161,7 @@ def parity(device: str, shape, rows: int = 1024) -> list[tuple[str, float, float
     ref.sum().backward()
     out = []
     for name, fn in providers(device).items():
-        if name in TRAINABLE_ONLY:
+        if not runs_in_case(name, trainable=False):
             continue
         hh = hidden.detach().requires_grad_()
         try:
