@@ -159,7 +159,7 @@ def _make_trainer(args: argparse.Namespace, out: Path, run_name: str):
         from trl import SFTConfig, SFTTrainer
 
         config = SFTConfig(
-            **common, per_device_train_batch_size=args.batch, max_length=args.seq,  lr_scheduler_type="constant"
+            **common, per_device_train_batch_size=args.batch, max_length=args.seq, lr_scheduler_type="constant"
         )
         return SFTTrainer(
             model=model,
