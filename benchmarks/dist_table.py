@@ -48,7 +48,8 @@ def _outcomes(rank0: dict[str, Any]) -> dict[str, list[str]]:
     grouped: dict[str, list[str]] = {}
     for outcome in (rank0.get("report") or {}).get("outcomes", []):
         reasons = "; ".join(outcome.get("reasons") or ())
-        grouped.setdefault(outcome["status"], []).append(f"{outcome['name']}: {reasons}" if reasons else outcome["name"])
+        entry = f"{outcome['name']}: {reasons}" if reasons else outcome["name"]
+        grouped.setdefault(outcome["status"], []).append(entry)
     return grouped
 
 
