@@ -30,11 +30,13 @@ from .patching import current_report, patch_trainer, unpatch_trainer
 
 DEMO_MODELS = {"llama": "llama", "gpt2": "gpt2", "gpt-oss": "gpt_oss"}
 NO_VALUE = "—"  # a table cell with nothing to show (a GRPO run has no eval loss): never "nan"
-# Stock and patched losses agree within this share of the loss. The default paths are exact up to the summation
-# order of fp32 expert outputs (a few ulps, eps 1.2e-7, per step); Adam then carries that difference through every
-# later step, which the demo's 20 to 30 steps keep near 1e-6 of the loss; 1e-4 leaves room for any x86 CPU's
-# kernels. Measured values are printed next to it.
-LOSS_RTOL = 1e-4
+# Stock and patched losses agree within this share of the loss. leantrain's grouped path equals the stock per-expert
+# loop up to the fp32 summation order (a few ulps, eps 1.2e-7, per step), and Adam carries that through the later
+# steps. On CPU the stock bitsandbytes 4-bit layers add more: their first training forward in the Trainer came out up
+# to ~3e-5 of the loss off the same layers' later forwards on the same inputs (measured, 32 experts; leantrain's
+# path equals the later ones), and 20 steps carried that to <= 3.3e-4 of the loss. 1e-3 covers it with room for
+# other x86 kernels, and stays well below what a wrong expert output does (the loss moves by > 1e-2 per step here).
+LOSS_RTOL = 1e-3
 
 
 @dataclass
