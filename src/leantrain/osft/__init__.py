@@ -17,12 +17,9 @@ keeping their gradients (before ``optimizer.step()``) and values (after it) orth
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from .._patching import Undo
 from .._registry import Applied, Optimization, PatchContext, Readiness, register
-from ..config import ResolvedConfig
 from ..models import unwrap_model
 from .core import Conversion, convert, dense_state_dict, merge, osft_layers, plan_targets
 from .distributed import fully_shard, shard_placement_fn
@@ -81,13 +78,17 @@ def _readiness_problem(trainer: Any) -> str | None:
 class OSFT(Optimization):
     name = "osft"
     trainer_kinds = ("sft", "trainer", "grpo")
+    saved_weights = (
+        "save_model() writes dense weights that stock from_pretrained loads (export_state_dict); the checkpoints "
+        "train() writes keep the six factors per target, so resume_from_checkpoint resumes exactly"
+    )
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
         problem = _readiness_problem(trainer)
         if problem:
             return Readiness.no(problem)
         model = unwrap_model(trainer.model)
-        named, skipped = plan_targets(model, config.osft_targets)  # unmatched user pattern: ValueError
+        named, skipped = plan_targets(model, ctx.config.osft_targets)  # unmatched user pattern: ValueError
         if not named:
             if skipped:
                 name, why = next(iter(skipped.items()))
@@ -103,15 +104,16 @@ class OSFT(Optimization):
                 "the model is already sharded (DTensor weights, e.g. loaded with tp_plan or a device mesh): OSFT "
                 "must factor dense weights before sharding"
             )
-        return Readiness(detail=f"{len(named)} target linears")
+        return Readiness(detail=f"{len(named)} target linears", plan=(named, skipped))
 
-    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+    def apply(self, trainer: Any, plan: tuple[list, dict], ctx: PatchContext) -> Applied:
         cfg = ctx.config
         conversion = convert(
             trainer.model,
             unfrozen_rank_ratio=cfg.osft_unfrozen_rank_ratio,
             targets=cfg.osft_targets,
             progress=trainer.is_world_process_zero(),
+            planned=plan,
         )
         undo = ctx.undo
         # Any optimizer that exists at unpatch time was built on the factors: drop it so a later train() builds a
@@ -125,7 +127,6 @@ class OSFT(Optimization):
         projector = Projector(layers, precision=precision, cache_v_high=cfg.config.osft_cache_v_high)
         callback = OSFTCallback(projector, Projector(layers, batched=False), ctx.fallback)
         undo.add_callback(trainer, callback)
-        _wrap_dense_save(trainer, undo)
         short = sorted({name.rsplit(".", 1)[-1] for name in conversion.layers})
         detail = (
             f"{len(layers)} OSFTLinear ({', '.join(short)}), k_high = floor(min(N, M)·"
@@ -138,35 +139,7 @@ class OSFT(Optimization):
             detail += f"; skipped {len(conversion.skipped)}: " + "; ".join(
                 f"{n}: {why}" for n, why in list(conversion.skipped.items())[:3]
             )
-        return Applied(undo, tuple(conversion.layers), detail)
+        return Applied(tuple(conversion.layers), detail)
 
-
-def _wrap_dense_save(trainer: Any, undo: Undo) -> None:
-    """``save_model()`` (a user export) writes dense weights; the checkpoints ``train()`` writes
-    (``save_model(..., _internal_call=True)``) keep the factors so that training resumes exactly."""
-    dense = {"on": False}
-
-    def make_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save_model(output_dir: str | None = None, _internal_call: bool = False) -> Any:
-            if _internal_call:
-                return original(output_dir, _internal_call=True)
-            dense["on"] = True
-            try:
-                return original(output_dir, _internal_call=False)
-            finally:
-                dense["on"] = False
-
-        return save_model
-
-    def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
-        def _save(output_dir: str | None = None, state_dict: dict | None = None) -> Any:
-            if dense["on"] and (state_dict is not None or trainer.args.should_save):
-                if state_dict is None:
-                    state_dict = trainer.model.state_dict()
-                state_dict = dense_state_dict(state_dict, trainer.model)
-            return original(output_dir, state_dict=state_dict)
-
-        return _save
-
-    undo.wrap_method(trainer, "save_model", make_save_model)
-    undo.wrap_method(trainer, "_save", make_save)
+    def export_state_dict(self, trainer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return dense_state_dict(state_dict, trainer.model)

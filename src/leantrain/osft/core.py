@@ -139,15 +139,17 @@ def convert(
     unfrozen_rank_ratio: float = 0.5,
     targets: Sequence[str] | None = None,
     progress: bool = True,
+    planned: tuple[list[tuple[str, nn.Module]], dict[str, str]] | None = None,
 ) -> Conversion:
     """Replace the target linears of ``model`` (any wrapper) by :class:`OSFTLinear` in place.
 
     The replaced module keeps its identity: its weight storage is released now and refilled with the merged weight
     by ``conversion.undo()`` / :func:`merge`. Distributed (torch.distributed initialized): every rank must call it.
+    ``planned``: the (targets, skipped) that :func:`plan_targets` already found for ``targets``.
     """
     high_rank(1, 1, unfrozen_rank_ratio)  # validates the ratio before any work
     base = unwrap_model(model)
-    named, skipped = plan_targets(base, targets)
+    named, skipped = planned if planned is not None else plan_targets(base, targets)
     layers, errors = _factor_all(named, unfrozen_rank_ratio, progress)
     conversion = Conversion({}, skipped, max(errors, default=0.0))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and named:
