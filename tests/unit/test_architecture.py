@@ -19,7 +19,7 @@ OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit")
 MATH = {
     "cggr": ("ops",),
     "grpo_logps": ("ops", "_triton"),
-    "osft": ("projection", "linear", "_triton"),
+    "osft": ("ops", "linear", "_triton"),
     "moe4bit": ("_grouped", "_stacks", "_qstate", "_triton"),
 }
 FRAMEWORK_FOR_MATH = {"leantrain.config", "leantrain._patching", "leantrain._registry", "leantrain._record"}

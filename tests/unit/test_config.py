@@ -117,6 +117,6 @@ def test_option_choices_match_what_the_math_serves():
     keeps its own tuple; this keeps the two equal)."""
     from leantrain.cggr.ops import SCORINGS
     from leantrain.config import CGGR_SCORINGS, OSFT_PRECISIONS
-    from leantrain.osft.projection import PRECISIONS
+    from leantrain.osft.ops import PRECISIONS
 
     assert SCORINGS == CGGR_SCORINGS and PRECISIONS == OSFT_PRECISIONS

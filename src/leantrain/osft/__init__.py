@@ -13,6 +13,10 @@ keeping their gradients (before ``optimizer.step()``) and values (after it) orth
   the dense weights when it factors them, so the original values come back only up to the reconstruction error.
 - FSDP2: shard with :func:`fully_shard` (V factors on ``Shard(1)``: one flat all-reduce per step covers all U and V
   coefficients) or let accelerate shard (``Shard(0)``: V_high is all-gathered, in buckets); DDP needs nothing.
+
+Files: ``probe.py`` (readiness, which linears: the plan), ``convert.py`` (model surgery and the dense export),
+``patch.py`` (the trainer callback), ``ops.py`` (the factored projection math), ``linear.py`` (``OSFTLinear``),
+``_triton.py`` (the tf32x3 GEMM), ``distributed.py`` (FSDP2 sharding helpers).
 """
 
 from __future__ import annotations
@@ -20,12 +24,11 @@ from __future__ import annotations
 from typing import Any
 
 from .._registry import Applied, Optimization, PatchContext, Readiness, register
-from ..models import unwrap_model
-from .core import Conversion, convert, dense_state_dict, merge, osft_layers, plan_targets
+from .convert import Conversion, convert, dense_state_dict, merge, osft_layers
 from .distributed import fully_shard, shard_placement_fn
 from .linear import OSFTLinear
-from .projection import Projector, frozen_overlap
-from .targets import default_patterns
+from .ops import Projector, frozen_overlap
+from .probe import default_patterns, plan_targets, probe
 
 
 __all__ = [
@@ -47,31 +50,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "OSFTCallback":  # lazy: transformers' trainer stack is heavy to import (spawned workers, CLI)
-        from .callback import OSFTCallback
+        from .patch import OSFTCallback
 
         return OSFTCallback
     raise AttributeError(name)
-
-
-def _readiness_problem(trainer: Any) -> str | None:
-    if getattr(trainer, "optimizer", None) is not None:
-        return (
-            "the trainer already has an optimizer (passed with optimizers= or created by an earlier train()); it "
-            "holds the dense weights that OSFT replaces: build the trainer without optimizers= and call "
-            "patch_trainer before train()"
-        )
-    if getattr(trainer, "model_init", None) is not None:
-        return "model_init re-creates the model inside train(), dropping the factored layers: pass model= instead"
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        return "DeepSpeed keeps gradients in its own partitions, out of reach of the projection: use FSDP2 or DDP"
-    if getattr(trainer, "is_fsdp_enabled", False):
-        plugin = trainer.accelerator.state.fsdp_plugin
-        if getattr(plugin, "fsdp_version", 1) != 2:
-            return "FSDP1 flattens parameters, out of reach of the projection: use FSDP2 (fsdp_version: 2)"
-    args = getattr(trainer, "args", None)
-    if getattr(args, "use_vllm", False):
-        return "vLLM weight sync needs dense weights and OSFT holds factors: set use_vllm=False"
-    return None
 
 
 @register
@@ -84,27 +66,7 @@ class OSFT(Optimization):
     )
 
     def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
-        problem = _readiness_problem(trainer)
-        if problem:
-            return Readiness.no(problem)
-        model = unwrap_model(trainer.model)
-        named, skipped = plan_targets(model, ctx.config.osft_targets)  # unmatched user pattern: ValueError
-        if not named:
-            if skipped:
-                name, why = next(iter(skipped.items()))
-                return Readiness.no(f"no usable OSFT target: {name}: {why} ({len(skipped)} such)")
-            config_obj = getattr(model, "config", None)
-            return Readiness.not_applicable(
-                f"no OSFT target linears in {type(model).__name__} (defaults for model type "
-                f"{getattr(config_obj, 'model_type', '?')!r}: {', '.join(default_patterns(config_obj))}); "
-                "pass osft_targets=[...] name patterns"
-            )
-        if any(hasattr(module.weight, "device_mesh") for _, module in named):
-            return Readiness.no(
-                "the model is already sharded (DTensor weights, e.g. loaded with tp_plan or a device mesh): OSFT "
-                "must factor dense weights before sharding"
-            )
-        return Readiness(detail=f"{len(named)} target linears", plan=(named, skipped))
+        return probe(trainer, ctx)
 
     def apply(self, trainer: Any, plan: tuple[list, dict], ctx: PatchContext) -> Applied:
         cfg = ctx.config
@@ -122,7 +84,7 @@ class OSFT(Optimization):
         undo.extend(conversion.undo)
         layers = list(conversion.layers.values())
         precision = cfg.config.osft_projection_precision  # validated by the config at patch time
-        from .callback import OSFTCallback
+        from .patch import OSFTCallback
 
         projector = Projector(layers, precision=precision, cache_v_high=cfg.config.osft_cache_v_high)
         callback = OSFTCallback(projector, Projector(layers, batched=False), ctx.fallback)
