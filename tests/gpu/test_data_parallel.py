@@ -65,10 +65,9 @@ def _trainer(family: str, tmp_path, one_device: bool):
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    assert args.n_gpu >= 2, "this test needs Trainer to see 2+ GPUs"  # also runs the cached device setup
     if one_device:
-        args._n_gpu = 1  # the reference: Trainer reads n_gpu to decide on DataParallel
-    else:
-        assert args.n_gpu >= 2, "this test needs Trainer to see 2+ GPUs"
+        args._n_gpu = 1  # the reference: Trainer reads n_gpu (after the setup above) to decide on DataParallel
     return Trainer(model=_model(family), args=args, train_dataset=_rows())
 
 
