@@ -31,7 +31,7 @@ SMOKE=0
 if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-export BENCH_RESULTS=$OUT/dist BENCH_COMMIT=$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export BENCH_RESULTS=$OUT/dist BENCH_COMMIT=${BENCH_COMMIT:-$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$BENCH_RESULTS"
 PY=${PYTHON:-python3}
 if [ $SMOKE = 0 ]; then
