@@ -8,8 +8,10 @@
 #
 # Two GPUs of one host, from the repo root (NCCL; NVLink multicast stays off: NCCL_NVLS_ENABLE=0, set below too):
 #   git rev-parse --short HEAD > .bench_commit        # carried with .whl (the device copy's .git is not this one)
-#   NCCL_NVLS_ENABLE=0 bash benchmarks/gpu_dist.sh ddp fsdp2     # ~8 min: 3 recipes x 2 engines x stock/leantrain
-#   NCCL_NVLS_ENABLE=0 bash benchmarks/gpu_dist.sh zero2 zero3   # ~9 min (needs the DeepSpeed wheels below)
+#   NCCL_NVLS_ENABLE=0 bash benchmarks/gpu_dist.sh ddp      # 6 runs (3 recipes x stock/leantrain), ~4-5 min
+#   NCCL_NVLS_ENABLE=0 bash benchmarks/gpu_dist.sh fsdp2    # ~4-5 min
+#   NCCL_NVLS_ENABLE=0 bash benchmarks/gpu_dist.sh zero2    # ~5 min (needs the DeepSpeed wheels below)
+#   NCCL_NVLS_ENABLE=0 bash benchmarks/gpu_dist.sh zero3    # ~5 min (estimates: one launch ~40-50 s on H100s)
 #   (one engine, recipe or run per argument: ddp, sft, grpo.zero3, sft_osft.fsdp2.leantrain; none = all 24 runs;
 #   osft_fsdp2_bench = the OSFT FSDP2 step benchmark, only when named;
 #   slices write into the same $OUT/dist, so `python3 benchmarks/dist_table.py $OUT/dist` tables them together)
