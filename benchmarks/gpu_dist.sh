@@ -14,7 +14,8 @@
 #   NCCL_NVLS_ENABLE=0 bash benchmarks/gpu_dist.sh zero3    # ~5 min (estimates: one launch ~40-50 s on H100s)
 #   (one engine, recipe or run per argument: ddp, sft, grpo.zero3, sft_osft.fsdp2.leantrain; none = all 24 runs;
 #   osft_fsdp2_bench = the OSFT FSDP2 step benchmark, only when named;
-#   slices write into the same $OUT/dist, so `python3 benchmarks/dist_table.py $OUT/dist` tables them together)
+#   each command tables its own runs; to table several together, untar their dist.tgz into one directory here and
+#   run `python3 benchmarks/dist_table.py DIR --out benchmarks/results/distributed --commit <commit>`)
 # Wheels in .whl/ (installed with --no-deps into /tmp/site): trl, peft, accelerate, bitsandbytes, transformers 5.23,
 # and for ZeRO-2/3 DeepSpeed, built here (pure Python: DS_BUILD_OPS=0 compiles no op; the Trainer's torch AdamW is
 # handed to DeepSpeed, so no op is JIT-built on the GPU either) with its pure-Python needs:
