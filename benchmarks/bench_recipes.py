@@ -68,8 +68,8 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
 from _harness import (  # noqa: E402
-    QWEN25_SHAPES,
     RESULTS,
     Row,
     markdown_table,
@@ -106,36 +106,12 @@ def log(message: str) -> None:
 # -- shapes and settings -------------------------------------------------------------------------------------------
 
 QWEN = {  # released configs (tied embeddings); rope settings do not change the cost
-    name: dict(fields, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6)
-    for name, fields in QWEN25_SHAPES.items()
+    name: shapes.config(name, max_position_embeddings=32768, rms_norm_eps=1e-6)
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b")
 }
-LLAMA_1B = dict(  # Llama-3.2-1B
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    tie_word_embeddings=True,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-)
-GPT_OSS_20B = dict(  # openai/gpt-oss-20b (GptOssConfig defaults: yarn rope, swiglu limit 7, attention bias)
-    num_hidden_layers=24,
-    num_local_experts=32,
-    num_experts_per_tok=4,
-    hidden_size=2880,
-    intermediate_size=2880,
-    vocab_size=201088,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    head_dim=64,
-    sliding_window=128,
-    max_position_embeddings=131072,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-5,
-)
+LLAMA_1B = shapes.config("llama-3.2-1b", max_position_embeddings=131072, rms_norm_eps=1e-5)  # Llama-3.2-1B
+# openai/gpt-oss-20b (GptOssConfig defaults: yarn rope, swiglu limit 7, attention bias)
+GPT_OSS_20B = shapes.config("gpt-oss-20b", max_position_embeddings=131072, rms_norm_eps=1e-5)
 # Smoke: vocab 2048 = leantrain.tiny's tokenizer (GRPO prompts are real text); 4-bit sizes are multiples of the
 # blocksize (bitsandbytes' CPU dequantize needs it, see tests/parity/test_moe4bit_model.py).
 TINY = dict(
