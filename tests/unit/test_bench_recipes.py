@@ -1,5 +1,5 @@
-"""benchmarks/bench_recipes.py: the --smoke run (every recipe, tiny shapes, CPU) writes sane rows, table and plot;
-the step clock's split is exclusive; merging runs keeps the other recipes' rows."""
+"""benchmarks/bench_recipes.py (and its recipes/ package): the --smoke run (every recipe, tiny shapes, CPU) writes
+sane rows, table and plot; the step clock's split is exclusive; merging runs keeps the other recipes' rows."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_recipes  # noqa: E402
 from _harness import Row  # noqa: E402
+from recipes import moe_qlora, report, runner  # noqa: E402
 
 
 # -- pure pieces (fast) --------------------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ class _Fake:
 
 
 def test_step_clock_split_is_exclusive():
-    fake, clock = _Fake(), bench_recipes.StepClock(cuda=False, label="fake")
+    fake, clock = _Fake(), runner.StepClock(cuda=False, label="fake")
     for attr, part in (("training_step", "backward"), ("_prepare_inputs", "prepare"), ("compute_loss", "forward"),
                        ("_generate", "generation")):  # fmt: skip
         clock.wrap(fake, attr, part)
@@ -66,7 +66,7 @@ def test_merge_replaces_only_the_recipe_configs_run():
 
     old = [row("grpo", "0.5b beta=0", "stock"), row("grpo", "1.5b beta=0", "stock"), row("sft", "0.5b", "stock")]
     new = [row("grpo", "1.5b beta=0", "leantrain")]
-    merged = bench_recipes.merge(old, new)
+    merged = report.merge(old, new)
     assert [(r.mode, r.x_value, r.provider) for r in merged] == [
         ("grpo", "0.5b beta=0", "stock"),
         ("sft", "0.5b", "stock"),
@@ -83,11 +83,11 @@ def test_time_outside_generation_and_warmup_spikes():
     # warm-up steps ignored; timed rests 250, 2600 (a new sequence length), 260, 240 -> median 255
     config = _steps([(True, 9000, 1000), (False, 8250, 8000), (False, 10600, 8000), (False, 9260, 9000),
                      (False, 7240, 7000)])  # fmt: skip
-    assert bench_recipes.without_generation(config) == pytest.approx(255.0)
-    spikes = bench_recipes.warmup_spikes(config)
+    assert report.without_generation(config) == pytest.approx(255.0)
+    spikes = report.warmup_spikes(config)
     assert len(spikes) == 1 and spikes[0].startswith("step 3 took 2600 ms outside generation (10.2x")
-    assert bench_recipes.warmup_spikes(_steps([(False, 300, 0), (False, 320, 0), (False, 310, 0)])) == []
-    assert bench_recipes.without_generation(_steps([(False, 300, 0), (False, 320, 0)])) is None  # no generation
+    assert report.warmup_spikes(_steps([(False, 300, 0), (False, 320, 0), (False, 310, 0)])) == []
+    assert report.without_generation(_steps([(False, 300, 0), (False, 320, 0)])) is None  # no generation
 
 
 # -- the smoke run (one subprocess for all tests below) ------------------------------------------------------------
@@ -124,7 +124,7 @@ def test_every_recipe_ran_stock_and_leantrain(smoke):
     assert not problems
     skipped = [r for r in rows if r["metric"] == "skipped"]
     assert all(r["config"]["kind"] == "peer" for r in skipped), skipped  # only mini_trainer may be unavailable
-    for recipe in bench_recipes.RECIPES:
+    for recipe in runner.RECIPES:
         kinds = {r["config"]["kind"] for r in speed_rows(rows, recipe)}
         assert {"stock", "leantrain"} <= kinds, (recipe, kinds)
 
@@ -137,7 +137,7 @@ def test_split_parts_sum_to_the_step_and_losses_are_finite(smoke):
         assert len(c["steps"]) >= 2 and c["steps"][0]["warmup"] and not c["steps"][-1]["warmup"]
         for step in c["steps"]:
             parts = step["parts"]
-            assert set(parts) == set(bench_recipes.PARTS)
+            assert set(parts) == set(runner.PARTS)
             assert all(v >= 0 for k, v in parts.items() if k != "other"), parts
             # "other" is the step minus the timed parts: it is >= 0 exactly when the parts fit inside the step
             assert parts["other"] >= 0 and sum(parts.values()) == pytest.approx(step["total_ms"]), parts
@@ -164,7 +164,7 @@ def test_leantrain_applied_and_matches_stock_where_the_math_is_the_same(smoke):
     # Grouped 4-bit experts are bit-identical to the same layout's stock path in fp32
     # (tests/parity/test_moe4bit_model.py), so the whole run's losses are too.
     config = speed_rows(rows, "moe_qlora")[0]["x_value"]
-    pairs = [(name, baseline) for name, _, baseline, _, _ in bench_recipes.MOE_VARIANTS if baseline]
+    pairs = [(name, baseline) for name, _, baseline, _, _ in moe_qlora.MOE_VARIANTS if baseline]
     assert len(pairs) == 2
     for mine, stock in pairs:
         assert (
@@ -216,7 +216,7 @@ def test_table_and_plot_written(smoke):
     out, rows = smoke
     md = (out / "recipes.md").read_text()
     assert "| recipe | config | variant | step ms (p50) |" in md
-    for recipe in bench_recipes.RECIPES:
+    for recipe in runner.RECIPES:
         assert f"| {recipe} |" in md
     assert "Differences" in md
     png = (out / "recipes.png").read_bytes()
