@@ -56,7 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import RESULTS, Row, read_rows  # noqa: E402
-from recipes import grpo, moe_qlora, osft, sft  # noqa: E402
+from recipes import grpo, moe_experts, moe_qlora, osft, sft  # noqa: E402
 from recipes.report import markdown, merge, to_rows, write_all  # noqa: E402
 from recipes.runner import NAME, RECIPES, Budget, log  # noqa: E402
 from recipes.settings import FULL, SMOKE, Settings  # noqa: E402
@@ -64,8 +64,10 @@ from recipes.settings import FULL, SMOKE, Settings  # noqa: E402
 
 RECIPE_FNS = {
     "grpo": grpo.recipe_grpo,
+    "grpo_lora": grpo.recipe_grpo_lora,
     "sft": sft.recipe_sft,
     "moe_qlora": moe_qlora.recipe_moe_qlora,
+    "moe_qlora_experts": moe_experts.recipe_moe_qlora_experts,
     "osft": osft.recipe_osft,
 }
 assert tuple(RECIPE_FNS) == RECIPES
@@ -73,6 +75,10 @@ assert tuple(RECIPE_FNS) == RECIPES
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -97,7 +103,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="per-recipe time budget (default 450 s on CUDA)",
     )
     parser.add_argument("--betas", type=_floats, default=None, help="grpo: comma-separated betas (default 0.04,0)")
-    parser.add_argument("--reverse", action="store_true", help="grpo: each pair in the other order (leantrain first)")
+    parser.add_argument(
+        "--reverse", action="store_true", help="grpo, grpo_lora: the first order leantrain first (the second: stock)"
+    )
+    parser.add_argument(
+        "--orders",
+        type=int,
+        choices=(1, 2),
+        default=env("BENCH_RECIPE_ORDERS") and int(env("BENCH_RECIPE_ORDERS")),
+        help="grpo, grpo_lora: 2 (default) times each pair in both orders, medians over both; 1: one order",
+    )
+    parser.add_argument(
+        "--layers",
+        type=_ints,
+        default=env("BENCH_RECIPE_LAYERS") and _ints(env("BENCH_RECIPE_LAYERS")),
+        help="grpo_lora: decoder layers to build (default all 28); moe_qlora_experts: comma-separated counts "
+        "(default 2,4; two give the per-layer memory)",
+    )
     parser.add_argument("--merge", nargs="+", type=Path, help="only merge these recipes.json files and redraw")
     return parser.parse_args(argv)
 

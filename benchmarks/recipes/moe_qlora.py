@@ -6,6 +6,7 @@ import argparse
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,29 +32,41 @@ from .settings import Settings
 
 
 def build_gpt_oss(fields: dict, layout: str, s: Settings) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """gpt-oss on the meta device, then one decoder layer at a time on the device with its experts quantized right
-    away (``stacked``: quantize_experts_4bit; ``linear4bit``: per-expert bnb Linear4bit lists; ``bf16``: as is)."""
-    import transformers
-    from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
-
+    """gpt-oss built layer by layer (build_layerwise) with its experts quantized right away (``stacked``:
+    quantize_experts_4bit; ``linear4bit``: per-expert bnb Linear4bit lists; ``bf16``: as is)."""
     from leantrain import quantize_experts_4bit
     from leantrain.moe4bit.testing import linear4bit_experts_from
 
-    t0 = time.perf_counter()
-    config = transformers.GptOssConfig(**fields, **TOKENS)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=s.dtype)
-    config = model.config  # attention / experts implementations resolved by from_config
-    std = config.initializer_range
-    for i in range(config.num_hidden_layers):
-        with torch.device(s.device), default_dtype(s.dtype):
-            layer = gpt_oss.GptOssDecoderLayer(config, i)
-        for name, param in layer.named_parameters():
-            init_parameter(f"model.layers.{i}.{name}", param, std)
+    def transform(layer: torch.nn.Module) -> None:
         if layout == "stacked":
             quantize_experts_4bit(layer)
         elif layout == "linear4bit":
             layer.mlp.experts = linear4bit_experts_from(layer.mlp.experts)
+
+    return build_layerwise("GptOssConfig", fields, transform, layout, s)
+
+
+def build_layerwise(
+    config_cls: str, fields: dict, transform: Callable[[torch.nn.Module], None], layout: str, s: Settings
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A causal LM on the meta device, then one decoder layer at a time on the device, seeded by parameter name
+    (init_parameter) and passed to ``transform`` (quantize it) before the next one exists: the model is never
+    whole in bf16, so a build of a model with 4-bit experts peaks at one bf16 layer above its 4-bit size."""
+    import transformers
+
+    t0 = time.perf_counter()
+    config = getattr(transformers, config_cls)(**fields, **TOKENS)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=s.dtype)
+    config = model.config  # attention / experts implementations resolved by from_config
+    layer_cls = type(model.model.layers[0])
+    std = config.initializer_range
+    for i in range(config.num_hidden_layers):
+        with torch.device(s.device), default_dtype(s.dtype):
+            layer = layer_cls(config, i)
+        for name, param in layer.named_parameters():
+            init_parameter(f"model.layers.{i}.{name}", param, std)
+        transform(layer)
         model.model.layers[i] = layer
         del layer
     for name, module in list(model.named_modules()):

@@ -56,6 +56,7 @@ def to_rows(rec: dict[str, Any]) -> list[Row]:
         "extra",
         "metrics",
         "report",
+        "timing",
     )
     config = {
         **ident,
@@ -105,6 +106,10 @@ def table(rows: Sequence[Row]) -> str:
     ]
     generating = any(r.metric == "speed" and without_generation(r.config) is not None for r in main)
     header += ["without generation ms (p50), vs stock"] if generating else []
+    timed = any(r.config.get("timing") for r in main)
+    header += ["timed"] if timed else []
+    projected = {id(r): cell for r, cell in memory_projection(main)}
+    header += [PROJECTION_HEADER] if projected else []
     header += ["device"] if len(devices) > 1 else []
     body = []
     for r in main:
@@ -133,8 +138,43 @@ def table(rows: Sequence[Row]) -> str:
             ]
             if generating:
                 cells.append(_without_generation_cell(r, base))
+        cells += [c.get("timing") or ""] if timed else []
+        cells += [projected.get(id(r), "")] if projected else []
         body.append(cells + ([r.device] if len(devices) > 1 else []))
     return markdown_table(header, body)
+
+
+PROJECTION_HEADER = "peak GiB per layer -> whole model (vs a 24 GiB card)"
+CARD_GIB = 24.0
+
+
+def memory_projection(main: Sequence[Row]) -> list[tuple[Row, str]]:
+    """Rows of a recipe built at several layer counts (settings ``layers`` of ``full_layers``): per-layer peak =
+    the slope between the two largest counts of the same variant; whole model = the largest count's peak plus the
+    missing layers at that slope (embeddings, head and logits are in the intercept, so they are counted once)."""
+    out = []
+    for r in main:
+        st = r.config.get("settings") or {}
+        if r.metric != "speed" or "full_layers" not in st or r.config.get("peak_gib") is None:
+            continue
+        same = [
+            (o.config["settings"]["layers"], o.config["peak_gib"])
+            for o in main
+            if o.mode == r.mode
+            and o.provider == r.provider
+            and o.metric == "speed"
+            and o.config.get("peak_gib") is not None
+            and (o.config.get("settings") or {}).get("full_layers") == st["full_layers"]
+        ]
+        points = sorted(dict(same).items())
+        if len(points) < 2 or st["layers"] != points[-1][0]:
+            continue
+        (l1, p1), (l2, p2) = points[-2], points[-1]
+        per_layer = (p2 - p1) / (l2 - l1)
+        whole = p2 + (st["full_layers"] - l2) * per_layer
+        fits = "fits" if whole <= CARD_GIB else "does not fit"
+        out.append((r, f"{per_layer:.2f} -> {whole:.1f} at {st['full_layers']} layers ({fits} {CARD_GIB:.0f} GiB)"))
+    return out
 
 
 def _without_generation_cell(r: Row, base: Row | None) -> str:
@@ -212,6 +252,16 @@ def warmup_spikes(config: dict[str, Any], factor: float = 3.0) -> list[str]:
     ]
 
 
+def per_order(config: dict[str, Any]) -> list[str]:
+    """Steps merged from both orders (runner.run_both_orders): each order's median step, so an order effect shows."""
+    steps = timed_steps(config)
+    orders = sorted({st["order"] for st in steps if "order" in st})
+    if len(orders) < 2:
+        return []
+    medians = [statistics.median(st["total_ms"] for st in steps if st.get("order") == k) for k in orders]
+    return ["step p50 per order " + " / ".join(ms(m) for m in medians) + " ms (first order, then the other)"]
+
+
 def notes(rows: Sequence[Row]) -> list[str]:
     out = []
     for r in main_rows(rows):
@@ -226,6 +276,10 @@ def notes(rows: Sequence[Row]) -> list[str]:
         if c.get("patch_s") is not None:
             bits.append(f"patch_trainer {c['patch_s']:.1f} s")
         bits += warmup_spikes(c)
+        bits += per_order(c)
+        if "expert_lora_params" in extra:
+            count, numel = extra["expert_lora_params"], extra["expert_lora_numel"]
+            bits.append(f"LoRA on experts: {count} adapter tensors ({numel:,} values)")
         gen = [st["parts"].get("generation", 0.0) / 1e3 for st in timed_steps(c)]
         if any(gen):
             bits.append(f"generation per timed step {min(gen):.1f}-{max(gen):.1f} s")
@@ -241,12 +295,22 @@ def notes(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+TIMED_TEXT = (
+    " Timed: primed = every variant ran all its steps once untimed first (per-length attention plans and kernel "
+    "caches warm); both orders = the pair ran stock first and then leantrain first in the same process, and its "
+    "medians run over the timed steps of both runs, so neither variant is the one that meets first-time costs "
+    "(comparable); rows without it come from runs before this rule (one order, possibly not comparable)."
+)
+
+
 def markdown(rows: Sequence[Row]) -> str:
     text = (
         "What `patch_trainer` changes in a training step, measured: random-init public shapes (real vocab sizes), "
         "stock and leantrain in one process, seeded, medians over the timed steps after warm-up. Split: exclusive "
         "time in the trainer's own methods (see benchmarks/bench_recipes.py); peak = CUDA memory allocated above "
-        "what was allocated before the variant was built; vs stock = baseline step time / this step time.\n\n"
+        "what was allocated before the variant was built; vs stock = baseline step time / this step time."
+        + (TIMED_TEXT if any(r.config.get("timing") for r in main_rows(rows)) else "")
+        + "\n\n"
         + table(rows)
     )
     diffs, extra = differences(rows), notes(rows)

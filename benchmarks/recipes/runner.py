@@ -23,7 +23,14 @@ from .settings import Settings
 
 
 NAME = "recipes"
-RECIPES = ("grpo", "sft", "moe_qlora", "osft")  # run order of --recipe all, table order
+RECIPES = (
+    "grpo",
+    "grpo_lora",
+    "sft",
+    "moe_qlora",
+    "moe_qlora_experts",
+    "osft",
+)  # run order of --recipe all, table order
 PARTS = ("generation", "logps", "prepare", "forward", "backward", "clip", "optimizer", "other")
 SHORT = dict(
     generation="gen",
@@ -153,6 +160,11 @@ class StepClock:
         log(f"  {self.label} step {step}: {total:.0f} ms ({split})")
 
 
+class NotMeasured(Exception):
+    """Raised by a variant's ``make`` when what it built is not what it is named for (e.g. no LoRA adapters on the
+    experts): recorded as status "not measured" with this reason instead of timing something else."""
+
+
 @dataclass
 class Variant:
     recipe: str
@@ -239,6 +251,8 @@ def run_variant(v: Variant, steps: tuple[int, int], s: Settings) -> dict[str, An
         trainer.train()
         rec["train_s"] = time.perf_counter() - t2
         collect(rec, trainer, clock, steps)
+    except NotMeasured as error:  # the variant would time something else than it claims: say why, time nothing
+        failure = ("not measured", str(error)[:300])
     except torch.OutOfMemoryError as error:
         failure = ("oom", f"{type(error).__name__}: {str(error).splitlines()[0][:240]}")
     except Exception as error:  # recorded; stock/leantrain failures make the script exit non-zero
@@ -306,6 +320,55 @@ def run_group(
         budget.record(rec.get("wall_s", 0.0))
         records.append(rec)
     return records
+
+
+def run_both_orders(
+    pair: Sequence[Variant], steps: tuple[int, int], s: Settings, budget: Budget, prime: bool, orders: int = 2
+) -> list[dict]:
+    """A stock / leantrain pair timed fairly: the priming round (``prime``), the pair in the given order, then (with
+    ``orders=2``) in the other order, each variant's two runs merged into one record whose medians run over the
+    timed steps of both orders. Whichever variant runs first in a process may still meet a first-time cost the
+    priming missed (SDPA's per-length plans, allocator growth): both orders give it to each variant once.
+
+    The second order is skipped, and the records say so, when the budget cannot hold it."""
+    first = run_group(pair, steps, s, budget, prime=prime)
+    names = [v.name for v in pair]
+    if orders < 2 or any(r["status"] != "ok" for r in first):
+        why = "" if orders < 2 else ", a variant did not finish so no second order"
+        return [dict(r, timing=timing(prime, names, why)) for r in first]
+    second = {r["variant"]: r for r in run_group(pair[::-1], steps, s, budget)}
+    if any(r["status"] == "skipped" for r in second.values()):
+        why = f", the other skipped: {next(iter(second.values()))['reason']}"
+        return [dict(r, timing=timing(prime, names, why)) for r in first]
+    return [merge_orders([r, second[r["variant"]]], timing(prime, names, both=True)) for r in first]
+
+
+def timing(prime: bool, names: Sequence[str], why: str = "", both: bool = False) -> str:
+    """How a pair was timed, for the table: primed or not, one order (which) or both (medians over both)."""
+    if both:
+        text = f"both orders, medians over both ({names[0]} first, then {names[-1]} first)"
+    else:
+        text = f"one order ({', then '.join(names)}{why})"
+    return ("primed, " if prime else "") + text
+
+
+def merge_orders(recs: Sequence[dict], timing_text: str) -> dict:
+    """One record of a variant from its runs in both orders: the steps of each (tagged with ``order``), the
+    highest peak, summed wall times; a run that failed is returned as the record (its failure is the result)."""
+    failed = [r for r in recs if r["status"] != "ok"]
+    if failed:
+        return dict(failed[0], timing=timing_text)
+    merged = dict(recs[0], timing=timing_text)
+    merged["steps"] = [dict(st, order=k) for k, rec in enumerate(recs) for st in rec["steps"]]
+    merged["losses"] = [loss for rec in recs for loss in rec["losses"]]
+    merged["final_loss"] = recs[0]["final_loss"]  # the first order's (same data and seed in both)
+    merged["metrics"] = {k: [v for rec in recs for v in rec["metrics"].get(k, [])] for k in recs[0]["metrics"]}
+    for key in ("peak_gib", "base_gib"):
+        values = [rec[key] for rec in recs if rec.get(key) is not None]
+        merged[key] = max(values) if values else None
+    for key in ("build_s", "train_s", "wall_s"):
+        merged[key] = sum(rec.get(key) or 0.0 for rec in recs)
+    return merged
 
 
 def selected(shapes: dict[str, dict], wanted: str | None) -> dict[str, dict]:
