@@ -6,6 +6,15 @@ Random-init public shapes with their real vocab sizes (nothing downloaded); one 
 - ``grpo``: TRL ``GRPOTrainer``, Qwen2.5-0.5B and 1.5B shapes, 16 completions per step (2 prompts x 8 generations)
   x 256 completion tokens, beta 0.04 (reference model) and beta 0: stock vs ``patch_trainer(grpo_logps=True)``.
   Every step's completion token count and a hash of the completion token ids are recorded (same completions?).
+  Fair pairs: a priming round (every variant runs all its steps once, discarded) warms each shape's per-length
+  attention plans and kernel caches, then each pair runs stock first and then leantrain first (``--orders 2``);
+  medians run over both orders' timed steps (per-order medians in the notes; the table's "timed" column says so).
+  One 1.5B beta with its priming takes ~5-6 minutes: ``--shapes qwen2.5-1.5b --betas 0`` (and ``--betas 0.04``).
+- ``grpo_lora``: LoRA GRPO at the Qwen2.5-7B shape (28 layers, hidden 3584, 28 q / 4 kv heads, intermediate 18944,
+  vocab 152064, untied head), bf16 random init, PEFT LoRA r=16 on q/k/v/o/gate/up/down (LM head frozen), same
+  batch and completions as ``grpo``, beta 0 (``--betas 0.04``: TRL's reference is the base model with the adapters
+  disabled, no second model); a fresh seeded model per variant; primed, one order (both orders do not fit 8
+  minutes at 7B; ``--orders 2 --budget-s 560`` asks for them). ``--layers N`` builds fewer layers.
 - ``sft``: TRL ``SFTTrainer``, Qwen2.5-0.5B and 1.5B shapes, batch 8 x 2048, bf16, gradient checkpointing: stock
   vs CGGR (``cggr=True``, ratio 0.25 and 0.5, ``cggr_warmup_steps=0``).
 - ``moe_qlora``: the gpt-oss-20b shape (24 layers, 32 experts, top-4, hidden 2880, vocab 201088), LoRA r=16 on the
@@ -14,6 +23,14 @@ Random-init public shapes with their real vocab sizes (nothing downloaded); one 
   each against the same layout unpatched (transformers' dequantize-on-access stacks; the per-expert loop), and stock
   transformers with bf16 experts ("oom" when it does not fit). Built on the meta device and materialized one layer
   at a time on the GPU, its experts quantized as it appears (never all bf16 experts at once); build time recorded.
+- ``moe_qlora_experts``: QLoRA with LoRA on attention AND experts at the Qwen3-30B-A3B shape (128 experts, top-8,
+  hidden 2048, expert intermediate 768, 32 q / 4 kv heads of 128) built with 2 and 4 of its 48 layers
+  (``--layers``), SFT batch 1 x 2048. Attention nf4 ``Linear4bit`` (double quantization, as BitsAndBytesConfig loads
+  it), LoRA r=16 on q/k/v/o (``target_modules``) and on ``mlp.experts.gate_up_proj`` / ``down_proj`` (PEFT
+  ``target_parameters``). Stock: bf16 3-D experts (transformers 5.23); leantrain: ``quantize_experts_4bit`` stacks
+  + ``patch_trainer(moe4bit=True)``; the same stacks unpatched as a reference. A variant left without expert
+  adapters (PEFT matched nothing) is "not measured", with the reason. The table projects the peak memory to the
+  48-layer model from the two layer counts (slope per layer) next to a 24 GiB card.
 - ``osft``: Llama-3.2-1B shape, SFT batch 4 x 2048, fp32 weights under bf16 autocast: dense full fine-tuning vs
   leantrain ``osft=True`` vs mini_trainer 0.9.0's OSFT model class and projections (leantrain's initial factors,
   no second SVD; run in the same HF Trainer, projections in the optimizer callbacks).
@@ -25,15 +42,17 @@ without grad), ``prepare`` (the rest of ``_prepare_inputs``: rewards, advantages
 (``on_pre_optimizer_step`` -> ``on_optimizer_step``, OSFT projections included) and ``other`` (scheduler,
 zero_grad, callbacks); tokens/s; peak memory above what was allocated before the variant was built; per-step losses.
 
-    python benchmarks/bench_recipes.py --recipe grpo        # one recipe (CUDA); also sft, moe_qlora, osft
-    python benchmarks/bench_recipes.py                      # --recipe all: the four in turn (~25 min)
-    python benchmarks/bench_recipes.py --smoke              # every recipe on tiny shapes on CPU (< 60 s)
+    python benchmarks/bench_recipes.py --recipe grpo        # one recipe (CUDA); also grpo_lora, sft, moe_qlora,
+                                                            # moe_qlora_experts, osft
+    python benchmarks/bench_recipes.py                      # --recipe all: the six in turn (~40 min)
+    python benchmarks/bench_recipes.py --smoke              # every recipe on tiny shapes on CPU (~1 min)
     python benchmarks/bench_recipes.py --smoke --device cuda    # the same on the GPU: its CUDA paths, in seconds
     python benchmarks/bench_recipes.py --merge a.json b.json    # rebuild recipes.{json,md,png} from several runs
     BENCH_RECIPE=grpo BENCH_RECIPE_SHAPES=qwen2.5-0.5b bash benchmarks/gpu_run.sh recipes   # the same, by env vars
 
-``--shapes`` (grpo / sft), ``--only`` (variant-name substrings) and ``--budget-s`` select less; their environment
-twins are BENCH_RECIPE_SHAPES, BENCH_RECIPE_ONLY and BENCH_RECIPE_BUDGET_S.
+``--shapes`` (grpo / sft), ``--only`` (variant-name substrings), ``--budget-s``, ``--orders`` (grpo, grpo_lora) and
+``--layers`` (grpo_lora, moe_qlora_experts) select less or other; their environment twins are BENCH_RECIPE_SHAPES,
+BENCH_RECIPE_ONLY, BENCH_RECIPE_BUDGET_S, BENCH_RECIPE_ORDERS and BENCH_RECIPE_LAYERS.
 
 Writes ``recipes.json`` (rows of every recipe run so far: the rows already in ``$BENCH_RESULTS/recipes.json``, else
 in ``benchmarks/results/recipes.json``, with the (recipe, config) pairs just run replaced), ``recipes.md`` and
@@ -86,7 +105,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # Defaults from the environment too, so `BENCH_RECIPE=grpo bash benchmarks/gpu_run.sh recipes` picks one.
     env = os.environ.get
     parser.add_argument("--recipe", default=env("BENCH_RECIPE", "all"), choices=(*RECIPES, "all"))
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, every recipe (< 60 s)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, every recipe (~1 min)")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="with --smoke: run the tiny shapes here (cuda: check the CUDA paths)"
     )
@@ -102,7 +121,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=env("BENCH_RECIPE_BUDGET_S"),
         help="per-recipe time budget (default 450 s on CUDA)",
     )
-    parser.add_argument("--betas", type=_floats, default=None, help="grpo: comma-separated betas (default 0.04,0)")
+    parser.add_argument(
+        "--betas", type=_floats, default=None, help="grpo / grpo_lora: comma-separated betas (default 0.04,0 / 0)"
+    )
     parser.add_argument(
         "--reverse", action="store_true", help="grpo, grpo_lora: the first order leantrain first (the second: stock)"
     )
@@ -111,7 +132,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         choices=(1, 2),
         default=env("BENCH_RECIPE_ORDERS") and int(env("BENCH_RECIPE_ORDERS")),
-        help="grpo, grpo_lora: 2 (default) times each pair in both orders, medians over both; 1: one order",
+        help="grpo, grpo_lora: 2 times each pair in both orders, medians over both (grpo default); 1: one order "
+        "(grpo_lora default)",
     )
     parser.add_argument(
         "--layers",
