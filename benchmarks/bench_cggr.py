@@ -32,7 +32,7 @@ import shapes  # noqa: E402
 from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
-from leantrain.cggr.selection import select_topk, targets_of  # noqa: E402
+from leantrain.cggr.ops import select_topk, targets_of  # noqa: E402
 
 
 OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
