@@ -70,6 +70,19 @@ SHAPES: dict[str, Shape] = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen2.5-3b": Shape(
+        "Qwen2Config",
+        "Qwen/Qwen2.5-3B",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen2.5-7b": Shape(
         "Qwen2Config",
         "Qwen/Qwen2.5-7B",
@@ -95,6 +108,19 @@ SHAPES: dict[str, Shape] = {
             num_key_value_heads=8,
             head_dim=64,
             tie_word_embeddings=True,
+        ),
+    ),
+    "llama-3.1-8b": Shape(
+        "LlamaConfig",
+        "meta-llama/Llama-3.1-8B",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
         ),
     ),
     "gpt-oss-20b": Shape(  # GptOssConfig defaults supply the rest (yarn rope, swiglu limit 7, attention bias)

@@ -332,6 +332,8 @@ def run_both_orders(
 
     The second order is skipped, and the records say so, when the budget cannot hold it."""
     first = run_group(pair, steps, s, budget, prime=prime)
+    if all(r["status"] == "skipped" for r in first):  # the budget: nothing was timed
+        return first
     names = [v.name for v in pair]
     if orders < 2 or any(r["status"] != "ok" for r in first):
         why = "" if orders < 2 else ", a variant did not finish so no second order"
