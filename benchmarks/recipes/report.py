@@ -299,7 +299,7 @@ TIMED_TEXT = (
     " Timed: primed = every variant ran all its steps once untimed first (per-length attention plans and kernel "
     "caches warm); both orders = the pair ran stock first and then leantrain first in the same process, and its "
     "medians run over the timed steps of both runs, so neither variant is the one that meets first-time costs "
-    "(comparable); rows without it come from runs before this rule (one order, possibly not comparable)."
+    "(comparable); GRPO rows without it come from runs before this rule (one order, possibly not comparable)."
 )
 
 
