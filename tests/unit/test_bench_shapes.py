@@ -57,3 +57,20 @@ def test_every_shape_builds_and_overrides_copy():
     assert shapes.SHAPES["qwen2.5-7b"].fields["num_hidden_layers"] == 28  # the table itself is never changed
     with pytest.raises(KeyError, match="unknown shape 'nope'"):
         shapes.shape("nope")
+
+
+def test_examples_build_the_tables_sizes(monkeypatch):
+    """examples/_common.py's named shapes come from the table (its own choices: untied head, sdpa)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import _common
+
+    built = []
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_config", lambda c, **kw: built.append(c) or torch.nn.Linear(1, 1)
+    )
+    for example, (_, name) in _common.SHAPES.items():
+        _common.build_model(example, vocab_size=0)
+        config, fields = built[-1], shapes.config(name)
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            assert getattr(config, key) == fields[key], (example, key)
+        assert config.num_key_value_heads == fields["num_key_value_heads"] and not config.tie_word_embeddings
