@@ -7,12 +7,11 @@ gpt-oss checkpoints) and stock transformers 3-D experts quantized by :func:`quan
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Any
 
-from .._patching import Undo
 from .._registry import Applied, Optimization, PatchContext, Readiness, optional_import_reason, register
-from ..config import ResolvedConfig
 from ..models import unwrap_model
 from .quantize import QuantizeReport, quantize_experts_4bit
 
@@ -163,7 +162,7 @@ class Moe4bit(Optimization):
         reason = _bnb_reason()
         return (reason,) if reason else ()
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
         ready = readiness(trainer.model)
         if not ready.ready:
             return ready
@@ -173,27 +172,25 @@ class Moe4bit(Optimization):
                 "grouped path reads whole stacks: use ZeRO-2 (frozen 4-bit experts stay whole on every rank) or DDP"
             )
         reason = _fsdp_reason(trainer, trainer.model)
-        return Readiness.no(reason) if reason else ready
-
-    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+        if reason:
+            return Readiness.no(reason)
         from . import _layouts
 
-        model = unwrap_model(trainer.model)
+        return dataclasses.replace(ready, plan=_layouts.find_experts(unwrap_model(trainer.model)))
+
+    def apply(self, trainer: Any, plan: list, ctx: PatchContext) -> Applied:
+        from . import _layouts
+
         recompute = bool(ctx.config.moe_recompute)
         live = _fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
-        undo = Undo()
         targets = []
-        try:
-            for found in _layouts.find_experts(model):
-                if live:
-                    plan_for = _layouts.live_stacked_plan(found.module, recompute)
-                else:
-                    plan_for = _fixed(*_layouts.build_plan(found, undo, recompute))
-                undo.wrap_method(found.module, "forward", _patched_forward(plan_for, ctx.fallback))
-                targets.append(found.name)
-        except BaseException:
-            undo()
-            raise
-        detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"
+        for found in plan:
+            if live:
+                plan_for = _layouts.live_stacked_plan(found.module, recompute)
+            else:
+                plan_for = _fixed(*_layouts.build_plan(found, ctx.undo, recompute))
+            ctx.undo.wrap_method(found.module, "forward", _patched_forward(plan_for, ctx.fallback))
+            targets.append(found.name)
+        detail = readiness(unwrap_model(trainer.model)).detail + f"; recompute {'on' if recompute else 'off'}"
         detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
-        return Applied(undo, tuple(targets), detail)
+        return Applied(tuple(targets), detail)
