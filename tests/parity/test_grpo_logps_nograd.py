@@ -142,8 +142,11 @@ def assert_equal_outputs(a, b) -> None:
 
 
 @needs_fused_head
-def test_dispatched_no_grad_call_is_trls_forward_bitwise(model_dir, tmp_path, monkeypatch):
-    trainer = make_trainer(model_dir, tmp_path, beta=0.1, bf16=False)  # beta > 0: a reference model too
+@pytest.mark.parametrize("bf16", [False, True])
+def test_dispatched_no_grad_call_is_trls_forward_bitwise(model_dir, tmp_path, monkeypatch, bf16):
+    """With bf16, accelerate wraps the prepared reference model's forward (autocast, fp32 outputs): TRL's fused forward
+    is found under those wrappers and the whole wrapped forward serves the call."""
+    trainer = make_trainer(model_dir, tmp_path, beta=0.1, bf16=bf16)  # beta > 0: a reference model too
     stock = outputs(trainer)
     leantrain.patch_trainer(trainer)
     calls = count_op_calls(monkeypatch)
@@ -212,6 +215,13 @@ def test_report_names_the_dispatch(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "default_backend", lambda device: "triton")
     monkeypatch.setattr(_trl, "NOGRAD_MEASURED", (P(64, h, v, "float32", True, 1.0, 2.0),))
     detail = _trl.nograd_detail([("model", trainer.model), ("ref_model", trainer.ref_model)], trainer.args)
+    report = leantrain.patch_trainer(trainer)
+    assert report["grpo_logps"].detail.endswith("kernel: torch chunked; " + detail)
     # the reference head asks no entropy: no such cell, the entropy one is the nearest
     assert detail.startswith(f"no-grad calls at policy H={h} V={v} (any N), ref model H={h} V={v} (any N) use TRL")
     assert _trl.NOGRAD_SOURCE in detail
+
+
+def test_rule_never_raises_on_an_unknown_dtype_name():
+    table = (P(4096, 1000, 150_000, "bfloat16", True, 1.0, 2.0),)
+    assert rule(4096, 1000, 150_000, "no_such_dtype", True, table=table)  # the nearest cell still decides

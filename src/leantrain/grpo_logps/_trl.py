@@ -249,7 +249,8 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def _itemsize(name: str) -> int:
-    return getattr(torch, name).itemsize
+    dtype = getattr(torch, name, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 0  # never raises in a forward
 
 
 @functools.lru_cache(maxsize=64)
