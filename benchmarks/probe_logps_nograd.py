@@ -12,7 +12,8 @@ it); the reference model's log-probs only: both are measured.
     python benchmarks/probe_logps_nograd.py --smoke       # tiny shapes, CPU ok, seconds
     python benchmarks/probe_logps_nograd.py --emit-rule   # print the rule's table from the JSON, to paste
 
-Writes grpo_logps_nograd.json / .md into $BENCH_RESULTS or benchmarks/results/.
+Writes grpo_logps_nograd.json / .md (and _profile.txt: both heads kernel by kernel at N=8192 H=2048 V=151936, the
+cell of issue #28) into $BENCH_RESULTS or benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -109,6 +110,33 @@ def run_grid(models, n_values, device: str, dtype: torch.dtype, reps: int, warmu
     return rows, table
 
 
+def profile_cell(model: str, n: int, h: int, v: int, device: str, dtype: torch.dtype) -> str:
+    """Per-kernel times of both heads on one cell (log-probs + entropy, 5 calls each): where a gap comes from (the
+    logits GEMMs or the fold), for work on leantrain's no-grad forward itself."""
+    from torch.profiler import ProfilerActivity, profile
+
+    backend = ops.default_backend(torch.device(device))
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, h, device=device, dtype=dtype, generator=g)
+    weight = torch.randn(v, h, device=device, dtype=dtype, generator=g) * (4 / h**0.5)
+    targets = torch.randint(0, v, (n,), device=device, generator=g)
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    parts = [f"# {model} N={n} H={h} V={v} {str(dtype).removeprefix('torch.')}, log-probs + entropy, 5 calls"]
+    for name, fn in ((STOCK, stock_head(True)), (FUSED, fused_head(True, backend))):
+        with torch.no_grad():
+            for _ in range(3):
+                fn(hidden, weight, targets)
+            torch.cuda.synchronize() if cuda else None
+            with profile(activities=activities) as prof:
+                for _ in range(5):
+                    fn(hidden, weight, targets)
+                torch.cuda.synchronize() if cuda else None
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        parts.append(f"## {name}\n{prof.key_averages().table(sort_by=sort, row_limit=12)}")
+    return "\n\n".join(parts)
+
+
 def rule_points(rows: list[Row]) -> list[_trl.NogradPoint]:
     """The rule's measured points from the probe's speed rows: one per (N, H, V, dtype, entropy), both providers."""
     cells: dict[tuple, dict[str, float]] = {}
@@ -166,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
         "`python benchmarks/probe_logps_nograd.py --emit-rule`."
     )
     out = write_results(BENCH, rows, md, out_dir)
+    # the issue's cell (TRL 9.05 vs leantrain 9.78 ms on an H100): kernel by kernel
+    model, h, v = next((m for m in models if m[1] == 2048), models[0])
+    n = 8192 if 8192 in n_values else max(n_values)
+    (out / f"{BENCH}_profile.txt").write_text(profile_cell(model, n, h, v, device, torch.bfloat16))
     print(md)
     print(f"results in {out}")
 
