@@ -37,7 +37,7 @@ from leantrain.grpo_logps import _trl, ops  # noqa: E402
 
 
 BENCH = "grpo_logps_nograd"
-STOCK, FUSED = "trl_stock", "leantrain"
+STOCK, FUSED, TALL = "trl_stock", "leantrain", "leantrain_tall_tiles"
 # (model, H, V): Qwen2.5 0.5B-14B (the 7B and 14B vocabularies are 152064) and Llama-3 8B
 MODELS = [
     ("qwen2.5-0.5b", 896, 151936),
@@ -69,6 +69,22 @@ def fused_head(entropy: bool, backend: str) -> Callable:
     return run
 
 
+def tall_tiles(entropy: bool, backend: str, rows: int) -> Callable:
+    """A candidate, not a default: leantrain's op with logits tiles of up to ``rows`` rows (2 x MAX_TILE_ROWS: 8192 x
+    32768 bf16 = 512 MiB, still within the default tile budget), measured where N allows them (issue #28, item 3)."""
+    run = fused_head(entropy, backend)
+
+    def go(h, w, t):
+        old = ops.MAX_TILE_ROWS
+        ops.MAX_TILE_ROWS = rows
+        try:
+            return run(h, w, t)
+        finally:
+            ops.MAX_TILE_ROWS = old
+
+    return go
+
+
 def measure(fn: Callable, hidden, weight, targets, reps: int, warmup: int):
     def step(_i=0):
         with torch.no_grad():
@@ -79,6 +95,7 @@ def measure(fn: Callable, hidden, weight, targets, reps: int, warmup: int):
 
 def run_grid(models, n_values, device: str, dtype: torch.dtype, reps: int, warmup: int) -> tuple[list[Row], list]:
     backend = ops.default_backend(torch.device(device))
+    tall_rows = 2 * ops.MAX_TILE_ROWS
     rows: list[Row] = []
     table: list[list] = []
     g = torch.Generator(device=device).manual_seed(0)
@@ -87,13 +104,15 @@ def run_grid(models, n_values, device: str, dtype: torch.dtype, reps: int, warmu
         hidden_all = torch.randn(n_max, h, device=device, dtype=dtype, generator=g)
         weight = (torch.randn(v, h, device=device, dtype=dtype, generator=g) * (4 / h**0.5)).contiguous()
         targets_all = torch.randint(0, v, (n_max,), device=device, generator=g)
-        for n in n_values:
+        for i, n in enumerate(n_values):
             hidden, targets = hidden_all[:n], targets_all[:n]
             for entropy in (True, False):
                 config = dict(model=model, N=n, H=h, V=v, dtype=str(dtype).removeprefix("torch."), entropy=entropy)
                 providers = [(STOCK, stock_head(entropy)), (FUSED, fused_head(entropy, backend))]
-                if (n + entropy) % 2:  # alternate the order: neither provider always runs on a just-warmed GPU
+                if (i + entropy) % 2:  # alternate the order over N and entropy: neither always runs first
                     providers.reverse()
+                if entropy and n >= tall_rows:  # a different tile plan from the default's only there
+                    providers.append((TALL, tall_tiles(entropy, backend, tall_rows)))
                 got = {}
                 for name, fn in providers:
                     t, mem = measure(fn, hidden, weight, targets, reps, warmup)
@@ -102,8 +121,11 @@ def run_grid(models, n_values, device: str, dtype: torch.dtype, reps: int, warmu
                     rows.append(Row(BENCH, name, "no_grad", "memory", "GiB", "N", n, mem, config=config))
                 (ts, ms), (tf, mf) = got[STOCK], got[FUSED]
                 rule = _trl.nograd_prefers_stock(n, h, v, dtype, entropy, backend)
-                table.append([model, n, h, v, entropy, ts.p50, tf.p50, ts.p50 / tf.p50, ms, mf,
-                              "stock" if ts.p50 < tf.p50 else "fused", "stock" if rule else "fused"])  # fmt: skip
+                tall = got[TALL][0].p50 if TALL in got else float("nan")
+                faster, rule_now = ("stock" if ts.p50 < tf.p50 else "fused"), ("stock" if rule else "fused")
+                table.append(
+                    [model, n, h, v, entropy, ts.p50, tf.p50, ts.p50 / tf.p50, ms, mf, faster, rule_now, tall]
+                )
                 print(f"{model:13s} N={n:6d} entropy={entropy!s:5s} stock {ts.p50:8.3f} ms  fused {tf.p50:8.3f} ms",
                       flush=True)  # fmt: skip
         del hidden_all, weight, targets_all
@@ -185,13 +207,14 @@ def main(argv: list[str] | None = None) -> None:
     reps, warmup = (3, 1) if args.smoke else (25, 5)
     rows, table = run_grid(models, n_values, device, torch.bfloat16, reps, warmup)
     header = ["model", "N", "H", "V", "entropy", "TRL ms", "leantrain ms", "speed-up vs TRL", "TRL GiB",
-              "leantrain GiB", "faster", "rule now"]  # fmt: skip
+              "leantrain GiB", "faster", "rule now", "tall tiles ms"]  # fmt: skip
     md = markdown_table(header, table)
     md += (
         "\n\nNo-grad calls (torch.no_grad), bf16, median CUDA-event ms. TRL: ChunkedLogProbFunction as TRL 1.16's "
         "fused head calls it on the scored rows; leantrain: its op (Triton backend, default tile budget). 'rule now': "
         "what leantrain.grpo_logps._trl.nograd_prefers_stock decides at the time of the run; update it with "
-        "`python benchmarks/probe_logps_nograd.py --emit-rule`."
+        "`python benchmarks/probe_logps_nograd.py --emit-rule`. 'tall tiles': a candidate (not the default), "
+        f"leantrain's op with logits tiles of twice {ops.MAX_TILE_ROWS} rows (same tile budget), where N allows them."
     )
     out = write_results(BENCH, rows, md, out_dir)
     # the issue's cell (TRL 9.05 vs leantrain 9.78 ms on an H100): kernel by kernel

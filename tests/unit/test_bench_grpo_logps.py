@@ -108,10 +108,16 @@ def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
     monkeypatch.setattr(probe, "SMOKE_MODELS", [("tiny", 16, 257)])
     monkeypatch.setattr(probe, "SMOKE_N", (8, 32))
+    monkeypatch.setattr(probe.ops, "MAX_TILE_ROWS", 16)  # the tall-tiles candidate (32 rows) runs at N=32
     probe.main(["--smoke"])
     rows = probe.read_rows(tmp_path / "grpo_logps_nograd.json")
     speed = [r for r in rows if r.metric == "speed"]
+    tall = [(r.x_value, r.config["entropy"]) for r in speed if r.provider == probe.TALL]
+    assert tall == [(32, True)] and probe.ops.MAX_TILE_ROWS == 16  # restored after each call
+    speed = [r for r in speed if r.provider != probe.TALL]
     assert len(speed) == 2 * 2 * 2 and {r.provider for r in speed} == {probe.STOCK, probe.FUSED}
+    profile = (tmp_path / "grpo_logps_nograd_profile.txt").read_text()
+    assert "## trl_stock" in profile and "## leantrain" in profile
     assert all(r.device and r.versions and r.date and r.commit for r in rows)
     capsys.readouterr()
     probe.main(["--emit-rule"])
