@@ -203,10 +203,10 @@ class NogradPoint(NamedTuple):
         return self.stock_ms < self.fused_ms
 
 
-# Where leantrain's no-grad forward (old / reference log-probs) is not faster than the TRL head it replaces, the
-# wrapped forward calls TRL's own. Source: benchmarks/results/grpo_logps.md, the "forward" rows (trl_chunked =
-# TRL 1.16's ChunkedLogProbFunction as its fused head calls it; leantrain_triton; bf16, log-probs + entropy),
-# NVIDIA H100 80GB HBM3, 2026-11-24, commit 4b192e3. Regenerate after a GPU run of the probe:
+# Where leantrain's no-grad forward (old / reference log-probs) measured slower than the TRL head it replaces, the
+# wrapped forward calls TRL's own (a tie keeps leantrain's). Source: benchmarks/results/grpo_logps.md, the "forward"
+# rows (trl_chunked = TRL 1.16's ChunkedLogProbFunction as its fused head calls it; leantrain_triton; bf16, log-probs
+# + entropy), NVIDIA H100 80GB HBM3, 2026-11-24, commit 4b192e3. Regenerate after a GPU run of the probe:
 # `python benchmarks/probe_logps_nograd.py --emit-rule` prints both constants from grpo_logps_nograd.json.
 NOGRAD_SOURCE = "NVIDIA H100 80GB HBM3, 2026-11-24, benchmarks/results/grpo_logps.md"
 NOGRAD_MEASURED: tuple[NogradPoint, ...] = (
