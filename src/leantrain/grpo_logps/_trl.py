@@ -14,16 +14,19 @@ calls the wrapped model with ``fused_lm_head=True``.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..models import head_weight, logit_transform
+from . import ops
 
 
 FUSED_OUTPUTS = ("log_probs", "entropy")
@@ -46,7 +49,11 @@ class HeadSettings:
 def trl_fused_forward(model: nn.Module) -> Callable[..., Any] | None:
     """TRL's ``_fused_forward`` function under this instance's ``forward`` (possibly inside accelerate's autocast /
     fp32-output wrappers, as on a prepared reference model), or None."""
-    obj = model.__dict__.get("forward")
+    return _find_fused(model.__dict__.get("forward"))
+
+
+def _find_fused(obj: Any) -> Callable[..., Any] | None:
+    """TRL's ``_fused_forward`` under the callable ``obj`` (through bound methods and wrappers), or None."""
     for _ in range(12):
         if obj is None:
             return None
@@ -177,6 +184,160 @@ def _output_class() -> Callable[..., Any]:
     except ImportError:  # TRL <= 1.14
         return _FusedOutput
     return FusedCausalLMOutput
+
+
+# ------------------------------------------------------------------------------ no-grad dispatch (issue #28)
+class NogradPoint(NamedTuple):
+    """One measured no-grad call: TRL's own fused head (stock) vs leantrain's op, median CUDA ms."""
+
+    n: int  # scored rows (TRL scores only the labelled positions on CUDA)
+    h: int
+    v: int
+    dtype: str  # the logits tiles' dtype, torch's name without "torch."
+    entropy: bool  # the head also computes the entropy (TRL's policy head: yes; its reference-model head: no)
+    stock_ms: float
+    fused_ms: float
+
+    @property
+    def stock_wins(self) -> bool:
+        return self.stock_ms < self.fused_ms
+
+
+# Where leantrain's no-grad forward (old / reference log-probs) measured slower than the TRL head it replaces, the
+# wrapped forward calls TRL's own (a tie keeps leantrain's). Source: benchmarks/results/grpo_logps.md, the "forward"
+# rows (trl_chunked = TRL 1.16's ChunkedLogProbFunction as its fused head calls it; leantrain_triton; bf16, log-probs
+# + entropy), NVIDIA H100 80GB HBM3, 2026-11-24, commit 4b192e3. Regenerate after a GPU run of the probe:
+# `python benchmarks/probe_logps_nograd.py --emit-rule` prints both constants from grpo_logps_nograd.json.
+NOGRAD_SOURCE = "NVIDIA H100 80GB HBM3, 2026-11-24, benchmarks/results/grpo_logps.md"
+NOGRAD_MEASURED: tuple[NogradPoint, ...] = (
+    NogradPoint(8192, 2048, 151936, "bfloat16", True, 9.05, 9.78),
+    NogradPoint(16384, 4096, 128256, "bfloat16", True, 29.2, 29.0),
+)
+# The rule covers vocabularies within this factor of the measured ones (it extrapolates to the nearest measured
+# cell); nothing was measured beyond (e.g. the tiny test models): leantrain's op runs there.
+NOGRAD_V_REACH = 2.0
+
+
+def nograd_prefers_stock(
+    n: int | Callable[[], int],
+    h: int,
+    v: int,
+    dtype: torch.dtype | str,
+    entropy: bool,
+    backend: str = "triton",
+    table: tuple[NogradPoint, ...] | None = None,
+) -> bool:
+    """Whether TRL's own head measured faster than leantrain's op for a no-grad call scoring ``n`` rows of width
+    ``h`` against ``v`` logits in ``dtype`` tiles, with the entropy or not, on ``backend`` (only "triton" was
+    measured: False elsewhere).
+
+    The verdict of the nearest measured point: same entropy flag and tile dtype size when measured, then the nearest
+    hidden size and vocabulary (log scale), then the nearest N there (log scale). ``n`` may be a callable counting
+    the rows: it is called only when that cell's verdict depends on N (counting labels syncs the host)."""
+    if backend != "triton":
+        return False
+    profile = _nograd_profile(h, v, _dtype_name(dtype), bool(entropy), NOGRAD_MEASURED if table is None else table)
+    verdicts = {stock for _, stock in profile}
+    if len(verdicts) <= 1:
+        return bool(verdicts) and verdicts.pop()
+    log_n = math.log(max(1, n() if callable(n) else n))
+    return min(profile, key=lambda point: abs(math.log(point[0]) - log_n))[1]
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _itemsize(name: str) -> int:
+    dtype = getattr(torch, name, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 0  # never raises in a forward
+
+
+@functools.lru_cache(maxsize=64)
+def _nograd_profile(
+    h: int, v: int, dtype: str, entropy: bool, table: tuple[NogradPoint, ...]
+) -> tuple[tuple[int, bool], ...]:
+    """(N, stock wins) of the nearest measured (H, V, dtype, entropy) cell, by N; empty out of the rule's reach."""
+    if not table or not min(p.v for p in table) / NOGRAD_V_REACH <= v <= max(p.v for p in table) * NOGRAD_V_REACH:
+        return ()
+    size = _itemsize(dtype)
+
+    def distance(p: NogradPoint) -> tuple:
+        mismatch = (p.entropy != entropy, _itemsize(p.dtype) != size, p.dtype != dtype)
+        return (*mismatch, abs(math.log(p.h / h)), abs(math.log(p.v / v)))
+
+    best = min(table, key=distance)
+    cell = {p.n: p.stock_wins for p in table if (p.h, p.v, p.dtype, p.entropy) == best[1:5]}
+    return tuple(sorted(cell.items()))
+
+
+def nograd_route(
+    n: int | Callable[[], int], h: int, v: int, dtype: torch.dtype | str, entropy: bool, backend: str
+) -> bool:
+    """The decision the trainer's wrapped forward and bench_grpo_logps's ``leantrain_default`` share: TRL's own head
+    for a call that needs no gradient (``torch.no_grad()`` / inference mode) where it measured faster."""
+    return not torch.is_grad_enabled() and nograd_prefers_stock(n, h, v, dtype, entropy, backend)
+
+
+def _head_shape(model: nn.Module) -> tuple[torch.Tensor, int, int] | None:
+    """(weight, V, H) of the LM head, from its global shape: a ZeRO-3 / FSDP2 head is not gathered to decide."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    shape = tuple(getattr(weight, "ds_shape", weight.shape))
+    return (weight, *shape) if len(shape) == 2 else None
+
+
+def nograd_uses_stock(original: Callable[..., Any], model: nn.Module, st: HeadSettings, kwargs: dict) -> bool:
+    """Whether this ``fused_lm_head=True`` call goes to ``original`` (TRL's own fused forward) instead of the op:
+    no gradient wanted and the measured rule says TRL's head is faster there. Never on TRL <= 1.14, whose stock
+    method is full logits (the rule compares with TRL's fused head)."""
+    if torch.is_grad_enabled() or _find_fused(original) is None:
+        return False
+    found = _head_shape(model)
+    if found is None:
+        return False
+    weight, v, h = found
+    device = weight.device.type
+    if st.cast_lm_head_to_fp32:
+        dtype = torch.float32
+    elif torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = weight.dtype  # the backbone's output dtype, as a rule
+
+    def rows() -> int:
+        labels = kwargs.get("shift_labels")
+        if labels is None:
+            labels = kwargs.get("labels")
+            labels = labels[:, 1:] if labels is not None else None
+        return 0 if labels is None else int((labels != -100).sum())
+
+    return nograd_route(rows, h, v, dtype, "entropy" in st.outputs, ops.default_backend(weight.device))
+
+
+def nograd_detail(heads: list[tuple[str, nn.Module]], args: Any = None) -> str:
+    """The report's words for the dispatch: which patched (label, model) heads' no-grad calls use TRL's own head
+    (``args``: the trainer's, for its autocast dtype)."""
+    autocast = (
+        torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+    )
+    parts = []
+    for label, model in heads:
+        found, st = _head_shape(model), trl_head_settings(model)
+        if found is None or isinstance(st, str) or ops.default_backend(found[0].device) != "triton":
+            continue
+        weight, v, h = found
+        dtype = torch.float32 if st.cast_lm_head_to_fp32 else autocast
+        entropy = "entropy" in st.outputs
+        profile = _nograd_profile(h, v, _dtype_name(dtype or weight.dtype), entropy, NOGRAD_MEASURED)
+        stock = [n for n, wins in profile if wins]
+        if stock:
+            at = "any N" if len(stock) == len(profile) else "N near " + "/".join(map(str, stock))
+            parts.append(f"{'policy' if label == 'model' else label.replace('_', ' ')} H={h} V={v} ({at})")
+    if not parts:
+        return ""
+    return f"no-grad calls at {', '.join(parts)} use TRL's own head (measured faster: {NOGRAD_SOURCE})"
 
 
 def fused_forward(model: nn.Module, call: FusedCall, *args: Any, **kwargs: Any):
