@@ -120,6 +120,7 @@ class StepStats:
             "rank": trainer.args.process_index,
             "world_size": trainer.args.world_size,
             "distributed": str(trainer.accelerator.distributed_type),
+            "zero_stage": getattr(trainer.accelerator.state.deepspeed_plugin, "zero_stage", None),
             "step_ms_p50": statistics.median(times) if times else None,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
