@@ -176,20 +176,29 @@ class Moe4bit(Optimization):
         return Readiness.no(reason) if reason else ready
 
     def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
-        from . import _layouts
+        from . import _adapters, _layouts
 
         model = unwrap_model(trainer.model)
         recompute = bool(ctx.config.moe_recompute)
         live = _fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
         undo = Undo()
         targets = []
+        wrapped = _adapters.wrapped_map(model)
         try:
             for found in _layouts.find_experts(model):
                 if live:
                     plan_for = _layouts.live_stacked_plan(found.module, recompute)
                 else:
                     plan_for = _fixed(*_layouts.build_plan(found, undo, recompute))
-                undo.wrap_method(found.module, "forward", _patched_forward(plan_for, ctx.fallback))
+                plan_for = _adapters.with_adapters(
+                    plan_for, _adapters.adapters_for(found.layout, found.module, wrapped)
+                )
+                owner = _adapters.forward_owner(wrapped, found.module)  # PEFT target_parameters: its outer wrapper
+                undo.wrap_method(
+                    owner,
+                    "forward",
+                    _adapters.owner_forward(_patched_forward(plan_for, ctx.fallback), owner, found.module),
+                )
                 targets.append(found.name)
         except BaseException:
             undo()

@@ -29,7 +29,6 @@ from ._stacks import (
 from .quantize import BIAS_NAMES, STACK_NAMES
 
 
-LORA_REASON = "experts carry LoRA adapters: the grouped 4-bit path serves frozen experts only"
 NOT_4BIT_REASON = "MoE experts are not 4-bit: run leantrain.quantize_experts_4bit(model) first"
 
 
@@ -67,17 +66,11 @@ def find_experts(model: nn.Module) -> list[Found]:
     return found
 
 
-def _wrapped_ids(model: nn.Module) -> set[int]:
-    """Modules that a PEFT tuner layer wraps (``base_layer``): LoRA on an expert or on a whole experts module."""
-    return {id(m.base_layer) for m in model.modules() if isinstance(getattr(m, "base_layer", None), nn.Module)}
+def _wrapped_ids(model: nn.Module) -> dict[int, nn.Module]:
+    """Modules that a PEFT tuner layer wraps, by id, to their wrapper: LoRA on an expert or on an experts stack."""
+    from ._adapters import wrapped_map
 
-
-def _is_lora(module: nn.Module, wrapped: set[int]) -> bool:
-    return (
-        id(module) in wrapped
-        or isinstance(getattr(module, "base_layer", None), nn.Module)
-        or hasattr(module, "lora_A")
-    )
+    return wrapped_map(model)
 
 
 def _bnb_parametrization(module: nn.Module, name: str):
@@ -165,12 +158,16 @@ def _format_reason(qs_list: list, rows_cols: tuple[int, int]) -> str | None:
 def _lists_reason(module: nn.Module, wrapped: set[int]) -> str | None:
     import bitsandbytes as bnb
 
+    from ._adapters import base, lists_reason
+
     ups, downs = list(module.gate_up_projs), list(module.down_projs)
     if not ups or len(ups) != len(downs):
         return f"gate_up_projs ({len(ups)}) and down_projs ({len(downs)}) differ in length"
+    reason = lists_reason(ups, downs)  # PEFT LoRA on the experts: served when every expert carries it alike
+    if reason:
+        return reason
+    ups, downs = [base(m) for m in ups], [base(m) for m in downs]
     for layer in ups + downs:
-        if _is_lora(layer, wrapped):
-            return LORA_REASON
         if type(layer) is not bnb.nn.Linear4bit:
             return f"an expert is a {type(layer).__name__}, not a plain bitsandbytes Linear4bit"
         weight = layer.weight
@@ -181,8 +178,8 @@ def _lists_reason(module: nn.Module, wrapped: set[int]) -> str | None:
         if getattr(weight.quant_state, "packing_format_for_cpu", False):
             return "an expert weight was repacked by bitsandbytes for CPU inference (eval without grad on CPU)"
     tensors = {}
-    for lists in ("gate_up_projs", "down_projs"):
-        for e, layer in enumerate(getattr(module, lists)):
+    for lists, layers in (("gate_up_projs", ups), ("down_projs", downs)):
+        for e, layer in enumerate(layers):
             tensors.update(_linear4bit_tensors(f"{lists}.{e}", layer))
     reason = device_mix_reason(tensors)
     if reason:
@@ -212,9 +209,12 @@ def _lists_reason(module: nn.Module, wrapped: set[int]) -> str | None:
     return None
 
 
-def _stacked_reason(module: nn.Module, wrapped: set[int]) -> str | None:
-    if id(module) in wrapped:
-        return LORA_REASON
+def _stacked_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
+    from ._adapters import stacked_reason
+
+    reason = stacked_reason(module, wrapped)  # PEFT target_parameters LoRA on the stacks: served
+    if reason:
+        return reason
     plists = [_bnb_parametrization(module, n) for n in STACK_NAMES]
     if any(p is None for p in plists):
         return NOT_4BIT_REASON
@@ -397,7 +397,9 @@ def build_plan(found: Found, undo: Undo, recompute: bool) -> tuple[ExpertsPlan, 
     module = found.module
     if found.layout == "stacked":
         return _stacked_plan(module, recompute)
-    ups, downs = list(module.gate_up_projs), list(module.down_projs)
+    from ._adapters import base
+
+    ups, downs = [base(m) for m in module.gate_up_projs], [base(m) for m in module.down_projs]
     stacks = [consolidate_linear4bit(layers, undo) for layers in (ups, downs)]
     _clone_shared_on_save(module, stacks, undo)
 
@@ -419,13 +421,15 @@ def build_plan(found: Found, undo: Undo, recompute: bool) -> tuple[ExpertsPlan, 
         parts = []
         for layers in sampled:
             for layer in (layers[0], layers[-1]):
+                parts.append(id(layer))  # a PEFT wrapper added or removed after patching
+                layer = base(layer)
                 weight = layer.weight
                 parts += [id(layer), tensor_key(weight), _state_key(weight.quant_state), layer.compute_dtype]
                 parts.append(tensor_key(layer.bias))
         return tuple(parts)
 
     def frozen() -> bool:
-        return not any(layer.weight.requires_grad for layers in sampled for layer in (layers[0], layers[-1]))
+        return not any(base(layer).weight.requires_grad for layers in sampled for layer in (layers[0], layers[-1]))
 
     return plan, _make_check(plan, snapshot, frozen, "expert weights")
 
