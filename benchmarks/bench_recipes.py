@@ -68,6 +68,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 from _harness import (  # noqa: E402
     QWEN25_SHAPES,
     RESULTS,
@@ -767,7 +768,7 @@ def build_gpt_oss(fields: dict, layout: str, s: Settings) -> tuple[torch.nn.Modu
     from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
 
     from leantrain import quantize_experts_4bit
-    from leantrain.moe4bit.testing import linear4bit_experts_from
+    from tests._moe4bit_models import linear4bit_experts_from
 
     t0 = time.perf_counter()
     config = transformers.GptOssConfig(**fields, **TOKENS)

@@ -11,9 +11,8 @@ Two placements:
   full name: :func:`expert_lora_targets` lists those names. ``lora_A`` ``[r*E, in]`` and ``lora_B`` ``[out, r*E]``
   are viewed per expert (B needs one small copy per call: its expert index is the fastest one).
 
-PEFT's own forward on such a stack (``ParamWrapper._activate_lora``) registers its LoRA proxy on top of
-bitsandbytes' parametrization and fails to remove it afterwards (it looks for ``_LoraParameterProxy`` only), so the
-second forward raises; :func:`stock_forward` is that forward followed by the missing removal (the fallback).
+PEFT's own forward on such a stack is wrong (peft 0.21.2, see :func:`stock_forward`, the fallback that replaces it):
+with leantrain patched, the grouped path or that fallback serves every call.
 """
 
 from __future__ import annotations
@@ -70,41 +69,64 @@ def forward_owner(wrapped: dict[int, nn.Module], experts: nn.Module) -> nn.Modul
 
 
 def expert_lora_targets(model: nn.Module, names: tuple[str, ...] = STACK_NAMES) -> list[str]:
-    """Full names of the 3-D expert stacks for ``LoraConfig(target_parameters=...)``.
+    """Names of the 4-bit 3-D expert stacks for ``LoraConfig(target_parameters=...)``.
 
-    PEFT matches a parameter that is already parametrized (as :func:`leantrain.quantize_experts_4bit` leaves the
-    stacks) only by its exact full name; suffixes such as ``"mlp.experts.gate_up_proj"`` match nothing there. Call
-    this after ``quantize_experts_4bit`` and before ``get_peft_model``; ``names`` are the stack names to target."""
+    PEFT (0.21) matches a parameter that is already parametrized (as :func:`leantrain.quantize_experts_4bit` leaves
+    the stacks) only by the exact path of its module, so suffixes such as ``"mlp.experts.gate_up_proj"`` match
+    nothing there. That path gains one ``.base_layer`` per PEFT wrapper once a first adapter is added, and PEFT
+    requires every ``target_parameters`` adapter to list the same names: so the list holds each stack's path at
+    every wrapper depth (names that match nothing are ignored by PEFT). Call it on the quantized model (before
+    ``get_peft_model``) or on the PEFT model (for ``add_adapter``): the same list either way."""
     from torch.nn.utils import parametrize
 
-    found = []
-    for module_name, module in model.named_modules():
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    found = set()
+    for module_name, module in root.named_modules():
         for name in names:
-            if parametrize.is_parametrized(module, name) and module.parametrizations[name].original.dim() >= 1:
-                if getattr(module.parametrizations[name].original, "dtype", None) == torch.uint8:
-                    found.append(f"{module_name}.{name}")
-    return found
+            if parametrize.is_parametrized(module, name):
+                original = module.parametrizations[name].original
+                if original.dtype == torch.uint8 and hasattr(module.parametrizations[name][0], "quant_state"):
+                    path = module_name.replace(".base_layer", "")
+                    found.update(f"{path}{'.base_layer' * depth}.{name}" for depth in range(len(names) + 1))
+    return sorted(found)
 
 
-def _drop_lora_proxies(experts: nn.Module) -> None:
-    """Remove LoRA proxies that PEFT's ``_remove_parametrizations`` left on a bitsandbytes-parametrized stack."""
-    plists = getattr(experts, "parametrizations", {})
-    for name in STACK_NAMES:
-        if name in plists:
-            plist = plists[name]
-            for i in reversed(range(1, len(plist))):
-                if type(plist[i]).__name__ in ("_LoraFactorsProxy", "_LoraParameterProxy"):
-                    del plist[i]
+class _Delta(nn.Module):
+    """Adds a fixed delta to a parametrized stack on access (the fallback's per-expert LoRA, as PEFT folds it)."""
+
+    def __init__(self, delta: torch.Tensor) -> None:
+        super().__init__()
+        self.delta = delta
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.delta.to(weight.dtype)
 
 
-def stock_forward(original: Callable, experts: nn.Module) -> Callable:
-    """PEFT's ParamWrapper forward with the proxy removal it misses on parametrized stacks (see the docstring)."""
+def stock_forward(experts: nn.Module, chain: list[nn.Module]) -> Callable:
+    """The per-expert fallback for ``target_parameters`` LoRA on 4-bit stacks: PEFT's own ``get_delta_weight`` of
+    every active adapter added on access to the dequantized stack, then the stock experts forward.
 
-    def forward(*args, **kwargs):
+    PEFT's ``ParamWrapper.forward`` cannot serve here: on an already-parametrized stack its nested wrappers read
+    the inner stack inside the outer one's ``parametrize.cached()`` before registering their proxy (the inner
+    adapter is silently dropped), and ``_remove_parametrizations`` leaves the ``_LoraFactorsProxy`` registered,
+    so the next forward raises (peft 0.21.2)."""
+    from torch.nn.utils import parametrize
+
+    def forward(hidden_states, *args, **kwargs):
+        added = []
         try:
-            return original(*args, **kwargs)
+            for wrapper in chain:
+                active = (
+                    [] if wrapper.disable_adapters else [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+                )
+                if active:
+                    delta = sum(wrapper.get_delta_weight(a) for a in active)
+                    parametrize.register_parametrization(experts, wrapper.parameter_name, _Delta(delta), unsafe=True)
+                    added.append(wrapper.parameter_name)
+            return experts(hidden_states, *args, **kwargs)
         finally:
-            _drop_lora_proxies(experts)
+            for name in added:
+                del experts.parametrizations[name][-1]
 
     return forward
 
@@ -246,15 +268,16 @@ def lists_adapters(experts: nn.Module, ups: list[nn.Module], downs: list[nn.Modu
     return adapters_for
 
 
-def _wrapper_factors(wrapper: nn.Module) -> list[LoraFactors]:
+def _wrapper_factors(wrapper: nn.Module, dtype: torch.dtype) -> list[LoraFactors]:
+    """The active adapters of one ParamWrapper in the stack's dtype: PEFT folds ``W + s·A·B`` in W's dtype with
+    autocast off, whatever the adapters' own dtype (fp32 under ``autocast_adapter_dtype``)."""
     experts = int(wrapper.num_experts)
     out = []
     for name in _active(wrapper):
         a = wrapper.lora_A[name].weight  # [r*E, in]: expert e's rows e*r .. (e+1)*r
         b = wrapper.lora_B[name].weight  # [out, r*E]: expert e's columns e, E + e, ... (expert index fastest)
-        a = a.view(experts, -1, a.shape[-1])
-        b = b.view(b.shape[0], -1, experts).permute(2, 0, 1)  # [E, out, r], strided: split_lora copies it once
-        a, b = _compute(a, b, a.device)
+        a = a.view(experts, -1, a.shape[-1]).to(dtype)
+        b = b.view(b.shape[0], -1, experts).permute(2, 0, 1).to(dtype)  # [E, out, r], strided: split_lora copies it
         out.append(LoraFactors(a, b, float(wrapper.scaling[name]), 0.0))  # ParamWrapper refuses dropout
     return out
 
@@ -263,13 +286,14 @@ def stacked_adapters(wrapped: dict[int, nn.Module], experts: nn.Module) -> Adapt
     """Per call: the active adapters of the ParamWrapper chain around a 4-bit stacked experts module."""
     by_name = {w.parameter_name: w for w in param_wrappers(wrapped, experts)}
 
+    def factors(name: str) -> list[LoraFactors]:
+        wrapper = by_name.get(name)
+        if wrapper is None:
+            return []
+        return _wrapper_factors(wrapper, experts.parametrizations[name][0].quant_state.dtype)
+
     def adapters_for() -> Adapters:
-        gate_up, down = (by_name.get(name) for name in STACK_NAMES)
-        return Adapters(
-            _wrapper_factors(gate_up) if gate_up is not None else [],
-            _wrapper_factors(down) if down is not None else [],
-            experts.training,
-        )
+        return Adapters(factors(STACK_NAMES[0]), factors(STACK_NAMES[1]), experts.training)
 
     return adapters_for
 
@@ -302,9 +326,10 @@ def with_adapters(plan_for: Callable, adapters: AdaptersFor | None) -> Callable:
     return planned
 
 
-def owner_forward(make: Callable, owner: nn.Module, experts: nn.Module) -> Callable:
-    """``Undo.wrap_method`` factory for the owner's forward; a ParamWrapper's stock forward (the fallback) gets the
-    proxy removal PEFT misses on a parametrized stack."""
+def owner_forward(make: Callable, owner: nn.Module, experts: nn.Module, wrapped: dict[int, nn.Module]) -> Callable:
+    """``Undo.wrap_method`` factory for the owner's forward. Under a ParamWrapper chain the fallback is
+    :func:`stock_forward` instead of PEFT's forward (see there)."""
     if owner is experts:
         return make
-    return lambda original: make(stock_forward(original, experts))
+    chain = param_wrappers(wrapped, experts)
+    return lambda original: make(stock_forward(experts, chain))

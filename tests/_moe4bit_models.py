@@ -1,5 +1,5 @@
-"""The per-expert ``bnb.nn.Linear4bit`` experts layout, built from stock transformers experts, for tests and
-benchmarks.
+"""Test and benchmark scaffolding: the per-expert ``bnb.nn.Linear4bit`` experts layout, built from stock transformers
+experts.
 
 Community pre-quantized gpt-oss 4-bit checkpoints store experts as ``gate_up_projs`` / ``down_projs`` ModuleLists
 of ``Linear4bit`` (weight = transpose of the 3-D slice, gate/up interleaved on rows, biases) and run a per-expert
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._grouped import clamp_swiglu, gated_act
+from leantrain.moe4bit._grouped import clamp_swiglu, gated_act
 
 
 class Linear4bitExperts(nn.Module):
