@@ -143,11 +143,14 @@ def bench(provider: str, s: Setup, path: str, rows: list[Row]) -> tuple[float, f
     rows.append(Row.timing(NAME, provider, "train step", "tokens", s.tokens, t, **config))
     rows.append(Row(NAME, provider, "train step", "memory", "GiB", "tokens", s.tokens, peak, config=config))
     print(f"{provider:<20} {t.p50:9.2f} ms  peak {peak:.3f} GiB", flush=True)
-    del model, opt, params, step
+    return t.p50, peak, text
+
+
+def release() -> None:
+    """Free the previous provider's model before the next one loads (its peak must not count)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return t.p50, peak, text
 
 
 def summary(results: dict[str, tuple[float, float, str]]) -> str:
@@ -178,6 +181,7 @@ def main() -> None:
         save_random_model(s, path)
         for provider in args.providers.split(","):
             results[provider] = bench(provider, s, path, rows)
+            release()
     table = summary(results) if {"stock", "leantrain"} <= results.keys() else ""
     out_dir = write_results(NAME, rows, table, Path(os.environ.get("BENCH_RESULTS", RESULTS)))
     print(table)
