@@ -154,7 +154,9 @@ def test_stacked_target_parameters_fp32(family, tmp_path):
     ref_loss, ref_grads = step(plain)
     trainer = patch(quantized, tmp_path)
     loss, grads = step(quantized)
-    assert leantrain.current_report(trainer)["moe4bit"].status is Status.APPLIED  # no silent fallback
+    outcome = leantrain.current_report(trainer)["moe4bit"]
+    assert outcome.status is Status.APPLIED  # no silent fallback
+    assert "expert LoRA as split grouped GEMMs on 2 modules" in outcome.detail
     assert grads.keys() == ref_grads.keys()
     assert any("experts.down_proj.lora_A" in k for k in grads) and any(
         k.endswith("mlp.gate.weight") or "router" in k for k in grads

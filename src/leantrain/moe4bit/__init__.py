@@ -57,6 +57,7 @@ class Moe4bit(Optimization):
         live = fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
         targets = []
         wrapped = _adapters.wrapped_map(model)
+        lora = []
         for found in find_experts(model):  # every change goes on ctx.undo as it is made (run if apply raises)
             if live:
                 plan_for = live_stacked_plan(found.module, recompute)
@@ -64,11 +65,14 @@ class Moe4bit(Optimization):
                 plan_for = fixed(*build_plan(found, ctx.undo.push, recompute))
             # PEFT LoRA on the experts: the plan carries the adapters; target_parameters LoRA is called through
             # its outermost ParamWrapper, whose forward is the one replaced
-            plan_for = _adapters.with_adapters(plan_for, _adapters.adapters_for(found.layout, found.module, wrapped))
+            adapters = _adapters.adapters_for(found.layout, found.module, wrapped)
+            lora += [adapters] if adapters is not None else []
+            plan_for = _adapters.with_adapters(plan_for, adapters)
             owner = _adapters.forward_owner(wrapped, found.module)
             make = _adapters.owner_forward(experts_forward(plan_for, ctx.fallback), owner, found.module, wrapped)
             ctx.undo.wrap_method(owner, "forward", make)
             targets.append(found.name)
         detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"
         detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
+        detail += _adapters.lora_detail(lora)
         return Applied(ctx.undo, tuple(targets), detail)

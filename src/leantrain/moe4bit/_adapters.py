@@ -333,3 +333,18 @@ def owner_forward(make: Callable, owner: nn.Module, experts: nn.Module, wrapped:
         return make
     chain = param_wrappers(wrapped, experts)
     return lambda original: make(stock_forward(experts, chain))
+
+
+def lora_detail(providers: list[AdaptersFor]) -> str:
+    """The report's words on expert LoRA: how many modules carry it, and whether its GEMMs leave the fast path."""
+    if not providers:
+        return ""
+    text = f"; expert LoRA as split grouped GEMMs on {len(providers)} modules"
+    sample = providers[0]()
+    factors = sample.gate_up + sample.down
+    if factors and factors[0].a.dtype == torch.float32 and factors[0].a.device.type == "cuda":
+        text += (
+            " (in float32, the adapters' dtype: torch's grouped_mm runs one GEMM per expert there; train under bf16 "
+            "autocast or cast the adapters to bf16 for the fast path)"
+        )
+    return text
