@@ -82,3 +82,23 @@ def test_dropout_masks_rows_in_training_only():
     torch.manual_seed(0)
     kept = torch.nn.functional.dropout(x, 0.5, training=True)  # the same draw: one dropout over all rows
     assert torch.equal(y, split_lora(kept, LoraFactors(a, b, 1.0), offs))
+
+
+def test_regathered_source_gives_identical_gradients():
+    """``source=(tokens, index)``: backward re-gathers the rows instead of keeping them; bit-identical results."""
+    torch.manual_seed(0)
+    tokens = torch.randn(9, 64)
+    index = torch.tensor([0, 3, 3, 8, 1, 2, 5, 5, 7, 6, 4, 0, 2, 1])
+    offs = torch.tensor([4, 4, 9, 14], dtype=torch.int32)
+    a, b = torch.randn(4, 8, 64) * 0.2, torch.randn(4, 32, 8) * 0.2
+    gy = torch.randn(14, 32)
+    results = []
+    for source in (None, "tokens"):
+        t = tokens.clone().requires_grad_(True)
+        x = t.index_select(0, index)
+        aa, bb = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+        y = split_lora(x, LoraFactors(aa, bb, 0.5), offs, source=None if source is None else (t, index))
+        y.backward(gy)
+        results.append((y.detach(), t.grad, aa.grad, bb.grad))
+    for ours, ref in zip(*results):
+        assert torch.equal(ours, ref)

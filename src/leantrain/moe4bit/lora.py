@@ -57,19 +57,24 @@ def _empty_groups(offs: torch.Tensor) -> torch.Tensor:
 
 
 class _SplitLora(torch.autograd.Function):
-    """``scaling * grouped_mm(grouped_mm(x, A^T), B^T)`` with a grouped-GEMM backward for x, A and B."""
+    """``scaling * grouped_mm(grouped_mm(x, A^T), B^T)`` with a grouped-GEMM backward for x, A and B.
+
+    With ``tokens`` / ``index`` (``x == tokens[index]`` cast to A's dtype) the backward gathers ``x`` again instead
+    of keeping it: the expert-sorted rows are top-k times the tokens, which the caller keeps anyway."""
 
     @staticmethod
-    def forward(ctx, x, a, b, offs, scaling):
+    def forward(ctx, x, a, b, offs, scaling, tokens=None, index=None):
         xa = _gmm(x, a.transpose(1, 2), offs)  # [S, r]
         y = _gmm(xa, b.transpose(1, 2), offs)  # [S, out]
-        ctx.save_for_backward(x, a, b, offs, xa)
+        ctx.save_for_backward(x if tokens is None else None, a, b, offs, xa, tokens, index)
         ctx.scaling = scaling
         return y * scaling
 
     @staticmethod
     def backward(ctx, gy):
-        x, a, b, offs, xa = ctx.saved_tensors
+        x, a, b, offs, xa, tokens, index = ctx.saved_tensors
+        if x is None:
+            x = tokens.index_select(0, index).to(a.dtype)
         g = (gy * ctx.scaling).contiguous()
         empty = _empty_groups(offs).view(-1, 1, 1)
         gxa = _gmm(g, b, offs)  # [S, r]: dY_e @ B_e
@@ -80,32 +85,48 @@ class _SplitLora(torch.autograd.Function):
             da = _gmm(gxa.t(), x, offs).masked_fill_(empty, 0)  # [E, r, in]: gxa_e^T @ x_e
         if ctx.needs_input_grad[0]:
             dx = _gmm(gxa, a, offs)  # [S, in]
-        return dx, da, db, None, None
+        return dx, da, db, None, None, None, None
 
 
-def split_lora(x: torch.Tensor, lora: LoraFactors, offs: torch.Tensor, training: bool = True) -> torch.Tensor:
+def split_lora(
+    x: torch.Tensor,
+    lora: LoraFactors,
+    offs: torch.Tensor,
+    training: bool = True,
+    source: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The adapter's output ``[S, out]`` for expert-sorted rows ``x [S, in]`` (group ends ``offs``), in the factors'
     dtype: PEFT's ``lora_B(lora_A(dropout(x))) * scaling`` per expert, as two grouped GEMMs.
 
     Dropout (when ``training`` and p > 0) masks each row independently, as PEFT's per-expert dropout does; the
-    random draws differ from PEFT's (one call over all rows instead of one per expert)."""
+    random draws differ from PEFT's (one call over all rows instead of one per expert).
+
+    ``source = (tokens, index)`` with ``x == tokens[index]``: backward re-gathers x rather than keeping it (without
+    dropout; the gradient still flows to ``x``)."""
     a, b = lora.a, lora.b
     x = x.to(a.dtype)
     if lora.dropout > 0 and training:
         x = F.dropout(x, lora.dropout, training=True)
+        source = None  # the mask is not recomputed: keep the dropped rows
     rank, padded = a.shape[1], padded_rank(a.shape[1], a.dtype)
     if padded != rank:
         a = F.pad(a, (0, 0, 0, padded - rank))  # zero rows of A
         b = F.pad(b, (0, padded - rank))  # zero columns of B
-    return _SplitLora.apply(x.contiguous(), a.contiguous(), b.contiguous(), offs, lora.scaling)
+    tokens, index = (None, None) if source is None else (source[0].detach(), source[1])
+    return _SplitLora.apply(x.contiguous(), a.contiguous(), b.contiguous(), offs, lora.scaling, tokens, index)
 
 
 def lora_sum(
-    x: torch.Tensor, adapters: list[LoraFactors], offs: torch.Tensor, out_dtype: torch.dtype, training: bool = True
+    x: torch.Tensor,
+    adapters: list[LoraFactors],
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    training: bool = True,
+    source: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """The summed output of every active adapter, each cast to ``out_dtype`` before the sum (PEFT's order)."""
     total = None
     for lora in adapters:  # adapters, not experts: usually one
-        y = split_lora(x, lora, offs, training).to(out_dtype)
+        y = split_lora(x, lora, offs, training, source).to(out_dtype)
         total = y if total is None else total + y
     return total
