@@ -11,10 +11,10 @@ autograd), ``_stacks`` / ``_qstate`` (packed 4-bit stacks), ``_triton`` (fused k
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .._registry import Applied, Optimization, PatchContext, Readiness, register
-from ..config import ResolvedConfig
 from ..models import unwrap_model
 from ._adapters import expert_lora_targets
 from .probe import bnb_reason, fsdp_reason, readiness
@@ -34,7 +34,8 @@ class Moe4bit(Optimization):
         reason = bnb_reason()
         return (reason,) if reason else ()
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
+        from .layouts import find_experts
         from .probe import ZERO3_REASON, zero3
 
         ready = readiness(trainer.model)
@@ -43,12 +44,13 @@ class Moe4bit(Optimization):
         if zero3(trainer):
             return Readiness.no(ZERO3_REASON)
         reason = fsdp_reason(trainer, trainer.model)
-        return Readiness.no(reason) if reason else ready
+        if reason:
+            return Readiness.no(reason)
+        return dataclasses.replace(ready, plan=find_experts(unwrap_model(trainer.model)))
 
-    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+    def apply(self, trainer: Any, plan: list, ctx: PatchContext) -> Applied:
         from . import _adapters
         from .forwards import experts_forward, fixed
-        from .layouts import find_experts
         from .plan import build_plan, live_stacked_plan
         from .probe import fsdp2
 
@@ -58,7 +60,7 @@ class Moe4bit(Optimization):
         targets = []
         wrapped = _adapters.wrapped_map(model)
         lora = []
-        for found in find_experts(model):  # every change goes on ctx.undo as it is made (run if apply raises)
+        for found in plan:  # every change goes on ctx.undo as it is made (run if apply raises)
             if live:
                 plan_for = live_stacked_plan(found.module, recompute)
             else:
@@ -75,4 +77,4 @@ class Moe4bit(Optimization):
         detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"
         detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
         detail += _adapters.lora_detail(lora)
-        return Applied(ctx.undo, tuple(targets), detail)
+        return Applied(tuple(targets), detail)
