@@ -67,13 +67,20 @@ class Linear4bitExperts(nn.Module):
 
 
 def _linear4bit(
-    weight: torch.Tensor, bias: torch.Tensor | None, quant_type: str, blocksize: int, compress_statistics: bool
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quant_type: str,
+    blocksize: int,
+    compress_statistics: bool,
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     import bitsandbytes as bnb
 
     out_features, in_features = weight.shape
     quant = {"quant_type": quant_type, "compress_statistics": compress_statistics}
-    layer = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None, device="meta", **quant)
+    layer = bnb.nn.Linear4bit(
+        in_features, out_features, bias=bias is not None, compute_dtype=compute_dtype, device="meta", **quant
+    )
     layer.weight = bnb.nn.Params4bit(
         weight.detach().clone(), requires_grad=False, blocksize=blocksize, module=layer, **quant
     )
@@ -117,4 +124,34 @@ def convert_model_to_linear4bit_experts(model: nn.Module, **quant) -> list[str]:
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, linear4bit_experts_from(module, **quant))
+    return [name for name, _ in targets]
+
+
+def load_in_4bit_like(
+    model: nn.Module,
+    *,
+    quant_type: str = "nf4",
+    compute_dtype: torch.dtype = torch.float32,
+    double_quant: bool = False,
+    skip: tuple[str, ...] = ("lm_head",),
+    blocksize: int = 64,
+) -> list[str]:
+    """What ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` makes of a model
+    (transformers 4.57's ``replace_with_bnb_linear`` + loading): every ``nn.Linear`` becomes a frozen
+    ``bnb.nn.Linear4bit`` holding the same weights, except modules named in ``skip`` (``modules_to_not_convert`` /
+    ``llm_int8_skip_modules``: a child name, a full name, or a prefix). ``compute_dtype`` is the config's
+    ``bnb_4bit_compute_dtype`` (float32 when unset). Returns the replaced names."""
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear
+        and name.rpartition(".")[2] not in skip
+        and not any(name == key or name.startswith(key + ".") or f".{key}." in f".{name}." for key in skip)
+    ]
+    quant = {"quant_type": quant_type, "blocksize": blocksize, "compress_statistics": double_quant}
+    for name, module in targets:
+        parent, _, child = name.rpartition(".")
+        layer = _linear4bit(module.weight.detach(), module.bias, compute_dtype=compute_dtype, **quant)
+        layer.source_cls = type(module)
+        setattr(model.get_submodule(parent) if parent else model, child, layer.requires_grad_(False))
     return [name for name, _ in targets]

@@ -1,8 +1,9 @@
 """Grouped 4-bit MoE experts: one dequantize per projection stack and two grouped GEMMs instead of the
 per-expert loop (a dequantize and two matmuls per expert), with the loop kept as the fallback.
 
-Serves frozen bitsandbytes 4-bit experts in two layouts: per-expert ``Linear4bit`` lists (community pre-quantized
-gpt-oss checkpoints) and stock transformers 3-D experts quantized by :func:`quantize_experts_4bit`.
+Serves frozen bitsandbytes 4-bit experts in three layouts: per-expert ``Linear4bit`` lists (community pre-quantized
+gpt-oss checkpoints), stock transformers 3-D experts quantized by :func:`quantize_experts_4bit`, and the
+transformers 4.x sparse MoE blocks (ModuleLists of expert MLPs) loaded with ``BitsAndBytesConfig(load_in_4bit=True)``.
 
 Files: ``layouts`` finds experts modules, ``probe`` says whether each can be served (and why not), ``plan`` builds
 what the grouped path serves, ``forwards`` are the installed forwards; the math: ``_grouped`` (grouped GEMMs and
@@ -50,13 +51,15 @@ class Moe4bit(Optimization):
 
     def apply(self, trainer: Any, plan: list, ctx: PatchContext) -> Applied:
         from . import _adapters
-        from .forwards import experts_forward, fixed
+        from .forwards import block_forward, experts_forward, fixed
+        from .layouts import block_recipe
         from .plan import build_plan, live_stacked_plan
         from .probe import fsdp2
 
         model = unwrap_model(trainer.model)
         recompute = bool(ctx.config.moe_recompute)
         live = fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
+        detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"  # before the patches
         targets = []
         wrapped = _adapters.wrapped_map(model)
         lora = []
@@ -65,16 +68,22 @@ class Moe4bit(Optimization):
                 plan_for = live_stacked_plan(found.module, recompute)
             else:
                 plan_for = fixed(*build_plan(found, ctx.undo.push, recompute))
-            # PEFT LoRA on the experts: the plan carries the adapters; target_parameters LoRA is called through
-            # its outermost ParamWrapper, whose forward is the one replaced
-            adapters = _adapters.adapters_for(found.layout, found.module, wrapped)
-            lora += [adapters] if adapters is not None else []
-            plan_for = _adapters.with_adapters(plan_for, adapters)
-            owner = _adapters.forward_owner(wrapped, found.module)
-            make = _adapters.owner_forward(experts_forward(plan_for, ctx.fallback), owner, found.module, wrapped)
-            ctx.undo.wrap_method(owner, "forward", make)
+            recipe = block_recipe(found.module) if found.layout == "expert_mlps" else None
+            if recipe is not None and recipe.hook == "forward":  # 4.x block: router, routing, experts, shared expert
+                make = block_forward(found.module, plan_for, recipe.normalize, recipe.shared, ctx.fallback)
+                ctx.undo.wrap_method(found.module, "forward", make)
+            elif recipe is not None:  # DeepSeek-V2's experts step moe(hidden, topk_ids, topk_weight)
+                ctx.undo.wrap_method(found.module, recipe.hook, experts_forward(plan_for, ctx.fallback))
+            else:
+                # PEFT LoRA on the experts: the plan carries the adapters; target_parameters LoRA is called through
+                # its outermost ParamWrapper, whose forward is the one replaced
+                adapters = _adapters.adapters_for(found.layout, found.module, wrapped)
+                lora += [adapters] if adapters is not None else []
+                plan_for = _adapters.with_adapters(plan_for, adapters)
+                owner = _adapters.forward_owner(wrapped, found.module)
+                make = _adapters.owner_forward(experts_forward(plan_for, ctx.fallback), owner, found.module, wrapped)
+                ctx.undo.wrap_method(owner, "forward", make)
             targets.append(found.name)
-        detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"
         detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
         detail += _adapters.lora_detail(lora)
         return Applied(tuple(targets), detail)

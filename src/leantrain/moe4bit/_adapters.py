@@ -311,6 +311,8 @@ def adapters_for(found_layout: str, experts: nn.Module, wrapped: dict[int, nn.Mo
     """The per-call adapters provider of a ready experts module, or None when it carries no adapters."""
     if found_layout == "stacked":
         return stacked_adapters(wrapped, experts) if param_wrappers(wrapped, experts) else None
+    if found_layout != "linear4bit":  # per-expert MLP modules: their probe declines adapters
+        return None
     ups, downs = list(experts.gate_up_projs), list(experts.down_projs)
     return lists_adapters(experts, ups, downs) if any(is_tuned(m) for m in ups + downs) else None
 

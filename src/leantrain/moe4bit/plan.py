@@ -12,7 +12,7 @@ from torch import nn
 
 from ._grouped import ExpertsPlan, Projection, clamp_swiglu, gated_act
 from ._stacks import Record, consolidate_linear4bit, stack_from_quant_state, state_tensors
-from .layouts import Found, _bnb_parametrization
+from .layouts import Found, _bnb_parametrization, expert_projections
 from .probe import _state_key, device_mix_reason, tensor_key
 from .quantize import BIAS_NAMES, STACK_NAMES
 
@@ -60,6 +60,8 @@ def build_plan(found: Found, record: Record, recompute: bool) -> tuple[ExpertsPl
     module = found.module
     if found.layout == "stacked":
         return _stacked_plan(module, recompute)
+    if found.layout == "expert_mlps":
+        return expert_mlps_plan(module, record, recompute)
     from ._adapters import base
 
     ups, downs = [base(m) for m in module.gate_up_projs], [base(m) for m in module.down_projs]  # under any LoRA
@@ -93,6 +95,37 @@ def build_plan(found: Found, record: Record, recompute: bool) -> tuple[ExpertsPl
 
     def frozen() -> bool:
         return not any(base(layer).weight.requires_grad for layers in sampled for layer in (layers[0], layers[-1]))
+
+    return plan, _make_check(plan, snapshot, frozen, "expert weights")
+
+
+def expert_mlps_plan(block: nn.Module, record: Record, recompute: bool) -> tuple[ExpertsPlan, Check]:
+    """A transformers 4.x MoE block: each expert's gate and up ``Linear4bit`` consolidated as one ``[E, 2I, H]``
+    gate_up stack (expert e's gate rows, then its up rows: ``chunk(2)`` halves), the down projections as
+    ``[E, H, I]``; ``F.linear`` orientation, no biases, the experts' ``act_fn``. The per-expert modules keep their
+    weights as views of the stacks (state dict and save unchanged)."""
+    gates, ups, downs = expert_projections(block)
+    pairs = [layer for pair in zip(gates, ups) for layer in pair]  # g0, u0, g1, u1, ...: the [E, 2I, H] byte order
+    experts, (inter, hidden) = len(gates), (int(s) for s in gates[0].weight.quant_state.shape)
+    gate_up = dataclasses.replace(consolidate_linear4bit(pairs, record), shape=(experts, 2 * inter, hidden))
+    down = consolidate_linear4bit(downs, record)
+    _clone_shared_on_save(block, [gate_up, down], record)
+    compute = gates[0].compute_dtype
+    projections = [
+        Projection(stack, False, None, compute, restore_dtype=True, cast_bias=False) for stack in (gate_up, down)
+    ]
+    plan = ExpertsPlan(experts, hidden, *projections, gated_act(block.experts[0].act_fn), False, recompute)
+    sampled = [layers[i] for layers in (gates, ups, downs) for i in (0, -1)]  # first and last expert, as above
+
+    def snapshot() -> tuple:
+        parts = []
+        for layer in sampled:
+            weight = layer.weight
+            parts += [id(layer), tensor_key(weight), _state_key(weight.quant_state), layer.compute_dtype]
+        return tuple(parts)
+
+    def frozen() -> bool:
+        return not any(layer.weight.requires_grad for layer in sampled)
 
     return plan, _make_check(plan, snapshot, frozen, "expert weights")
 

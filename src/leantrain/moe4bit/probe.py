@@ -14,16 +14,39 @@ from .._registry import Readiness, optional_import_reason
 from ..models import unwrap_model
 from ._grouped import grouped_mm
 from ._stacks import MAX_ELEMENTS_PER_CALL, NESTED_BLOCKSIZE, state_tensors
-from .layouts import Found, _bnb_parametrization, _wrapped_ids, find_experts, is_4bit
+from .layouts import (
+    Found,
+    _bnb_parametrization,
+    _is_lora,
+    _wrapped_ids,
+    block_recipe,
+    expert_projections,
+    find_experts,
+    is_4bit,
+    is_stock_expert_mlp,
+)
 from .quantize import BIAS_NAMES, STACK_NAMES
 
 
+LORA_REASON = (
+    "experts carry LoRA adapters: the grouped 4-bit path serves LoRA on gpt-oss-style Linear4bit expert lists and "
+    "on quantize_experts_4bit stacks, not on per-expert MLP modules yet"
+)
 NOT_4BIT_REASON = "MoE experts are not 4-bit: run leantrain.quantize_experts_4bit(model) first"
+NOT_4BIT_MLPS_REASON = (
+    "MoE expert MLPs are not 4-bit: load the model with quantization_config=BitsAndBytesConfig(load_in_4bit=True)"
+)
 
 
-def lora_reason(found: Found, wrapped: dict[int, nn.Module]) -> str | None:
-    """Why PEFT adapters on this experts module keep it off the grouped path (``_adapters``: LoRA on every expert
-    ``Linear4bit`` or ``target_parameters`` LoRA on the 4-bit stacks is served); None: no adapters, or servable."""
+def lora_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
+    """Why PEFT adapters on this expert (or experts module) keep it off the grouped path; None: no adapters (the
+    layouts whose adapters are not served: per-expert MLP modules)."""
+    return LORA_REASON if _is_lora(module, wrapped) else None
+
+
+def expert_lora_reason(found: Found, wrapped: dict[int, nn.Module]) -> str | None:
+    """Why PEFT adapters on a served layout keep it off the grouped path (``_adapters``: LoRA on every expert
+    ``Linear4bit`` of the lists, ``target_parameters`` LoRA on 4-bit stacks); None: no adapters, or servable."""
     from . import _adapters
 
     if found.layout == "stacked":
@@ -89,49 +112,72 @@ def _format_reason(qs_list: list, rows_cols: tuple[int, int]) -> str | None:
     return None
 
 
-def _lists_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
+def _layer_reason(layer: nn.Module, wrapped: dict[int, nn.Module] | None) -> str | None:
+    """One per-expert projection: a plain, quantized, frozen ``bnb.nn.Linear4bit`` in training layout (``wrapped``
+    None: its adapters were checked already and ``layer`` is the Linear4bit under them)."""
     import bitsandbytes as bnb
 
+    reason = lora_reason(layer, wrapped) if wrapped is not None else None
+    if reason:
+        return reason
+    if type(layer) is not bnb.nn.Linear4bit:
+        return f"an expert is a {type(layer).__name__}, not a plain bitsandbytes Linear4bit"
+    weight = layer.weight
+    if not isinstance(weight, bnb.nn.Params4bit) or getattr(weight, "quant_state", None) is None:
+        return "an expert weight is not quantized yet (no quant_state): move the model to its device first"
+    if weight.requires_grad or (layer.bias is not None and layer.bias.requires_grad):
+        return "expert weights or biases require grad: the grouped path computes no expert gradients"
+    if getattr(weight.quant_state, "packing_format_for_cpu", False):
+        return "an expert weight was repacked by bitsandbytes for CPU inference (eval without grad on CPU)"
+    return None
+
+
+def _stack_reason(layers: list[nn.Module]) -> str | None:
+    """Layers consolidated into one packed stack: one format, device, compute dtype and bias presence."""
+    states = [layer.weight.quant_state for layer in layers]
+    first = states[0]
+    key = (first.quant_type, first.blocksize, first.dtype, tuple(first.shape), first.nested)
+    bias_key = layers[0].bias is None
+    if any((qs.quant_type, qs.blocksize, qs.dtype, tuple(qs.shape), qs.nested) != key for qs in states) or any(
+        (layer.bias is None) != bias_key for layer in layers
+    ):
+        return "experts differ in quant_type, blocksize, dtype, shape, double quantization or bias"
+    if len({layer.weight.device for layer in layers}) > 1 or len({layer.compute_dtype for layer in layers}) > 1:
+        return "experts live on different devices or use different compute dtypes"
+    if first.nested and any(not torch.equal(qs.state2.code, first.state2.code) for qs in states[1:]):
+        return "experts use different double-quantization codes"
+    return _format_reason(states, tuple(int(s) for s in first.shape))
+
+
+def _layers_reason(named: dict[str, list[nn.Module]], wrapped: dict[int, nn.Module] | None) -> str | None:
+    """Per-layer checks, then one device for every tensor the kernels read."""
+    for layers in named.values():
+        for layer in layers:
+            reason = _layer_reason(layer, wrapped)
+            if reason:
+                return reason
+    tensors = {}
+    for label, layers in named.items():
+        for e, layer in enumerate(layers):
+            tensors.update(_linear4bit_tensors(f"{label}.{e}", layer))
+    return device_mix_reason(tensors)
+
+
+def _lists_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
     from ._adapters import base
 
     ups, downs = list(module.gate_up_projs), list(module.down_projs)
     if not ups or len(ups) != len(downs):
         return f"gate_up_projs ({len(ups)}) and down_projs ({len(downs)}) differ in length"
-    reason = lora_reason(Found("", module, "linear4bit"), wrapped)
+    reason = expert_lora_reason(Found("", module, "linear4bit"), wrapped)  # served LoRA: checked here
     if reason:
         return reason
     ups, downs = [base(m) for m in ups], [base(m) for m in downs]  # the Linear4bit under any served LoRA
-    for layer in ups + downs:
-        if type(layer) is not bnb.nn.Linear4bit:
-            return f"an expert is a {type(layer).__name__}, not a plain bitsandbytes Linear4bit"
-        weight = layer.weight
-        if not isinstance(weight, bnb.nn.Params4bit) or getattr(weight, "quant_state", None) is None:
-            return "an expert weight is not quantized yet (no quant_state): move the model to its device first"
-        if weight.requires_grad or (layer.bias is not None and layer.bias.requires_grad):
-            return "expert weights or biases require grad: the grouped path computes no expert gradients"
-        if getattr(weight.quant_state, "packing_format_for_cpu", False):
-            return "an expert weight was repacked by bitsandbytes for CPU inference (eval without grad on CPU)"
-    tensors = {}
-    for lists, layers in (("gate_up_projs", ups), ("down_projs", downs)):
-        for e, layer in enumerate(layers):
-            tensors.update(_linear4bit_tensors(f"{lists}.{e}", layer))
-    reason = device_mix_reason(tensors)
+    reason = _layers_reason({"gate_up_projs": ups, "down_projs": downs}, None)
     if reason:
         return reason
     for layers in (ups, downs):
-        states = [layer.weight.quant_state for layer in layers]
-        first = states[0]
-        key = (first.quant_type, first.blocksize, first.dtype, tuple(first.shape), first.nested)
-        bias_key = layers[0].bias is None
-        if any((qs.quant_type, qs.blocksize, qs.dtype, tuple(qs.shape), qs.nested) != key for qs in states) or any(
-            (layer.bias is None) != bias_key for layer in layers
-        ):
-            return "experts differ in quant_type, blocksize, dtype, shape, double quantization or bias"
-        if len({layer.weight.device for layer in layers}) > 1 or len({layer.compute_dtype for layer in layers}) > 1:
-            return "experts live on different devices or use different compute dtypes"
-        if first.nested and any(not torch.equal(qs.state2.code, first.state2.code) for qs in states[1:]):
-            return "experts use different double-quantization codes"
-        reason = _format_reason(states, tuple(int(s) for s in first.shape))
+        reason = _stack_reason(layers)
         if reason:
             return reason
     up_rows, hidden = (int(s) for s in ups[0].weight.quant_state.shape)
@@ -143,8 +189,75 @@ def _lists_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | Non
     return None
 
 
+def _routing_reason(block: nn.Module, recipe) -> str | None:
+    """The block attributes the replaced forward reads, as the stock forward would use them."""
+    experts = len(block.experts)
+    if recipe.hook == "moe":  # DeepSeek-V2: the stock router and forward stay; only the experts step is replaced
+        if getattr(block, "ep_rank", 0) != 0 or getattr(block, "experts_per_rank", experts) != experts:
+            return "expert-parallel MoE blocks (ep_rank / experts_per_rank) are not supported"
+        return None
+    top_k = getattr(block, "top_k", None)
+    if not isinstance(top_k, int) or not 0 < top_k <= experts:
+        return f"the MoE block's top_k ({top_k!r}) is not an expert count in 1..{experts}"
+    if getattr(block.gate, "out_features", experts) != experts:
+        return f"the router scores {block.gate.out_features} experts, the block has {experts}"
+    if recipe.normalize == "norm_topk_prob" and not isinstance(getattr(block, "norm_topk_prob", None), bool):
+        return "the MoE block has no boolean norm_topk_prob"
+    if getattr(block, "jitter_noise", 0):
+        return (
+            f"router jitter noise ({block.jitter_noise}) multiplies the hidden states by fresh noise in training: "
+            "set router_jitter_noise=0 in the model config to use the grouped path"
+        )
+    if recipe.shared and not all(isinstance(getattr(block, n, None), nn.Module) for n in SHARED_NAMES):
+        return "the MoE block has no shared_expert / shared_expert_gate"
+    return None
+
+
+SHARED_NAMES = ("shared_expert", "shared_expert_gate")
+
+
+def _expert_mlps_reason(block: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
+    """A transformers 4.x sparse MoE block: a stock forward, stock expert MLPs, and per-expert Linear4bit gate, up and
+    down projections that consolidate into one gate_up and one down stack."""
+    recipe = block_recipe(block)
+    if recipe is None:
+        module, qualname = (getattr(type(block).forward, a, "?") for a in ("__module__", "__qualname__"))
+        return (
+            f"{type(block).__name__}'s forward ({module}.{qualname}) is not a stock transformers 4.x MoE block "
+            "forward whose routing leantrain reproduces (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2)"
+        )
+    if recipe.hook in block.__dict__:
+        return f"the MoE block's {recipe.hook} is already replaced on the instance (another library patched it)"
+    reason = lora_reason(block, wrapped) or _routing_reason(block, recipe)
+    if reason:
+        return reason
+    for expert in block.experts:
+        reason = lora_reason(expert, wrapped)
+        if reason:
+            return reason
+        if not is_stock_expert_mlp(expert) or "forward" in expert.__dict__:
+            return f"an expert is a {type(expert).__name__} whose forward is not a stock gated MLP"
+        if not callable(getattr(expert, "act_fn", None)) or type(expert.act_fn) is not type(block.experts[0].act_fn):
+            return "experts have no act_fn or different activations"
+    gates, ups, downs = expert_projections(block)
+    reason = _layers_reason({"gate": gates, "up": ups, "down": downs}, wrapped)
+    if reason:
+        return reason
+    if any(layer.bias is not None for layer in gates + ups + downs):
+        return "expert projections have biases (stock 4.x MoE experts have none; config mlp_bias=True)"
+    reason = _stack_reason(gates + ups) or _stack_reason(downs)  # gate and up rows form one gate_up stack
+    if reason:
+        return reason
+    inter, hidden = (int(s) for s in gates[0].weight.quant_state.shape)
+    if tuple(int(s) for s in downs[0].weight.quant_state.shape) != (hidden, inter):
+        return (
+            f"gate/up ({inter}x{hidden}) and down {tuple(downs[0].weight.quant_state.shape)} do not form a gated MLP"
+        )
+    return None
+
+
 def _stacked_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
-    reason = lora_reason(Found("", module, "stacked"), wrapped)
+    reason = expert_lora_reason(Found("", module, "stacked"), wrapped)
     if reason:
         return reason
     plists = [_bnb_parametrization(module, n) for n in STACK_NAMES]
@@ -202,7 +315,7 @@ def _state_key(qs) -> tuple | None:
     )
 
 
-def _signature(found: Found, wrapped: set[int]) -> tuple:
+def _signature(found: Found, wrapped: dict[int, nn.Module]) -> tuple:
     """Cheap identity of what the readiness check looked at (modules, tensors with their devices, states, grads)."""
     module = found.module
     if found.layout == "stacked":
@@ -214,8 +327,18 @@ def _signature(found: Found, wrapped: set[int]) -> tuple:
             )
         parts += [tensor_key(module._parameters.get(name)) for name in BIAS_NAMES]
         return tuple(parts)
-    parts = []
-    for layer in list(module.gate_up_projs) + list(module.down_projs):
+    if found.layout == "expert_mlps":
+        parts = [
+            *(getattr(module, n, None) for n in ("top_k", "norm_topk_prob", "jitter_noise", "ep_rank")),
+            id(getattr(module, "gate", None)),
+            type(module),
+            tuple(sorted(k for k in ("forward", "moe") if k in module.__dict__)),
+            tuple(id(m) in wrapped or "forward" in m.__dict__ for m in (module, *module.experts)),
+        ]
+        layers = [m for group in expert_projections(module) for m in group]
+    else:
+        parts, layers = [], list(module.gate_up_projs) + list(module.down_projs)
+    for layer in layers:
         weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
         parts.append(
             (
@@ -230,13 +353,13 @@ def _signature(found: Found, wrapped: set[int]) -> tuple:
     return tuple(parts)
 
 
-def module_reason(found: Found, wrapped: set[int]) -> str | None:
+def module_reason(found: Found, wrapped: dict[int, nn.Module]) -> str | None:
     """Why this module cannot take the grouped path (None: it can); cached per module until its signature changes."""
     sig = _signature(found, wrapped)
     hit = _CACHE.get(found.module)
     if hit is not None and hit[0] == sig:
         return hit[1]
-    check = _stacked_reason if found.layout == "stacked" else _lists_reason
+    check = {"stacked": _stacked_reason, "expert_mlps": _expert_mlps_reason}.get(found.layout, _lists_reason)
     reason = check(found.module, wrapped)
     _CACHE[found.module] = (sig, reason)
     return reason
@@ -281,7 +404,8 @@ def compute_dtype(found: Found) -> tuple[torch.device, torch.dtype]:
         return plist.original.device, plist[0].quant_state.dtype
     from ._adapters import base
 
-    layer = base(found.module.gate_up_projs[0])
+    layer = expert_projections(found.module)[0][0] if found.layout == "expert_mlps" else found.module.gate_up_projs[0]
+    layer = base(layer)
     return layer.weight.device, layer.compute_dtype or layer.weight.quant_state.dtype
 
 
@@ -345,7 +469,7 @@ def readiness(model: Any) -> Readiness:
     """The probe on a model: not applicable without 4-bit MoE experts, else every reason the path cannot run."""
     model = unwrap_model(model)
     found = find_experts(model)
-    older = _transformers_reason(model, bool(found))
+    older = _transformers_reason(model, found)
     if older:
         return Readiness.no(older)
     if not found:
@@ -355,9 +479,9 @@ def readiness(model: Any) -> Readiness:
         return Readiness.no(reason)
     quantized = [f for f in found if is_4bit(f)]
     if not quantized:
-        return Readiness.not_applicable(NOT_4BIT_REASON)
+        return Readiness.not_applicable(not_4bit_reason(found[0]))
     wrapped = _wrapped_ids(model)
-    problems = [(f.name, NOT_4BIT_REASON) for f in found if f not in quantized]
+    problems = [(f.name, not_4bit_reason(f)) for f in found if f not in quantized]
     problems += [(f.name, r) for f in quantized if (r := module_reason(f, wrapped)) is not None]
     if problems:
         return Readiness.no(*_group(problems))
@@ -371,11 +495,17 @@ def readiness(model: Any) -> Readiness:
     return Readiness(detail=f"{len(quantized)} experts modules ({', '.join(layouts)}); {'; '.join(sorted(details))}")
 
 
-def _transformers_reason(model: Any, found: bool) -> str | None:
-    """On a MoE model, transformers 4.x: most experts are one module per expert there, and the experts' call
-    convention is tested on 5.x only (the parity tests need 5.x's experts classes)."""
+def not_4bit_reason(found: Found) -> str:
+    return NOT_4BIT_MLPS_REASON if found.layout == "expert_mlps" else NOT_4BIT_REASON
+
+
+def _transformers_reason(model: Any, found: list[Found]) -> str | None:
+    """On transformers 4.x: the per-expert MLP blocks are served (their 4.57 forwards are reproduced and tested);
+    3-D stacks and the gpt-oss Linear4bit lists follow 5.x's experts call convention, tested on 5.x only."""
     from .._compat import TRANSFORMERS_3D_EXPERTS, needs
 
+    if found and all(f.layout == "expert_mlps" for f in found):
+        return None
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not (found or getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)):
