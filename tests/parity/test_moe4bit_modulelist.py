@@ -453,3 +453,23 @@ def test_runtime_fallback_and_unpatch_identity(tmp_path, monkeypatch):
     assert leantrain.current_report(trainer)["moe4bit"].status is Status.FAILED
     leantrain.unpatch_trainer(trainer)
     assert all("forward" not in b.__dict__ for b in blocks)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_block4x_mirror_equals_the_stock_block(family):
+    """tests._moe4bit_models.SparseMoeBlock4x (the 4.x block for GPU tests and benchmarks on transformers 5.x) computes
+    what the 4.57 class computes, bit for bit, from the same weights (same state-dict keys), quantized the same way."""
+    from tests._moe4bit_models import SparseMoeBlock4x
+
+    cfg = config(family)
+    torch.manual_seed(0)
+    stock = find_experts(transformers.AutoModelForCausalLM.from_config(cfg))[0].module
+    for p in stock.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    shared = INTER if family == "qwen2_moe" else 0
+    mirror = SparseMoeBlock4x(HIDDEN, INTER, EXPERTS, cfg.num_experts_per_tok, cfg.norm_topk_prob, shared)
+    mirror.load_state_dict(stock.state_dict())  # strict: the same keys
+    for b in (stock, mirror):
+        load_in_4bit_like(b, skip=("gate",))
+    for name, a, b in zip(NAMES, run(mirror.train(), torch.float32), run(stock.train(), torch.float32)):
+        assert torch.equal(a, b), name
