@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import QWEN25_SHAPES, RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
-from leantrain.cggr.selection import select_topk, targets_of  # noqa: E402
+from leantrain.cggr.ops import select_topk, targets_of  # noqa: E402
 
 
 OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}

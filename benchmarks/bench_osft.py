@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import RESULTS, Row, bar_plot, markdown_table, time_fn, write_results  # noqa: E402
 
 from leantrain.osft import OSFTLinear, Projector, convert, frozen_overlap, fully_shard, osft_layers  # noqa: E402
-from leantrain.osft.projection import gram_project, matmul_tf32  # noqa: E402
+from leantrain.osft.ops import gram_project, matmul_tf32  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,7 +32,7 @@ from bench_osft import FULL  # noqa: E402
 
 from leantrain.osft import OSFTLinear, Projector, _triton  # noqa: E402
 from leantrain.osft._triton import Operand, TileConfig  # noqa: E402
-from leantrain.osft.projection import matmul_tf32  # noqa: E402
+from leantrain.osft.ops import matmul_tf32  # noqa: E402
 
 
 REPS, WARMUP = 20, 3

@@ -1,11 +1,10 @@
 """leantrain: one call after the trainer is built makes Hugging Face / TRL fine-tuning faster and leaner."""
 
+from ._version import __version__
 from .config import LeantrainConfig
 from .patching import NotReadyError, current_report, patch_trainer, patched, trainer_kind, unpatch_trainer
 from .report import PatchOutcome, PatchReport, Status
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "LeantrainConfig",

@@ -1,6 +1,7 @@
-"""What was applied stays with the run: one ``leantrain/<name>`` entry in ``trainer.state.log_history`` when
-training begins, and ``leantrain.json`` (versions, resolved options with their sources, report) beside the weights
-that ``save_model()`` writes. Installed by ``patch_trainer`` through the trainer's undo stack."""
+"""What was applied stays with the run, and what is saved is what each optimization declares: one
+``leantrain/<name>`` entry in ``trainer.state.log_history`` when training begins, ``leantrain.json`` (versions,
+resolved options with their sources, report) beside the weights that ``save_model()`` writes, and user exports passed
+through each applied optimization's ``export_state_dict``. Installed by ``patch_trainer`` on the trainer's undo."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers import TrainerCallback
 
 from ._compat import installed
 from ._patching import Undo
+from ._version import __version__
 from .config import ResolvedConfig
 from .report import PatchReport
 
@@ -48,8 +50,6 @@ class ReportLogCallback(TrainerCallback):
 
 def record(config: ResolvedConfig, report: PatchReport) -> dict[str, Any]:
     """The content of ``leantrain.json``."""
-    from . import __version__
-
     options = {
         name: {"value": list(value) if isinstance(value, tuple) else value, "source": config.sources[name]}
         for name, value in vars(config.config).items()
@@ -79,9 +79,51 @@ def _writes_files(trainer: Any) -> bool:
     return bool(check()) if callable(check) else True
 
 
+def install_exports(trainer: Any, optimizations: list[Any], undo: Undo) -> None:
+    """A user export (``save_model()``) writes the state dict each applied optimization's ``export_state_dict``
+    makes (OSFT: dense weights that stock ``from_pretrained`` loads); the checkpoints that ``train()`` writes
+    (``save_model(..., _internal_call=True)``) keep the live state so that training resumes exactly."""
+    exporting = [o for o in optimizations if type(o).export_state_dict is not _base_export()]
+    if not exporting:
+        return
+    user_export = {"on": False}
+
+    def make_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save_model(output_dir: str | None = None, _internal_call: bool = False) -> Any:
+            if _internal_call:
+                return original(output_dir, _internal_call=True)
+            user_export["on"] = True
+            try:
+                return original(output_dir, _internal_call=False)
+            finally:
+                user_export["on"] = False
+
+        return save_model
+
+    def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _save(output_dir: str | None = None, state_dict: dict | None = None) -> Any:
+            if user_export["on"] and (state_dict is not None or trainer.args.should_save):
+                if state_dict is None:
+                    state_dict = trainer.model.state_dict()
+                for optimization in exporting:
+                    state_dict = optimization.export_state_dict(trainer, state_dict) or state_dict
+            return original(output_dir, state_dict=state_dict)
+
+        return _save
+
+    undo.wrap_method(trainer, "save_model", make_save_model)
+    undo.wrap_method(trainer, "_save", make_save)
+
+
+def _base_export() -> Callable[..., Any]:
+    from ._registry import Optimization
+
+    return Optimization.export_state_dict
+
+
 def install(trainer: Any, config: ResolvedConfig, report: Callable[[], PatchReport | None], undo: Undo) -> None:
     """Add the log_history callback and wrap ``save_model`` (composing with any wrapper already on the instance,
-    e.g. OSFT's dense export); both come off with ``undo``."""
+    e.g. the exports above); both come off with ``undo``."""
     undo.add_callback(trainer, ReportLogCallback(report))
 
     def make_save_model(original: Callable[..., Any]) -> Callable[..., Any]:

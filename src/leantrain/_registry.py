@@ -1,4 +1,13 @@
-"""The optimization interface and its registry. Each optimization registers itself where it is defined."""
+"""The optimization interface and its registry: probe -> plan -> apply, every change on one undo.
+
+An optimization is a subclass of :class:`Optimization` registered by name with ``@register``. ``patch_trainer``
+(the entry point) gives each one a :class:`PatchContext` (the resolved options, the trainer kind, its run-time
+fallback guard and the undo stack), asks ``probe(trainer, ctx)`` for a :class:`Readiness` that carries the **plan**
+(the targets found, the path chosen), and hands that plan to ``apply(trainer, plan, ctx)``, which records every
+change on ``ctx.undo``. If ``apply`` raises half-way, the entry point runs ``ctx.undo``: no optimization rolls back by
+hand. What an optimization does to saved weights is declared here too (:attr:`Optimization.saved_weights`,
+:meth:`Optimization.export_state_dict`), so one place owns the state-dict keys it changes.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +24,13 @@ TRAINER_KINDS = ("sft", "grpo", "trainer")
 
 @dataclass(frozen=True)
 class Readiness:
-    """The probe's answer: ready when there are no reasons; ``detail`` names the path that would run."""
+    """The probe's answer: ready when there are no reasons; ``plan`` is what ``apply`` executes, ``detail`` names
+    the path that would run."""
 
     reasons: tuple[str, ...] = ()
     detail: str = ""
     applicable: bool = True  # False: nothing here to optimize (no MoE layer, ...); strict mode does not raise
+    plan: Any = None
 
     @property
     def ready(self) -> bool:
@@ -34,19 +45,18 @@ class Readiness:
         return cls(reasons=(reason,), applicable=False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Applied:
-    """What ``apply`` returns: the undo handle, the qualified names it patched, and the path it chose."""
+    """What ``apply`` returns for the report: the qualified names it patched and the path it chose."""
 
-    undo: Undo
     targets: tuple[str, ...] = ()
     detail: str = ""
 
 
 @dataclass
 class PatchContext:
-    """Given to ``apply``: the resolved config, the trainer kind, this optimization's run-time fallback guard, and
-    an undo stack to record patches on as they happen (if ``apply`` raises half-way, patch_trainer runs it)."""
+    """Given to ``probe`` and ``apply``: the resolved options, the trainer kind, this optimization's run-time
+    fallback guard, and the undo stack every change is recorded on (the only undo)."""
 
     config: ResolvedConfig
     trainer_kind: str
@@ -62,16 +72,25 @@ class Optimization:
     implemented: ClassVar[bool] = True
     removes_metrics: ClassVar[tuple[str, ...]] = ()
     off_by_default_why: ClassVar[str] = ""  # why an opt-in optimization is off unless asked for (the report says)
+    # What save_model() writes for what this optimization changed; export_state_dict() implements any change.
+    saved_weights: ClassVar[str] = "unchanged: the optimization patches code, not weights"
 
     def check_environment(self) -> tuple[str, ...]:
         """Reasons this machine cannot run the optimization at all (missing package, no device); used by `env`."""
         return ()
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
+        """Decide readiness and find the plan; change nothing."""
         raise NotImplementedError
 
-    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+    def apply(self, trainer: Any, plan: Any, ctx: PatchContext) -> Applied:
+        """Execute the probe's plan, recording every change on ``ctx.undo``."""
         raise NotImplementedError
+
+    def export_state_dict(self, trainer: Any, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        """The state dict a user export (``trainer.save_model()``) writes; None keeps it as it is. Checkpoints that
+        ``train()`` writes always keep the live state, so training resumes exactly."""
+        return None
 
 
 class NotAvailable(Optimization):
@@ -85,7 +104,7 @@ class NotAvailable(Optimization):
     def check_environment(self) -> tuple[str, ...]:
         return ("not available in this version",)
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
         return Readiness.no("not available in this version")
 
 

@@ -58,7 +58,9 @@ class LeantrainConfig:
     grpo_logps: bool | None = _opt(None, "tristate", "fused GRPO/RLOO log-probs and entropies, no [B,T,V] logits")
     osft: bool | None = _opt(False, "tristate", "orthogonal subspace fine-tuning (changes the model: opt-in)")
     moe4bit: bool | None = _opt(None, "tristate", "grouped 4-bit MoE experts instead of the per-expert loop")
-    disable: bool = _opt(False, "bool", "turn every optimization off")
+    disable: bool = _opt(
+        False, "bool", "kill switch: every optimization off, env toggles included (only <name>=True in code wins)"
+    )
     strict: bool = _opt(False, "bool", "turn every fallback (probe or runtime) into an error")
     # CGGR
     cggr_min_tokens_ratio: float = _opt(0.25, "float", "fraction of each sequence's labels kept", _ratio)

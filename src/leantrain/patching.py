@@ -52,25 +52,56 @@ def trainer_kind(trainer: Any) -> str:
     return "trainer"
 
 
+def _kill_switch(opt: Optimization, cfg: ResolvedConfig) -> tuple[str, ...] | None:
+    """The kill switch (``disable`` / ``LEANTRAIN_DISABLE=1``) turns every optimization off, environment toggles
+    included; only a keyword argument in code that asks for an optimization (``cggr=True``) overrides it.
+    Returns the DISABLED reason, or None when the switch is off or overridden."""
+    if not cfg.config.disable:
+        return None
+    switch = "disable=True" if cfg.sources["disable"] == "kwarg" else "LEANTRAIN_DISABLE=1"
+    wanted = getattr(cfg.config, opt.name)
+    source = cfg.sources[opt.name]
+    if wanted is True and source == "kwarg":
+        return None
+    if wanted is not False and source == "env":
+        toggle = f"{cfg.config.env_name(opt.name)}={'1' if wanted else 'auto'}"
+        return (f"{switch} (the kill switch) overrides {toggle}; only {opt.name}=True in code overrides the switch",)
+    return (f"{switch} (the kill switch)",)
+
+
 def _decide(
-    opt: Optimization, trainer: Any, kind: str, cfg: ResolvedConfig
+    opt: Optimization, trainer: Any, ctx: PatchContext
 ) -> tuple[Status | None, str, tuple[str, ...], Readiness | None]:
     """Return (final status or None to apply, source, reasons, readiness)."""
+    cfg = ctx.config
     wanted: bool | None = getattr(cfg.config, opt.name)
     source = cfg.sources[opt.name]
-    if cfg.config.disable and wanted is not True:
-        return Status.DISABLED, cfg.sources["disable"], ("LEANTRAIN_DISABLE / disable=True",), None
+    killed = _kill_switch(opt, cfg)
+    if killed:
+        return Status.DISABLED, cfg.sources["disable"], killed, None
     if wanted is False:
         why = f"off by default: {opt.off_by_default_why}" if opt.off_by_default_why else "off by default"
         return Status.DISABLED, source, ("turned off" if source != "default" else f"{why}; pass True",), None
     if not opt.implemented:
         return Status.SKIPPED, source, ("not available in this version",), None
-    if kind not in opt.trainer_kinds:
-        return Status.SKIPPED, source, (f"does not apply to {kind} trainers",), None
-    readiness = opt.probe(trainer, cfg)
+    if ctx.trainer_kind not in opt.trainer_kinds:
+        return Status.SKIPPED, source, (f"does not apply to {ctx.trainer_kind} trainers",), None
+    readiness = opt.probe(trainer, ctx)
     if not readiness.ready:
         return Status.SKIPPED, source, readiness.reasons, readiness
     return None, source, (), readiness
+
+
+def _contradiction(cfg: ResolvedConfig) -> None:
+    """``disable=True`` and ``<name>=True`` both as keywords ask for opposite things: say so instead of guessing."""
+    if not (cfg.config.disable and cfg.sources["disable"] == "kwarg"):
+        return
+    asked = [n for n in registry() if getattr(cfg.config, n) is True and cfg.sources[n] == "kwarg"]
+    if asked:
+        raise ValueError(
+            f"patch_trainer(disable=True, {asked[0]}=True): the kill switch and a required optimization contradict "
+            f"each other; drop one (with LEANTRAIN_DISABLE=1 in the environment, {asked[0]}=True in code wins)"
+        )
 
 
 def patch_trainer(
@@ -91,6 +122,7 @@ def patch_trainer(
     """
     toggles = {"cggr": cggr, "grpo_logps": grpo_logps, "osft": osft, "moe4bit": moe4bit, "strict": strict}
     cfg = resolve_config({**{k: v for k, v in toggles.items() if v is not None}, **options}, environ)
+    _contradiction(cfg)
     kind = trainer_kind(trainer)
     state: _State | None = getattr(trainer, _STATE_ATTR, None)
     if state is not None:
@@ -101,42 +133,43 @@ def patch_trainer(
     undo = Undo()
     outcomes: list[PatchOutcome] = []
     fallbacks: dict[str, RuntimeFallback] = {}
-    plan: list[tuple[Optimization, str]] = []
+    plan: list[tuple[Optimization, str, PatchContext, Any]] = []
     for opt in registry().values():
-        status, source, reasons, readiness = _decide(opt, trainer, kind, cfg)
+        fallback = RuntimeFallback(opt.name, cfg.config.strict, _recorder(trainer, opt.name))
+        ctx = PatchContext(cfg, kind, fallback)
+        status, source, reasons, readiness = _decide(opt, trainer, ctx)
         required = getattr(cfg.config, opt.name) is True
         strict_miss = cfg.config.strict and readiness is not None and readiness.applicable
         if status is Status.SKIPPED and (required or strict_miss):
-            undo()
             why = "required" if required else "strict mode"
             raise NotReadyError(f"{opt.name} is {why} but not ready: " + "; ".join(reasons))
         if status is not None:
             outcomes.append(PatchOutcome(opt.name, status, source, reasons))
         else:
-            plan.append((opt, source))
+            fallbacks[opt.name] = fallback
+            plan.append((opt, source, ctx, readiness.plan if readiness is not None else None))
             outcomes.append(PatchOutcome(opt.name, Status.APPLIED, source))
 
     report = PatchReport(kind, tuple(outcomes))
+    if cfg.config.disable and plan:
+        names = ", ".join(f"{opt.name}=True" for opt, *_ in plan)
+        report = report.with_note(f"the kill switch is on, but {names} in code overrides it")
     state = _State(undo, report, fallbacks)
     setattr(trainer, _STATE_ATTR, state)
     try:
-        for opt, source in plan:
-            fallback = RuntimeFallback(opt.name, cfg.config.strict, _recorder(trainer, opt.name))
-            fallbacks[opt.name] = fallback
-            context = PatchContext(cfg, kind, fallback)
+        for opt, source, ctx, opt_plan in plan:
             try:
-                applied: Applied = opt.apply(trainer, context)
-            except BaseException:
-                context.undo()  # what this optimization patched before it failed
-                raise
-            undo.extend(context.undo)
-            undo.extend(applied.undo)
+                applied: Applied = opt.apply(trainer, opt_plan, ctx)
+            finally:
+                undo.extend(ctx.undo)  # on failure: rolled back below with everything applied before it
             state.report = state.report.with_outcome(
                 PatchOutcome(opt.name, Status.APPLIED, source, (), applied.targets, applied.detail)
             )
+        applied_opts = [opt for opt, *_ in plan]
         # Kept with the run: the report in log_history at train start, leantrain.json beside saved weights.
         from . import _record  # lazy: transformers' callback stack is heavy to import
 
+        _record.install_exports(trainer, applied_opts, undo)
         _record.install(trainer, cfg, lambda: current_report(trainer), undo)
     except BaseException:
         undo()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from leantrain.osft import Projector, convert, frozen_overlap, fully_shard, osft_layers
-from leantrain.osft.projection import layout
+from leantrain.osft.ops import layout
 
 
 STEPS = 4

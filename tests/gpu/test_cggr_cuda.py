@@ -294,8 +294,7 @@ def test_grad_accumulation_two_equals_one_big_batch(dtype, device, deterministic
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_router_selection_equals_full_model_reference(dtype, device, deterministic, tmp_path):
-    from leantrain.cggr.scoring import score_tokens
-    from leantrain.cggr.selection import select_topk
+    from leantrain.cggr.ops import score_tokens, select_topk
     from leantrain.models import decoder_parts
 
     rows = sft_rows()[:4]

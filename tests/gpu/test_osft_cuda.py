@@ -28,7 +28,7 @@ from torch import nn
 import leantrain
 from leantrain.config import OSFT_PRECISIONS
 from leantrain.osft import OSFTCallback, OSFTLinear, Projector, convert, merge, osft_layers
-from leantrain.osft.projection import gram_project
+from leantrain.osft.ops import gram_project
 from leantrain.tiny import tiny_model
 
 

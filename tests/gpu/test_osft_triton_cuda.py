@@ -142,10 +142,10 @@ def test_projector_triton_has_no_host_sync_after_first_call(cuda):
 
 
 def test_auto_follows_triton_by_default(cuda):
-    from leantrain.osft import projection
+    from leantrain.osft import ops
 
     layer = _layer(256, 256, 0, cuda)
-    wanted = projection._TritonGemm if projection.TRITON_BY_DEFAULT else projection._Gemm
+    wanted = ops._TritonGemm if ops.TRITON_BY_DEFAULT else ops._Gemm
     assert isinstance(Projector([layer], precision="tf32x3")._gemm(layer.U_low), wanted)
 
 

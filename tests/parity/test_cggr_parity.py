@@ -13,9 +13,9 @@ from transformers import Trainer, TrainingArguments
 
 import leantrain
 from leantrain import _compat
-from leantrain.cggr import router as cggr_router
-from leantrain.cggr import scoring as cggr_scoring
-from leantrain.cggr.selection import select_topk
+from leantrain.cggr import ops as cggr_ops
+from leantrain.cggr import patch as cggr_patch
+from leantrain.cggr.ops import select_topk
 from leantrain.models import decoder_parts
 from leantrain.report import Status
 from leantrain.tiny import FAMILIES, tiny_model
@@ -79,7 +79,7 @@ def reference_masked(model, batch, ratio, scoring="entropy", layers=2):
     if k == parts.num_layers:
         parts = dataclasses.replace(parts, final_norm=None)
     targets = batch["labels"][:, 1:]
-    scores = cggr_scoring.score_tokens(parts, out.hidden_states[k], targets, scoring)
+    scores = cggr_ops.score_tokens(parts, out.hidden_states[k], targets, scoring)
     keep = select_topk(scores, targets != -100, None, ratio)
     labels = batch["labels"].clone()
     labels[:, 1:][~keep] = -100
@@ -118,13 +118,13 @@ def patched_pair(tmp_path, family="llama", kind="trainer", ratio=0.5, layers=4, 
 
 def capture_scores(monkeypatch):
     seen = []
-    real = cggr_router.select_topk
+    real = cggr_patch.select_topk
 
     def spy(scores, valid, groups, ratio):
         seen.append(scores.clone())
         return real(scores, valid, groups, ratio)
 
-    monkeypatch.setattr(cggr_router, "select_topk", spy)
+    monkeypatch.setattr(cggr_patch, "select_topk", spy)
     return seen
 
 
@@ -213,7 +213,7 @@ def test_scores_match_full_logits_reference(scoring):
             return (x - mean) / std
 
         want = {"entropy": entropy, "loss": loss, "margin": -margin, "combined": z_row(entropy) - z_row(margin)}
-        got = cggr_scoring.score_tokens(parts, hidden, targets, scoring, chunk_tokens=5)
+        got = cggr_ops.score_tokens(parts, hidden, targets, scoring, chunk_tokens=5)
     # fp32 reductions in a different order (chunked / online logsumexp): a few ulps of values of size ~6. The
     # combined score divides those ~1e-6 differences by each row's std of entropy/margin (~0.05 here): 1e-4.
     tol = 1e-4 if scoring == "combined" else 1e-5
@@ -228,11 +228,11 @@ def previous_scores(parts, hidden, targets, scoring):
     valid = targets != -100
     flat = hidden[:, :width].reshape(rows * width, -1)
     flat_targets = targets.clamp(min=0).reshape(-1)
-    out = cggr_scoring._chunk_scores(parts, flat, flat_targets, scoring)
+    out = cggr_ops._chunk_scores(parts, flat, flat_targets, scoring)
     if scoring != "combined":
         return out.view(rows, width)
     out = out.view(rows, width, 2)
-    return cggr_scoring._zscore(out[..., 0], valid) - cggr_scoring._zscore(out[..., 1], valid)
+    return cggr_ops._zscore(out[..., 0], valid) - cggr_ops._zscore(out[..., 1], valid)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
@@ -252,7 +252,7 @@ def test_valid_only_scoring_equals_previous_scoring(family, scoring):
     targets = batch["labels"][:, 1:]
     valid = targets != -100
     old = previous_scores(parts, hidden, targets, scoring)
-    new = cggr_scoring.score_tokens(parts, hidden, targets, scoring, n_valid=int(valid.sum()))
+    new = cggr_ops.score_tokens(parts, hidden, targets, scoring, n_valid=int(valid.sum()))
     assert torch.equal(new[~valid], torch.zeros_like(new[~valid]))  # padding / prompt: never scored
     # Both are fp32 statistics of the same logits: the GEMMs differ in row blocking (a few ulps of |z| <= zmax) and
     # the log-sum-exp / entropy reductions in order over V terms (a few ulps of log V each).
@@ -260,9 +260,7 @@ def test_valid_only_scoring_equals_previous_scoring(family, scoring):
     tol = 16 * eps * (math.log(1000) + min(zmax, parts.softcap or zmax))
     if scoring == "combined":  # z-scores divide by each row's std of entropy and of margin
         with torch.no_grad():
-            raw = cggr_scoring.score_rows(
-                parts, hidden[:, :-1].reshape(-1, 64), targets.clamp(min=0).reshape(-1), scoring
-            )
+            raw = cggr_ops.score_rows(parts, hidden[:, :-1].reshape(-1, 64), targets.clamp(min=0).reshape(-1), scoring)
         raw = raw.view(*targets.shape, 2)
         tol = 2 * tol / min(raw[b][valid[b]].std(0).min().item() for b in range(5) if valid[b].sum() > 1)
     torch.testing.assert_close(new[valid], old[valid], rtol=0, atol=tol)
@@ -292,7 +290,7 @@ def test_alignment_score_at_t_selects_label_t_plus_1(tmp_path, monkeypatch):
         seen["labels"] = inputs["labels"]
         return real_loss(model, inputs, **kw)
 
-    monkeypatch.setattr(cggr_scoring, "score_tokens", fake_scores)
+    monkeypatch.setattr(cggr_ops, "score_tokens", fake_scores)
     runtime = patched._leantrain_cggr
     runtime.settings.kept_only = False  # exercise the masked-labels path so the loss sees the labels
     patched.compute_loss = runtime.wrap_compute_loss(spy)
@@ -348,8 +346,8 @@ def test_ratio_one_is_stock_exactly(kind, tmp_path, monkeypatch):
     stock.model.zero_grad()
     monkeypatch.setattr(patched._leantrain_cggr, "ratio_now", lambda: 1 - 1e-9)
     calls = []
-    real = cggr_scoring.score_tokens
-    monkeypatch.setattr(cggr_scoring, "score_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cggr_ops.score_tokens
+    monkeypatch.setattr(cggr_ops, "score_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
     (loss_p,), count_p = step(patched, [batch])
     (loss_s,), count_s = step(stock, [batch])
     assert calls == [1] and count_p.item() == count_s.item()
@@ -419,8 +417,8 @@ def test_peft_lora_model(tmp_path, monkeypatch):
 
 def test_gradient_checkpointing_scores_once(tmp_path, monkeypatch):
     calls = []
-    real = cggr_scoring.score_tokens
-    monkeypatch.setattr(cggr_scoring, "score_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cggr_ops.score_tokens
+    monkeypatch.setattr(cggr_ops, "score_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
     patched, plain, _ = patched_pair(tmp_path)
     leantrain.patch_trainer(plain, cggr=True, cggr_min_tokens_ratio=0.5, cggr_warmup_steps=0, **OFF)
     enable = getattr(patched.model, "activation_checkpointing_enable", None)  # transformers < 5.23: the old name
@@ -561,7 +559,7 @@ def test_runtime_fallback(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("injected scorer failure")
 
-    monkeypatch.setattr(cggr_scoring, "score_tokens", boom)
+    monkeypatch.setattr(cggr_ops, "score_tokens", boom)
     batch = make_batch()
     with pytest.warns(RuntimeWarning, match="injected scorer failure"):
         (loss_p,), _ = step(patched, [batch])
@@ -580,7 +578,7 @@ def test_fallback_mid_window_divides_the_rest_by_the_stock_count(tmp_path, monke
     """If scoring fails on micro-batch 2 of an accumulation window, that micro-batch is the stock loss over the
     window's full label count, not over the kept count handed out at the window's start."""
     patched, stock, _ = patched_pair(tmp_path, ratio=0.25)
-    real, calls = cggr_scoring.score_tokens, []
+    real, calls = cggr_ops.score_tokens, []
 
     def fail_second(*args, **kwargs):
         calls.append(1)
@@ -588,7 +586,7 @@ def test_fallback_mid_window_divides_the_rest_by_the_stock_count(tmp_path, monke
             raise RuntimeError("injected scorer failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cggr_scoring, "score_tokens", fail_second)
+    monkeypatch.setattr(cggr_ops, "score_tokens", fail_second)
     window = [make_batch(seed=1), make_batch(seed=2)]
     with pytest.warns(RuntimeWarning, match="injected scorer failure"):
         losses_p, count_p = step(patched, window)
@@ -639,7 +637,7 @@ def test_packed_rows_select_per_document(tmp_path):
             input_ids=batch["input_ids"], position_ids=position_ids, output_hidden_states=True
         )
     targets = labels[:, 1:]
-    scores = cggr_scoring.score_tokens(parts, hidden.hidden_states[2], targets, "entropy")
+    scores = cggr_ops.score_tokens(parts, hidden.hidden_states[2], targets, "entropy")
     groups = torch.cumsum(position_ids == 0, dim=1)[:, :-1]
     keep = select_topk(scores, targets != -100, groups, 0.3)
     masked = labels.clone()

@@ -14,8 +14,8 @@ import transformers
 from torch import nn
 
 from leantrain.osft import OSFTLinear, Projector, convert, dense_state_dict, frozen_overlap, merge, osft_layers
-from leantrain.osft.projection import PRECISIONS, check_precision, gram_project
-from leantrain.osft.targets import find_targets
+from leantrain.osft.ops import PRECISIONS, check_precision, gram_project
+from leantrain.osft.probe import find_targets
 from leantrain.tiny import tiny_model
 
 

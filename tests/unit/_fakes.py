@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from leantrain._patching import Undo
 from leantrain._registry import Applied, Optimization, PatchContext, Readiness
 from leantrain.tiny import tiny_model
 
@@ -43,13 +42,14 @@ class FakeLossOpt(Optimization):
     def __init__(self) -> None:
         self.calls = 0
 
-    def probe(self, trainer, config) -> Readiness:
+    def probe(self, trainer, ctx: PatchContext) -> Readiness:
         if not self.applicable:
             return Readiness.not_applicable("nothing to optimize here")
-        return Readiness(self.reasons, detail="fake path")
+        return Readiness(self.reasons, detail="fake path", plan="the fake plan")
 
-    def apply(self, trainer, ctx: PatchContext) -> Applied:
-        undo = Undo()
+    def apply(self, trainer, plan, ctx: PatchContext) -> Applied:
+        assert plan == "the fake plan"  # the probe's plan reaches apply
+        undo = ctx.undo
 
         def make(original):
             def fast(*args, **kwargs):
@@ -64,4 +64,4 @@ class FakeLossOpt(Optimization):
             return compute_loss
 
         undo.wrap_method(trainer, "compute_loss", make)
-        return Applied(undo, targets=("trainer.compute_loss",), detail="fake path")
+        return Applied(targets=("trainer.compute_loss",), detail="fake path")

@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from leantrain.cggr.scoring import head_share
-from leantrain.cggr.selection import (
+from leantrain.cggr.ops import (
     count_stand_in,
     groups_of,
+    head_share,
     kept_per_row,
     schedule_ratio,
     select_topk,

@@ -110,3 +110,13 @@ def test_readme_env_table_matches_code():
     block = re.search(r"<!-- env-table:start -->\n(.*?)\n<!-- env-table:end -->", readme, re.S)
     assert block, "README lacks the env-table markers"
     assert block.group(1).strip() == env_table_markdown().strip(), "regenerate with config.env_table_markdown()"
+
+
+def test_option_choices_match_what_the_math_serves():
+    """The option table offers exactly the choices the math modules implement (they take plain values, so each
+    keeps its own tuple; this keeps the two equal)."""
+    from leantrain.cggr.ops import SCORINGS
+    from leantrain.config import CGGR_SCORINGS, OSFT_PRECISIONS
+    from leantrain.osft.ops import PRECISIONS
+
+    assert SCORINGS == CGGR_SCORINGS and PRECISIONS == OSFT_PRECISIONS

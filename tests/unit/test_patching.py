@@ -84,6 +84,49 @@ def test_disable_and_off(tmp_path, fake):
     assert report["cggr"].source == "env"
 
 
+KILL = {"LEANTRAIN_DISABLE": "1"}
+
+
+@pytest.mark.parametrize(
+    "environ, kwargs, status, why",
+    [
+        # the kill switch beats every environment toggle, auto or required
+        (
+            {**KILL, "LEANTRAIN_CGGR": "1"},
+            {},
+            Status.DISABLED,
+            "LEANTRAIN_DISABLE=1 (the kill switch) overrides LEANTRAIN_CGGR=1",
+        ),
+        ({**KILL, "LEANTRAIN_CGGR": "auto"}, {}, Status.DISABLED, "overrides LEANTRAIN_CGGR=auto"),
+        ({**KILL, "LEANTRAIN_CGGR": "1", "LEANTRAIN_STRICT": "1"}, {}, Status.DISABLED, "the kill switch"),
+        (KILL, {}, Status.DISABLED, "LEANTRAIN_DISABLE=1 (the kill switch)"),
+        (KILL, {"cggr": False}, Status.DISABLED, "the kill switch"),
+        ({"LEANTRAIN_CGGR": "1"}, {"disable": True}, Status.DISABLED, "disable=True (the kill switch) overrides"),
+        # only a keyword in code that asks for the optimization overrides it
+        (KILL, {"cggr": True}, Status.APPLIED, ""),
+        ({**KILL, "LEANTRAIN_CGGR": "0"}, {"cggr": True}, Status.APPLIED, ""),
+        # switch off: the toggles decide as usual
+        ({"LEANTRAIN_DISABLE": "0", "LEANTRAIN_CGGR": "1"}, {}, Status.APPLIED, ""),
+    ],
+)
+def test_kill_switch_precedence(tmp_path, fake, environ, kwargs, status, why):
+    report = patch_trainer(tiny_trainer(tmp_path), environ=environ, **kwargs)
+    outcome = report["cggr"]
+    assert outcome.status is status, outcome
+    if status is Status.DISABLED:
+        assert why in outcome.reasons[0] and outcome.source == ("kwarg" if "disable" in kwargs else "env")
+        assert all(o.status is Status.DISABLED for o in report.outcomes)
+    elif "LEANTRAIN_DISABLE" in environ and environ["LEANTRAIN_DISABLE"] == "1":
+        assert report.notes == ("the kill switch is on, but cggr=True in code overrides it",)
+    else:
+        assert report.notes == ()
+
+
+def test_kill_switch_and_required_keyword_contradict(tmp_path, fake):
+    with pytest.raises(ValueError, match=r"disable=True, cggr=True.*contradict"):
+        patch_trainer(tiny_trainer(tmp_path), disable=True, cggr=True, environ={})
+
+
 def test_not_built_optimizations_are_skipped_not_crashing(tmp_path, fake):
     report = patch_trainer(tiny_trainer(tmp_path), environ=AUTO)
     assert report["grpo_logps"].status is Status.SKIPPED
@@ -171,7 +214,7 @@ def test_fallback_lets_control_flow_through():
 def test_apply_failing_half_way_leaves_nothing_patched(tmp_path, fake, monkeypatch):
     """Patches recorded on ctx.undo before apply() raises are undone by patch_trainer."""
 
-    def apply(trainer, ctx):
+    def apply(trainer, plan, ctx):
         ctx.undo.set_attr(trainer, "compute_loss", lambda *a, **k: None)
         raise RuntimeError("apply broke")
 

@@ -1,96 +1,18 @@
 """CGGR: keep labels only on the hardest tokens of each sequence, scored by the model's own decoder layers (up to
-``cggr_router_layers``) inside the training forward (no second pass). See ``router.py`` for the run-time flow.
+``cggr_router_layers``) inside the training forward (no second pass). ``probe.py`` decides and plans, ``patch.py``
+is the run-time flow on the trainer, ``ops.py`` the selection and scoring math.
 
 Opt-in: it changes which tokens train, so ``patch_trainer(trainer)`` leaves it off (``cggr=True`` or
 ``LEANTRAIN_CGGR=1``; ``LEANTRAIN_CGGR=auto`` applies it only where the probe expects a speed-up)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from .._patching import Undo, UserInputError
 from .._registry import Applied, Optimization, PatchContext, Readiness, register
-from ..config import ResolvedConfig
-from ..models import DecoderParts, decoder_parts
-from .router import Runtime, Settings
-from .scoring import head_share, score_tokens
-from .selection import schedule_ratio, select_topk
-
-
-# Auto mode applies CGGR only where the LM head is at least this share of per-token matmul work. On an H100 the
-# no-scoring bound gained nothing on SmolLM2-135M (head ~21%) and 1.08-1.14x on Qwen2.5-0.5B (head ~28%).
-AUTO_MIN_HEAD_SHARE = 0.25
-
-
-def _kind(trainer: Any) -> str:
-    from ..patching import trainer_kind
-
-    return trainer_kind(trainer)
-
-
-def _triton_device(trainer: Any) -> bool:
-    from transformers.utils import is_triton_available
-
-    return trainer.args.device.type in ("cuda", "xpu") and is_triton_available()
-
-
-def loss_path(trainer: Any, kind: str, parts: DecoderParts) -> tuple[str, bool, bool]:
-    """(description, use leantrain's kept-row loss, does the LM-head work shrink with the kept labels)."""
-    full_logits = getattr(trainer, "compute_loss_func", None) is not None or trainer.label_smoother is not None
-    if kind == "sft":
-        if full_logits:
-            return "full logits (compute_loss_func or label smoothing): no LM-head saving", False, False
-        if _triton_device(trainer):
-            return "TRL fused LM head over kept rows", False, True
-        device = trainer.args.device.type
-        return f"TRL fused LM head, which scores every row on {device}: no LM-head saving", False, False
-    if full_logits:
-        return "stock loss over masked labels (compute_loss_func or label smoothing): no LM-head saving", False, False
-    if "logits_to_keep" not in inspect.signature(parts.model.forward).parameters:
-        return "stock loss over masked labels (the model has no logits_to_keep): no LM-head saving", False, False
-    older = _row_logits_to_keep_reason()
-    if older:
-        return f"stock loss over masked labels ({older}): no LM-head saving", False, False
-    return "LM head + cross-entropy on kept rows only (logits_to_keep)", True, True
-
-
-def resolve_router_layer(value: int, num_layers: int) -> int:
-    """The decoder layer (1-based) whose output the router scores: ``N >= 1`` is layer N, ``-k`` the k-th from the
-    top (``-1`` = the last layer, whose output is the final hidden state before the final norm)."""
-    if 1 <= value <= num_layers:
-        return value
-    if -num_layers <= value <= -1:
-        return num_layers + 1 + value
-    raise UserInputError(
-        f"cggr_router_layers={value} is outside this model's {num_layers} decoder layers: use 1..{num_layers} "
-        f"(after decoder layer N) or -{num_layers}..-1 (from the top; -1 = the final hidden state)"
-    )
-
-
-def describe_router(layer: int, num_layers: int) -> str:
-    where = "the final hidden state" if layer == num_layers else f"the output of decoder layer {layer}"
-    return f"router scores {where} (layer {layer} of {num_layers})"
-
-
-def _row_logits_to_keep_reason() -> str | None:
-    """The kept-rows head passes per-row indices as ``logits_to_keep``; older transformers read only an int or a
-    1-D tensor there (detected by feature; the reason names the first tested version that has it)."""
-    from transformers import modeling_utils
-
-    if hasattr(modeling_utils, "slice_logits_to_keep"):
-        return None
-    from .._compat import TRANSFORMERS_ROW_LOGITS_TO_KEEP, installed
-
-    return (
-        f"needs transformers >= {TRANSFORMERS_ROW_LOGITS_TO_KEEP} for per-row logits_to_keep; installed "
-        f"{installed('transformers')}"
-    )
-
-
-def _sequence_parallel(trainer: Any) -> bool:
-    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
-    return pc is not None and bool(getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False))
+from .ops import head_share, schedule_ratio, score_tokens, select_topk
+from .patch import Runtime, Settings
+from .probe import AUTO_MIN_HEAD_SHARE, CggrPlan, describe_router, loss_path, probe, resolve_router_layer
 
 
 @register
@@ -100,80 +22,49 @@ class CGGR(Optimization):
     removes_metrics = ("TRL's entropy and mean_token_accuracy cover the kept tokens only",)
     off_by_default_why = "changes which tokens train"
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
-        try:
-            parts = decoder_parts(trainer.model)
-        except ValueError as error:
-            return Readiness.no(f"{error}: CGGR needs a decoder-only causal LM")
-        if parts.final_norm is None:
-            return Readiness.no(f"{type(parts.trunk).__name__}: no final norm found, so the router cannot score")
-        try:
-            layer = resolve_router_layer(config.cggr_router_layers, parts.num_layers)
-        except UserInputError as error:
-            if config.sources["cggr_router_layers"] != "default" or config.config.cggr is True:
-                raise
-            return Readiness.no(str(error))  # auto mode (LEANTRAIN_CGGR=auto) with the default depth: decline
-        if _sequence_parallel(trainer):
-            return Readiness.no("sequence/context parallelism splits the labels across ranks: not supported yet")
-        path, _, saves = loss_path(trainer, _kind(trainer), parts)
-        share = head_share(parts.model.config)
-        detail = (
-            f"{describe_router(layer, parts.num_layers)}, scoring={config.cggr_scoring}; "
-            f"loss path: {path}; LM head ~{share:.0%} of matmul work"
-        )
-        if config.config.cggr is None:  # auto (LEANTRAIN_CGGR=auto): apply only where it cannot make training slower
-            if not saves:
-                reason = f"the active loss path does not skip masked labels ({path}); pass cggr=True to apply anyway"
-                return Readiness((reason,), detail)
-            if share < AUTO_MIN_HEAD_SHARE:
-                reason = (
-                    f"the LM head is ~{share:.0%} of per-token matmul work (< {AUTO_MIN_HEAD_SHARE:.0%}): masking "
-                    "labels saves less than scoring costs; pass cggr=True to apply anyway"
-                )
-                return Readiness((reason,), detail)
-        return Readiness(detail=detail)
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
+        return probe(trainer, ctx)
 
-    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+    def apply(self, trainer: Any, plan: CggrPlan, ctx: PatchContext) -> Applied:
         config = ctx.config
-        parts = decoder_parts(trainer.model)
-        path, kept_only, _ = loss_path(trainer, ctx.trainer_kind, parts)
         settings = Settings(
             ratio=config.cggr_min_tokens_ratio,
-            router_layers=resolve_router_layer(config.cggr_router_layers, parts.num_layers),
+            router_layers=plan.router_layer,
             scoring=config.cggr_scoring,
             warmup=config.cggr_warmup_steps,
             schedule=config.cggr_ratio_schedule,
-            kept_only=kept_only,
+            kept_only=plan.kept_only,
         )
         if trainer.args.world_size > 1:
             # A fallback on one rank alone would skip the kept-count gather the other ranks still make (a hang):
             # under several processes a run-time error raises instead.
             ctx.fallback.strict = True
-        runtime = Runtime(trainer, parts, settings, ctx.fallback)
+        runtime = Runtime(trainer, plan.parts, settings, ctx.fallback)
         undo = ctx.undo
-        layer = parts.layers[settings.router_layers - 1]
+        layer = plan.parts.layers[plan.router_layer - 1]
         if settings.scoring != "random":  # the random control needs no hidden state
-            handle = layer.register_forward_hook(runtime.hook)
-            undo.push(handle.remove)
+            undo.push(layer.register_forward_hook(runtime.hook).remove)
         undo.wrap_method(trainer, "compute_loss", runtime.wrap_compute_loss)
         undo.wrap_method(trainer, "get_batch_samples", runtime.wrap_get_batch_samples)
         undo.wrap_method(trainer, "log", runtime.wrap_log)
         undo.set_attr(trainer, "_leantrain_cggr", runtime)
-        layer_name = f"{type(parts.trunk).__name__}.layers[{settings.router_layers - 1}]"
+        layer_name = f"{type(plan.parts.trunk).__name__}.layers[{plan.router_layer - 1}]"
         targets = ("trainer.compute_loss", "trainer.get_batch_samples", "trainer.log", f"{layer_name} forward hook")
         detail = (
-            f"{describe_router(settings.router_layers, parts.num_layers)} "
+            f"{describe_router(plan.router_layer, plan.parts.num_layers)} "
             f"(in-forward hook, scoring={settings.scoring}, ratio={settings.ratio}, warmup={settings.warmup} "
-            f"optimizer steps, {settings.schedule}); loss path: {path}"
+            f"optimizer steps, {settings.schedule}); loss path: {plan.path}"
         )
-        return Applied(undo, targets if settings.scoring != "random" else targets[:3], detail)
+        return Applied(targets if settings.scoring != "random" else targets[:3], detail)
 
 
 __all__ = [
+    "AUTO_MIN_HEAD_SHARE",
     "CGGR",
     "Runtime",
     "Settings",
     "describe_router",
+    "head_share",
     "loss_path",
     "resolve_router_layer",
     "schedule_ratio",

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._patching import RuntimeFallback, Undo
+from .._patching import RuntimeFallback
 from .._registry import Applied, Optimization, PatchContext, Readiness, register
-from ..config import ResolvedConfig
 from ..models import is_peft_model, unwrap_model
 from . import _trl, ops
 from .ops import logp_entropy
@@ -40,6 +40,14 @@ def _kernel_name() -> str:
     return "triton" if has_cuda and ops.triton_available() else "torch chunked"
 
 
+@dataclass
+class LogpsPlan:
+    """The probe's plan: the TRL path ('fused' head or 'legacy' method) and each model's head settings."""
+
+    path: str
+    targets: list[tuple[str, nn.Module, _trl.HeadSettings]]
+
+
 @register
 class GrpoLogps(Optimization):
     name = "grpo_logps"
@@ -52,11 +60,12 @@ class GrpoLogps(Optimization):
             return ("trl not installed: pip install trl",)
         return ()
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
         path = self._path(trainer)
         if path not in ("fused", "legacy"):
             return Readiness.no(path)
         reasons: list[str] = []
+        plan = LogpsPlan(path, [])
         for label, model in _targets(trainer):
             reasons += [f"{label}: {r}" for r in _trl.head_reasons(model)]
             if path == "fused":
@@ -67,38 +76,34 @@ class GrpoLogps(Optimization):
                 extra = [o for o in settings.outputs if o not in _trl.FUSED_OUTPUTS]
                 if extra:
                     reasons.append(f"{label}: TRL asks the fused head for {', '.join(extra)}, which leantrain lacks")
-                scaling = _trl.scaling_reason(settings, model.config)
             else:
-                scaling = _trl.scaling_reason(_trl.legacy_settings(trainer, model), model.config)
+                settings = _trl.legacy_settings(trainer, model)
+                if label == "ref_model":
+                    settings.outputs = ("log_probs",)
+            scaling = _trl.scaling_reason(settings, model.config)
             if scaling:
                 reasons.append(f"{label}: {scaling}")
+            plan.targets.append((label, model, settings))
         if reasons:
             return Readiness.no(*reasons)
-        return Readiness(detail=self._detail(trainer, path))
+        return Readiness(detail=self._detail(trainer, path), plan=plan)
 
-    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
-        path = self._path(trainer)
+    def apply(self, trainer: Any, plan: LogpsPlan, ctx: PatchContext) -> Applied:
         undo = ctx.undo
         kernel_guard = RuntimeFallback("grpo_logps triton kernel", ctx.fallback.strict)
         run_op = functools.partial(
             _run_op, kernel_guard, ctx.config.grpo_logps_tile_mib, ctx.config.grpo_logps_keep_logits_mib
         )
         names = []
-        for label, model in _targets(trainer):
-            if path == "fused":
-                settings = _trl.trl_head_settings(model)
-            else:
-                settings = _trl.legacy_settings(trainer, model)
-                if label == "ref_model":
-                    settings.outputs = ("log_probs",)
+        for label, model, settings in plan.targets:
             is_policy = label == "model"
             call = _trl.FusedCall(settings, run_op, _entropy_grad(trainer) if is_policy else (lambda: False))
             # On the legacy path the model's own forward knows no `fused_lm_head`: the fallback sits one level up,
             # around the whole replaced method, whose stock version computes full logits.
-            guard = ctx.fallback if path == "fused" else None
+            guard = ctx.fallback if plan.path == "fused" else None
             undo.wrap_method(model, "forward", functools.partial(_make_forward, model, call, guard))
             names.append(f"{label}.forward ({type(model).__name__})")
-        if path != "fused":
+        if plan.path != "fused":
             n_values = _trl.legacy_method_kind(trainer)
             method_name = _trl.legacy_method_name(trainer)
             undo.wrap_method(
@@ -107,7 +112,7 @@ class GrpoLogps(Optimization):
                 lambda original: _guarded(ctx.fallback, _trl.legacy_method(trainer, original, n_values), original),
             )
             names.append(f"{type(trainer).__name__}.{method_name}")
-        return Applied(undo, tuple(names), self._detail(trainer, path))
+        return Applied(tuple(names), self._detail(trainer, plan.path))
 
     @staticmethod
     def _path(trainer: Any) -> str:

@@ -12,10 +12,10 @@ autograd), ``_stacks`` / ``_qstate`` (packed 4-bit stacks), ``_triton`` (fused k
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .._registry import Applied, Optimization, PatchContext, Readiness, register
-from ..config import ResolvedConfig
 from ..models import unwrap_model
 from .probe import bnb_reason, fsdp_reason, readiness
 from .quantize import QuantizeReport, quantize_experts_4bit
@@ -34,7 +34,9 @@ class Moe4bit(Optimization):
         reason = bnb_reason()
         return (reason,) if reason else ()
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
+        from .layouts import find_experts
+        from .plan import ModelPlan
         from .probe import ZERO3_REASON, zero3
 
         ready = readiness(trainer.model)
@@ -43,20 +45,20 @@ class Moe4bit(Optimization):
         if zero3(trainer):
             return Readiness.no(ZERO3_REASON)
         reason = fsdp_reason(trainer, trainer.model)
-        return Readiness.no(reason) if reason else ready
+        if reason:
+            return Readiness.no(reason)
+        return dataclasses.replace(ready, plan=ModelPlan(find_experts(unwrap_model(trainer.model)), ready.detail))
 
-    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+    def apply(self, trainer: Any, plan: Any, ctx: PatchContext) -> Applied:
         from .forwards import block_forward, experts_forward, fixed
-        from .layouts import block_recipe, find_experts
+        from .layouts import block_recipe
         from .plan import build_plan, live_stacked_plan
         from .probe import fsdp2
 
-        model = unwrap_model(trainer.model)
         recompute = bool(ctx.config.moe_recompute)
         live = fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
-        detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"  # before the patches
         targets = []
-        for found in find_experts(model):  # every change goes on ctx.undo as it is made (run if apply raises)
+        for found in plan.experts:  # every change goes on ctx.undo as it is made (run if apply raises)
             if live:
                 plan_for = live_stacked_plan(found.module, recompute)
             else:
@@ -66,9 +68,9 @@ class Moe4bit(Optimization):
                 make = block_forward(found.module, plan_for, recipe.normalize, recipe.shared, ctx.fallback)
                 ctx.undo.wrap_method(found.module, "forward", make)
             else:  # an experts module, or DeepSeek-V2's experts step moe(hidden, topk_ids, topk_weight)
-                ctx.undo.wrap_method(
-                    found.module, recipe.hook if recipe else "forward", experts_forward(plan_for, ctx.fallback)
-                )
+                hook = recipe.hook if recipe else "forward"
+                ctx.undo.wrap_method(found.module, hook, experts_forward(plan_for, ctx.fallback))
             targets.append(found.name)
+        detail = plan.detail + f"; recompute {'on' if recompute else 'off'}"
         detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
-        return Applied(ctx.undo, tuple(targets), detail)
+        return Applied(tuple(targets), detail)

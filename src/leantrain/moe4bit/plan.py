@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,6 +19,13 @@ from .quantize import BIAS_NAMES, STACK_NAMES
 
 
 Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class ModelPlan(NamedTuple):
+    """What the probe hands to ``apply``: the experts modules to patch and the path detail for the report."""
+
+    experts: list[Found]
+    detail: str
 
 
 def _plan_device(plan: ExpertsPlan) -> torch.device:

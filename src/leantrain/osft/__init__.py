@@ -13,22 +13,22 @@ keeping their gradients (before ``optimizer.step()``) and values (after it) orth
   the dense weights when it factors them, so the original values come back only up to the reconstruction error.
 - FSDP2: shard with :func:`fully_shard` (V factors on ``Shard(1)``: one flat all-reduce per step covers all U and V
   coefficients) or let accelerate shard (``Shard(0)``: V_high is all-gathered, in buckets); DDP needs nothing.
+
+Files: ``probe.py`` (readiness, which linears: the plan), ``convert.py`` (model surgery and the dense export),
+``patch.py`` (the trainer callback), ``ops.py`` (the factored projection math), ``linear.py`` (``OSFTLinear``),
+``_triton.py`` (the tf32x3 GEMM), ``distributed.py`` (FSDP2 sharding helpers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from .._patching import Undo
 from .._registry import Applied, Optimization, PatchContext, Readiness, register
-from ..config import ResolvedConfig
-from ..models import unwrap_model
-from .core import Conversion, convert, dense_state_dict, merge, osft_layers, plan_targets
+from .convert import Conversion, convert, dense_state_dict, merge, osft_layers
 from .distributed import fully_shard, shard_placement_fn
 from .linear import OSFTLinear
-from .projection import Projector, frozen_overlap
-from .targets import default_patterns
+from .ops import Projector, frozen_overlap
+from .probe import default_patterns, plan_targets, probe
 
 
 __all__ = [
@@ -50,68 +50,32 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "OSFTCallback":  # lazy: transformers' trainer stack is heavy to import (spawned workers, CLI)
-        from .callback import OSFTCallback
+        from .patch import OSFTCallback
 
         return OSFTCallback
     raise AttributeError(name)
-
-
-def _readiness_problem(trainer: Any) -> str | None:
-    if getattr(trainer, "optimizer", None) is not None:
-        return (
-            "the trainer already has an optimizer (passed with optimizers= or created by an earlier train()); it "
-            "holds the dense weights that OSFT replaces: build the trainer without optimizers= and call "
-            "patch_trainer before train()"
-        )
-    if getattr(trainer, "model_init", None) is not None:
-        return "model_init re-creates the model inside train(), dropping the factored layers: pass model= instead"
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        return "DeepSpeed keeps gradients in its own partitions, out of reach of the projection: use FSDP2 or DDP"
-    if getattr(trainer, "is_fsdp_enabled", False):
-        plugin = trainer.accelerator.state.fsdp_plugin
-        if getattr(plugin, "fsdp_version", 1) != 2:
-            return "FSDP1 flattens parameters, out of reach of the projection: use FSDP2 (fsdp_version: 2)"
-    args = getattr(trainer, "args", None)
-    if getattr(args, "use_vllm", False):
-        return "vLLM weight sync needs dense weights and OSFT holds factors: set use_vllm=False"
-    return None
 
 
 @register
 class OSFT(Optimization):
     name = "osft"
     trainer_kinds = ("sft", "trainer", "grpo")
+    saved_weights = (
+        "save_model() writes dense weights that stock from_pretrained loads (export_state_dict); the checkpoints "
+        "train() writes keep the six factors per target, so resume_from_checkpoint resumes exactly"
+    )
 
-    def probe(self, trainer: Any, config: ResolvedConfig) -> Readiness:
-        problem = _readiness_problem(trainer)
-        if problem:
-            return Readiness.no(problem)
-        model = unwrap_model(trainer.model)
-        named, skipped = plan_targets(model, config.osft_targets)  # unmatched user pattern: ValueError
-        if not named:
-            if skipped:
-                name, why = next(iter(skipped.items()))
-                return Readiness.no(f"no usable OSFT target: {name}: {why} ({len(skipped)} such)")
-            config_obj = getattr(model, "config", None)
-            return Readiness.not_applicable(
-                f"no OSFT target linears in {type(model).__name__} (defaults for model type "
-                f"{getattr(config_obj, 'model_type', '?')!r}: {', '.join(default_patterns(config_obj))}); "
-                "pass osft_targets=[...] name patterns"
-            )
-        if any(hasattr(module.weight, "device_mesh") for _, module in named):
-            return Readiness.no(
-                "the model is already sharded (DTensor weights, e.g. loaded with tp_plan or a device mesh): OSFT "
-                "must factor dense weights before sharding"
-            )
-        return Readiness(detail=f"{len(named)} target linears")
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
+        return probe(trainer, ctx)
 
-    def apply(self, trainer: Any, ctx: PatchContext) -> Applied:
+    def apply(self, trainer: Any, plan: tuple[list, dict], ctx: PatchContext) -> Applied:
         cfg = ctx.config
         conversion = convert(
             trainer.model,
             unfrozen_rank_ratio=cfg.osft_unfrozen_rank_ratio,
             targets=cfg.osft_targets,
             progress=trainer.is_world_process_zero(),
+            planned=plan,
         )
         undo = ctx.undo
         # Any optimizer that exists at unpatch time was built on the factors: drop it so a later train() builds a
@@ -120,12 +84,11 @@ class OSFT(Optimization):
         undo.extend(conversion.undo)
         layers = list(conversion.layers.values())
         precision = cfg.config.osft_projection_precision  # validated by the config at patch time
-        from .callback import OSFTCallback
+        from .patch import OSFTCallback
 
         projector = Projector(layers, precision=precision, cache_v_high=cfg.config.osft_cache_v_high)
         callback = OSFTCallback(projector, Projector(layers, batched=False), ctx.fallback)
         undo.add_callback(trainer, callback)
-        _wrap_dense_save(trainer, undo)
         short = sorted({name.rsplit(".", 1)[-1] for name in conversion.layers})
         detail = (
             f"{len(layers)} OSFTLinear ({', '.join(short)}), k_high = floor(min(N, M)·"
@@ -138,35 +101,7 @@ class OSFT(Optimization):
             detail += f"; skipped {len(conversion.skipped)}: " + "; ".join(
                 f"{n}: {why}" for n, why in list(conversion.skipped.items())[:3]
             )
-        return Applied(undo, tuple(conversion.layers), detail)
+        return Applied(tuple(conversion.layers), detail)
 
-
-def _wrap_dense_save(trainer: Any, undo: Undo) -> None:
-    """``save_model()`` (a user export) writes dense weights; the checkpoints ``train()`` writes
-    (``save_model(..., _internal_call=True)``) keep the factors so that training resumes exactly."""
-    dense = {"on": False}
-
-    def make_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save_model(output_dir: str | None = None, _internal_call: bool = False) -> Any:
-            if _internal_call:
-                return original(output_dir, _internal_call=True)
-            dense["on"] = True
-            try:
-                return original(output_dir, _internal_call=False)
-            finally:
-                dense["on"] = False
-
-        return save_model
-
-    def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
-        def _save(output_dir: str | None = None, state_dict: dict | None = None) -> Any:
-            if dense["on"] and (state_dict is not None or trainer.args.should_save):
-                if state_dict is None:
-                    state_dict = trainer.model.state_dict()
-                state_dict = dense_state_dict(state_dict, trainer.model)
-            return original(output_dir, state_dict=state_dict)
-
-        return _save
-
-    undo.wrap_method(trainer, "save_model", make_save_model)
-    undo.wrap_method(trainer, "_save", make_save)
+    def export_state_dict(self, trainer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return dense_state_dict(state_dict, trainer.model)

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from .._patching import RuntimeFallback
 from ..models import DecoderParts
-from . import scoring as _scoring
-from .selection import IGNORE_INDEX, count_stand_in, groups_of, schedule_ratio, select_topk, targets_of
+from . import ops as _ops
+from .ops import IGNORE_INDEX, count_stand_in, groups_of, schedule_ratio, select_topk, targets_of
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Runtime:
             raise RuntimeError(f"router hidden state {tuple(hidden.shape)} does not match labels {(rows, width)}")
         timer = self._start_timer(hidden.device)
         n_valid = slot.n_valid.read() if slot.n_valid is not None else None
-        scores = _scoring.score_tokens(self.parts, hidden, slot.targets, self.settings.scoring, n_valid=n_valid)
+        scores = _ops.score_tokens(self.parts, hidden, slot.targets, self.settings.scoring, n_valid=n_valid)
         self.select(slot, scores)
         self._stop_timer(timer)
 
@@ -150,7 +150,7 @@ class Runtime:
         if self.settings.kept_only:
             self._prepare_head_selection(slot, batch)
         if self.settings.scoring == "random":
-            self.select(slot, _scoring.random_scores(tuple(targets.shape), self._rng(targets.device), targets.device))
+            self.select(slot, _ops.random_scores(tuple(targets.shape), self._rng(targets.device), targets.device))
         else:
             slot.n_valid = HostCount((targets != IGNORE_INDEX).sum())
             self.slot = slot

@@ -1,4 +1,4 @@
-"""Model surgery (dense → OSFT), its undo, and the dense export (merge, state-dict conversion)."""
+"""Model surgery (dense → OSFT) with its undo, and the dense export (merge, state-dict conversion)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from .._patching import Undo
 from ..models import unwrap_model
 from .linear import FACTORS, OSFTLinear, dense_module, high_rank, is_conv1d, rebuild
-from .targets import default_patterns, find_targets
+from .probe import plan_targets
 
 
 @dataclass
@@ -23,35 +23,6 @@ class Conversion:
     skipped: dict[str, str] = field(default_factory=dict)
     max_error: float = 0.0
     undo: Undo = field(default_factory=Undo)
-
-
-def plan_targets(
-    model: nn.Module, targets: Sequence[str] | None
-) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
-    """(targets to factor, {name: why skipped}). User patterns must each match; defaults come from the config."""
-    base = unwrap_model(model)
-    patterns = tuple(targets) if targets else default_patterns(getattr(base, "config", None))
-    found = find_targets(base, patterns, strict=bool(targets))
-    shared = _shared_weights(base)
-    chosen, skipped = [], {}
-    for name, module in found:
-        weight = module.weight
-        if not weight.requires_grad:
-            skipped[name] = "weight is frozen (requires_grad=False, e.g. a PEFT base layer)"
-        elif not weight.is_floating_point() or type(weight) not in (nn.Parameter, torch.Tensor):
-            skipped[name] = f"weight is a {type(weight).__name__} ({weight.dtype}), not a dense float parameter"
-        elif id(weight) in shared:
-            skipped[name] = "weight is shared with another module (tied)"
-        else:
-            chosen.append((name, module))
-    return chosen, skipped
-
-
-def _shared_weights(model: nn.Module) -> set[int]:
-    seen: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        seen[id(p)] = seen.get(id(p), 0) + 1
-    return {k for k, n in seen.items() if n > 1}
 
 
 def _svd_device(weight: torch.Tensor) -> torch.device:
@@ -139,15 +110,17 @@ def convert(
     unfrozen_rank_ratio: float = 0.5,
     targets: Sequence[str] | None = None,
     progress: bool = True,
+    planned: tuple[list[tuple[str, nn.Module]], dict[str, str]] | None = None,
 ) -> Conversion:
     """Replace the target linears of ``model`` (any wrapper) by :class:`OSFTLinear` in place.
 
     The replaced module keeps its identity: its weight storage is released now and refilled with the merged weight
     by ``conversion.undo()`` / :func:`merge`. Distributed (torch.distributed initialized): every rank must call it.
+    ``planned``: the (targets, skipped) that :func:`plan_targets` already found for ``targets``.
     """
     high_rank(1, 1, unfrozen_rank_ratio)  # validates the ratio before any work
     base = unwrap_model(model)
-    named, skipped = plan_targets(base, targets)
+    named, skipped = planned if planned is not None else plan_targets(base, targets)
     layers, errors = _factor_all(named, unfrozen_rank_ratio, progress)
     conversion = Conversion({}, skipped, max(errors, default=0.0))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and named:

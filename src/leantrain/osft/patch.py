@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .projection import Projector
+from .ops import Projector
 
 
 class OSFTCallback(TrainerCallback):
