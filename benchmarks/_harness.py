@@ -23,26 +23,6 @@ import torch
 
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# Public model shapes the benchmarks build with random weights (the released configs' sizes; each benchmark adds
-# its own tying / position / norm settings).
-QWEN25_SHAPES = {
-    "qwen2.5-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-    ),
-    "qwen2.5-1.5b": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-    ),
-}
 
 
 def device_name() -> str:

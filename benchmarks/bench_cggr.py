@@ -28,26 +28,16 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import QWEN25_SHAPES, RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
+import shapes  # noqa: E402
+from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain.cggr.ops import select_topk, targets_of  # noqa: E402
 
 
 OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
-SHAPES = {  # (config class, fields); vocab 151936 for the Qwen shapes, tied embeddings like the released models
-    "smollm2-135m": (
-        "LlamaConfig",
-        dict(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-        ),
-    ),
-    **{name: ("Qwen2Config", fields) for name, fields in QWEN25_SHAPES.items()},
+SHAPES = {  # (config class, fields): the released models' sizes (benchmarks/shapes.py), tied embeddings
+    name: (shapes.shape(name).cls, shapes.config(name)) for name in ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b")
 }
 SMOKE_SHAPES = {
     "tiny-llama": (
@@ -67,7 +57,7 @@ SMOKE_SHAPES = {
 def build_model(kind: str, fields: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
     import transformers
 
-    config = getattr(transformers, kind)(**fields, tie_word_embeddings=True, max_position_embeddings=4096)
+    config = getattr(transformers, kind)(**{"tie_word_embeddings": True, **fields}, max_position_embeddings=4096)
     attn = "sdpa" if device == "cuda" else "eager"
     torch.manual_seed(0)
     with torch.device(device):

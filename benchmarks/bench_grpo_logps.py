@@ -1,7 +1,8 @@
 """Fused GRPO log-probs: leantrain's op vs materialized logits, TRL 1.16's ChunkedLogProbFunction,
-cut-cross-entropy and Liger (when importable), frozen-head fwd+bwd, no-grad forward and a trainable-head row (with
-leantrain_triton_keep: the forward's logits kept for the backward, issue #13); plus CUDA parity (max |Δlogp| vs fp64
-on a slice).
+cut-cross-entropy and Liger (when importable), frozen-head fwd+bwd, no-grad forward (with leantrain_default: what
+the patched trainer runs there, TRL's own head where the measured rule says it is faster, issue #28) and a
+trainable-head row (with leantrain_triton_keep: the forward's logits kept for the backward, issue #13); plus CUDA
+parity (max |Δlogp| vs fp64 on a slice).
 
     python benchmarks/bench_grpo_logps.py            # CUDA, full shapes (H100: < 4 min)
     python benchmarks/bench_grpo_logps.py --smoke    # tiny shapes, CPU or GPU, < 60 s
@@ -55,10 +56,12 @@ def materialized(h, w, t):
     return logp, entropy
 
 
-def trl_chunked(h, w, t):
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+def trl_chunked(h, w, t, outputs=("log_probs", "entropy")):
+    """TRL >= 1.15's fused head: the function and chunk size its forward looks up in trl.trainer.utils."""
+    from trl.trainer import utils as trl_utils
 
-    out = ChunkedLogProbFunction.apply(h, w, None, t, TEMPERATURE, 32768, None, 1.0, ("log_probs", "entropy"))
+    chunk = trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+    out = trl_utils._ChunkedLogProbFunction.apply(h, w, None, t, TEMPERATURE, chunk, None, 1.0, outputs)
     return out[0], out[1]
 
 
@@ -85,6 +88,18 @@ def leantrain_backend(backend: str, keep_logits_mib: int = 0) -> Callable:
     return run
 
 
+def leantrain_default(h, w, t):
+    """What the patched trainer runs by default: leantrain's op, or TRL's own head for a no-grad call where the
+    measured rule (``_trl.nograd_route``, the trainer's own decision) says TRL's is faster (issue #28)."""
+    from leantrain.grpo_logps import _trl
+
+    backend = ops.default_backend(h.device)
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    if _trl.nograd_route(h.shape[0], h.shape[1], w.shape[0], dtype, True, backend):
+        return trl_chunked(h, w, t)
+    return leantrain_backend(backend)(h, w, t)
+
+
 def providers(device: str) -> dict[str, Callable]:
     found: dict[str, Callable] = {"materialized": materialized, "trl_chunked": trl_chunked}
     if device == "cuda":
@@ -98,11 +113,15 @@ def providers(device: str) -> dict[str, Callable]:
         found["leantrain_triton"] = leantrain_backend("triton")
         found["leantrain_triton_keep"] = leantrain_backend("triton", KEEP_ALL_MIB)
     found["leantrain_torch"] = leantrain_backend("torch")
+    found["leantrain_default"] = leantrain_default
     return found
 
 
-def runs_in_case(name: str, trainable: bool) -> bool:
-    """Trainable-head rows: the providers with a weight gradient; leantrain_triton_keep only there."""
+def runs_in_case(name: str, trainable: bool, mode: str = "full") -> bool:
+    """Trainable-head rows: the providers with a weight gradient; leantrain_triton_keep only there. leantrain_default
+    only in the no-grad forward rows: with a gradient it is leantrain's op, already a row."""
+    if name == "leantrain_default":
+        return mode == "forward" and not trainable
     return name in TRAINABLE_PROVIDERS if trainable else name not in TRAINABLE_ONLY
 
 
@@ -205,7 +224,7 @@ def main() -> None:
         rows.append(Row.timing(BENCH, "gemm_floor", mode, "shape", f"{n}x{h}x{v}", floor, **config))
         print(f"{label:48s} {'gemm_floor':18s} {floor.p50:9.2f} ms", flush=True)
         for name, fn in providers(device).items():
-            if not runs_in_case(name, trainable):
+            if not runs_in_case(name, trainable, mode):
                 continue
             if name == "leantrain_torch" and device == "cuda" and n > 8192:
                 continue  # the reference path; one CUDA shape is enough to show it

@@ -52,6 +52,7 @@ from torch import nn
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
 from _harness import RESULTS, Row, bar_plot, markdown_table, time_fn, write_results  # noqa: E402
 
 from leantrain.osft import OSFTLinear, Projector, convert, frozen_overlap, fully_shard, osft_layers  # noqa: E402
@@ -59,11 +60,19 @@ from leantrain.osft.ops import gram_project, matmul_tf32  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent
+LLAMA_1B = shapes.config("llama-3.2-1b")
+
+
+def sizes(fields: dict, *keys: str) -> dict:
+    return {k: fields[k] for k in keys}
+
+
 BENCH = "bench_osft"
 FULL = {
     "shapes": [(4096, 4096), (14336, 4096), (4096, 14336)],
     "tokens": 16384,
-    "model": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32),
+    # Llama-3.2-1B's decoder sizes (benchmarks/shapes.py) with a 32000 vocab, untied (the "1.1B Llama" of the records)
+    "model": sizes(LLAMA_1B, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
     "vocab": 32000,
     "batch": (4, 2048),
     "reps": 20,

@@ -18,13 +18,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import QWEN25_SHAPES  # noqa: E402
+import shapes  # noqa: E402
 
 
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
-    fields = QWEN25_SHAPES["qwen2.5-0.5b"]
-    cfg = transformers.Qwen2Config(**fields, tie_word_embeddings=True, max_position_embeddings=32768)
+    cfg = transformers.Qwen2Config(**shapes.config("qwen2.5-0.5b"), max_position_embeddings=32768)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().train()
     model.gradient_checkpointing_enable()
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,38 +15,16 @@ import transformers
 from leantrain import tiny
 
 
-# Shapes of public models, built from config with random weights (nothing downloaded).
-SHAPES: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(
-        family="llama",
-        hidden=576,
-        layers=30,
-        intermediate_size=1536,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-    ),
-    "qwen2.5-0.5b": dict(
-        family="qwen2",
-        hidden=896,
-        layers=24,
-        intermediate_size=4864,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=151936,
-    ),
-    "llama-1b": dict(
-        family="llama",
-        hidden=2048,
-        layers=16,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-    ),
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared shapes table
+import shapes  # noqa: E402
+
+
+# Shapes of public models (benchmarks/shapes.py, the one table), built from config with random weights (nothing
+# downloaded): example name -> (leantrain.tiny family, shapes.py name). Embeddings untied, as tiny_config makes them.
+SHAPES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llama", "smollm2-135m"),
+    "qwen2.5-0.5b": ("qwen2", "qwen2.5-0.5b"),
+    "llama-1b": ("llama", "llama-3.2-1b"),
 }
 
 
@@ -55,10 +34,16 @@ def build_model(shape: str, vocab_size: int) -> transformers.PreTrainedModel:
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if shape.startswith("tiny-"):
         return tiny.tiny_model(shape.removeprefix("tiny-"), dtype=dtype, vocab_size=vocab_size).train()
-    spec = dict(SHAPES[shape])
-    family = spec.pop("family")
+    family, name = SHAPES[shape]
+    spec = shapes.config(name)
+    spec.pop("tie_word_embeddings")
+    spec.setdefault("head_dim", spec["hidden_size"] // spec["num_attention_heads"])
     config = tiny.tiny_config(
-        family, vocab_size=spec.pop("vocab_size"), hidden=spec.pop("hidden"), layers=spec.pop("layers"), **spec
+        family,
+        vocab_size=spec.pop("vocab_size"),
+        hidden=spec.pop("hidden_size"),
+        layers=spec.pop("num_hidden_layers"),
+        **spec,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

@@ -155,3 +155,73 @@ def load_in_4bit_like(
         layer.source_cls = type(module)
         setattr(model.get_submodule(parent) if parent else model, child, layer.requires_grad_(False))
     return [name for name, _ in targets]
+
+
+class ExpertMLP(nn.Module):
+    """A transformers 4.x expert MLP: ``down(act(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock4x(nn.Module):
+    """The transformers 4.57 Qwen2-MoE / Qwen3-MoE sparse MoE block, rebuilt for any transformers version (5.x has
+    3-D experts only): a ``gate`` router, an ``experts`` ModuleList of :class:`ExpertMLP`, the per-expert loop over
+    the experts a batch hits, the optional sigmoid-gated shared expert; returns ``(hidden, router_logits)``.
+    Not a stock class, so the probe declines it: tests and benchmarks patch it with
+    ``leantrain.moe4bit.forwards.block_forward`` and this recipe directly (normalize per ``norm_topk_prob``)."""
+
+    def __init__(
+        self, hidden: int, inter: int, experts: int, top_k: int, norm_topk_prob: bool, shared_inter: int = 0
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(hidden, inter) for _ in range(experts))
+        if shared_inter:
+            self.shared_expert = ExpertMLP(hidden, shared_inter)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, hidden = hidden_states.shape
+        x = hidden_states.view(-1, hidden)
+        router_logits = self.gate(x)
+        weights = nn.functional.softmax(router_logits, dim=1, dtype=torch.float)
+        weights, selected = torch.topk(weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = nn.functional.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)  # [E, k, T]
+        for expert in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():  # the stock loop (host sync per step)
+            slot, token = torch.where(mask[expert].squeeze(0))
+            y = self.experts[expert](x[None, token].reshape(-1, hidden)) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(x)
+            out = out + nn.functional.sigmoid(self.shared_expert_gate(x)) * shared
+        return out.reshape(batch, seq, hidden), router_logits
+
+
+def patch_block_4x(block: nn.Module, undo, recompute: bool = True, strict: bool = True) -> None:
+    """Install the grouped forward on a 4.x-style block (stock class or :class:`SparseMoeBlock4x`) as
+    ``Moe4bit.apply`` does, recording on ``undo``; ``strict``: an error in the grouped path raises."""
+    from leantrain._patching import RuntimeFallback
+    from leantrain.moe4bit.forwards import block_forward, fixed
+    from leantrain.moe4bit.layouts import Found, block_recipe
+    from leantrain.moe4bit.plan import build_plan
+
+    plan_for = fixed(*build_plan(Found("mlp", block, "expert_mlps"), undo.push, recompute))
+    recipe = block_recipe(block)
+    normalize, shared = (
+        (recipe.normalize, recipe.shared) if recipe else ("norm_topk_prob", hasattr(block, "shared_expert"))
+    )
+    fallback = RuntimeFallback("moe4bit", strict=strict)
+    undo.wrap_method(block, "forward", block_forward(block, plan_for, normalize, shared, fallback))

@@ -58,6 +58,7 @@ def make_trainer(model_dir, out_dir, *, use_cpu=False, beta=0.0, lora=False, rec
         save_strategy="no",
         temperature=0.7,
         dataloader_pin_memory=False,
+        bf16=False,  # GRPOConfig defaults to bf16 autocast: the "fp32" configurations must say fp32
     )
     settings.update(overrides)
     with warnings.catch_warnings():

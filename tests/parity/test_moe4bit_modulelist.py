@@ -453,3 +453,53 @@ def test_runtime_fallback_and_unpatch_identity(tmp_path, monkeypatch):
     assert leantrain.current_report(trainer)["moe4bit"].status is Status.FAILED
     leantrain.unpatch_trainer(trainer)
     assert all("forward" not in b.__dict__ for b in blocks)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_block4x_mirror_equals_the_stock_block(family):
+    """tests._moe4bit_models.SparseMoeBlock4x (the 4.x block for GPU tests and benchmarks on transformers 5.x) computes
+    what the 4.57 class computes, bit for bit, from the same weights (same state-dict keys), quantized the same way."""
+    from tests._moe4bit_models import SparseMoeBlock4x
+
+    cfg = config(family)
+    torch.manual_seed(0)
+    stock = find_experts(transformers.AutoModelForCausalLM.from_config(cfg))[0].module
+    for p in stock.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    shared = INTER if family == "qwen2_moe" else 0
+    mirror = SparseMoeBlock4x(HIDDEN, INTER, EXPERTS, cfg.num_experts_per_tok, cfg.norm_topk_prob, shared)
+    mirror.load_state_dict(stock.state_dict())  # strict: the same keys
+    for b in (stock, mirror):
+        load_in_4bit_like(b, skip=("gate",))
+    for name, a, b in zip(NAMES, run(mirror.train(), torch.float32), run(stock.train(), torch.float32)):
+        assert torch.equal(a, b), name
+
+
+def test_qlora_on_attention_served_and_all_linear_declined(tmp_path):
+    """QLoRA as users set it up: LoRA on the attention projections leaves the expert Linear4bit modules plain (served;
+    the loss equals the stock PEFT model's, the adapters get the same grads); ``target_modules="all-linear"`` wraps
+    every expert projection: declined with the LoRA reason, stock path kept."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model(targets):
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        torch.manual_seed(1)
+        return peft.get_peft_model(tiny_4bit("qwen3_moe"), cfg)
+
+    stock_loss, stock_grads = step(lora_model(["q_proj", "v_proj"]))
+    model = lora_model(["q_proj", "v_proj"])
+    trainer = make_trainer(model, tmp_path)
+    report = leantrain.patch_trainer(trainer, moe4bit=True, **ONLY_MOE)
+    assert report["moe4bit"].status is Status.APPLIED
+    loss, grads = step(model)
+    assert torch.equal(loss, stock_loss)
+    assert any("lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        assert rel(grad, stock_grads[name]) <= FP32_GRAD_REL, name
+    leantrain.unpatch_trainer(trainer)
+
+    wrapped = make_trainer(lora_model("all-linear"), tmp_path / "all")
+    report = leantrain.patch_trainer(wrapped, **ONLY_MOE)
+    assert report["moe4bit"].status is Status.SKIPPED
+    assert report["moe4bit"].reasons[0].startswith(moe_probe.LORA_REASON)
+    leantrain.unpatch_trainer(wrapped)

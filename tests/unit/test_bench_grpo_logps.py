@@ -44,3 +44,101 @@ def test_keep_provider_keeps_the_logits():
     hidden, weight = torch.randn(16, 8), torch.randn(32, 8).requires_grad_()
     logp, _ = run(hidden, weight, torch.randint(0, 32, (16,)))
     assert logp.grad_fn.kept_logits is not None
+
+
+def test_default_provider_only_in_no_grad_forward_rows(monkeypatch):
+    """leantrain_default (issue #28): what the patched trainer runs, timed in the no-grad forward rows only."""
+    monkeypatch.setattr(bench.ops, "triton_available", lambda: True)
+    names = list(bench.providers("cuda"))
+    assert "leantrain_default" in names and "leantrain_default" in bench.providers("cpu")
+    assert bench.runs_in_case("leantrain_default", False, "forward")
+    assert not bench.runs_in_case("leantrain_default", False, "full")
+    assert not bench.runs_in_case("leantrain_default", True, "full")
+    assert not bench.runs_in_case("leantrain_default", False)  # the parity pass (with gradients)
+
+
+@pytest.mark.parametrize("stock", [False, True])
+def test_default_provider_takes_the_trainers_decision(monkeypatch, stock):
+    """leantrain_default asks _trl.nograd_route, as the trainer's forward: TRL's head under no_grad where the rule says
+    so (bitwise TRL's output then), leantrain's op otherwise and with a gradient."""
+    from leantrain.grpo_logps import _trl
+
+    seen = []
+
+    def rule(n, h, v, dtype, entropy, backend="triton"):
+        seen.append((n, h, v, dtype, entropy, backend))
+        return stock
+
+    monkeypatch.setattr(_trl, "nograd_prefers_stock", rule)
+    used = []
+    monkeypatch.setattr(bench, "trl_chunked", lambda *a: used.append("trl") or (torch.zeros(16), None))
+    hidden, weight, targets = torch.randn(16, 8), torch.randn(32, 8), torch.randint(0, 32, (16,))
+    with torch.no_grad():
+        logp, _ = bench.leantrain_default(hidden, weight, targets)
+    assert seen == [(16, 8, 32, torch.float32, True, "torch")]
+    assert used == (["trl"] if stock else [])
+    assert stock or logp.abs().sum() > 0  # leantrain's op ran (log-probs of a 32-way softmax are < 0)
+    h = hidden.clone().requires_grad_()
+    logp, _ = bench.leantrain_default(h, weight, targets)
+    assert used == (["trl"] if stock else []) and logp.requires_grad  # with a gradient: the op, never asked
+
+
+def test_trl_chunked_is_trls_fused_head_call():
+    """The provider calls what TRL's fused forward looks up (function and chunk size), with the outputs asked."""
+    from trl.trainer import utils as trl_utils
+
+    hidden, weight, targets = torch.randn(16, 8), torch.randn(32, 8), torch.randint(0, 32, (16,))
+    ref = trl_utils._ChunkedLogProbFunction.apply(
+        hidden, weight, None, targets, bench.TEMPERATURE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+        ("log_probs",),
+    )  # fmt: skip
+    logp, entropy = bench.trl_chunked(hidden, weight, targets, outputs=("log_probs",))
+    assert torch.equal(logp, ref[0]) and entropy is None
+    assert bench.trl_chunked(hidden, weight, targets)[1] is not None
+
+
+# ------------------------------------------------------------------------------------- probe_logps_nograd.py
+def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
+    """--smoke runs on CPU and writes the rows; --emit-rule turns them into the rule's table (valid Python, one point
+    per cell with both providers' medians), which reproduces the measured winners."""
+    import probe_logps_nograd as probe
+
+    from leantrain.grpo_logps import _trl
+
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    monkeypatch.setattr(probe, "SMOKE_MODELS", [("tiny", 16, 257)])
+    monkeypatch.setattr(probe, "SMOKE_N", (8, 32))
+    monkeypatch.setattr(probe.ops, "MAX_TILE_ROWS", 16)  # the tall-tiles candidate (32 rows) runs at N=32
+    probe.main(["--smoke"])
+    rows = probe.read_rows(tmp_path / "grpo_logps_nograd.json")
+    speed = [r for r in rows if r.metric == "speed"]
+    tall = [(r.x_value, r.config["entropy"]) for r in speed if r.provider == probe.TALL]
+    assert tall == [(32, True)] and probe.ops.MAX_TILE_ROWS == 16  # restored after each call
+    speed = [r for r in speed if r.provider != probe.TALL]
+    assert len(speed) == 2 * 2 * 2 and {r.provider for r in speed} == {probe.STOCK, probe.FUSED}
+    profile = (tmp_path / "grpo_logps_nograd_profile.txt").read_text()
+    assert "## trl_stock" in profile and "## leantrain" in profile
+    assert all(r.device and r.versions and r.date and r.commit for r in rows)
+    capsys.readouterr()
+    probe.main(["--emit-rule"])
+    source = capsys.readouterr().out
+    scope = {"NogradPoint": _trl.NogradPoint}
+    exec(source, scope)
+    points = scope["NOGRAD_MEASURED"]
+    assert len(points) == 4 and "grpo_logps_nograd.json" in scope["NOGRAD_SOURCE"]
+    medians = {(r.provider, r.config["N"], r.config["entropy"]): r.p50 for r in speed}
+    for p in points:
+        assert (p.stock_ms, p.fused_ms) == (
+            round(medians[probe.STOCK, p.n, p.entropy], 4),
+            round(medians[probe.FUSED, p.n, p.entropy], 4),
+        )
+        assert _trl.nograd_prefers_stock(p.n, p.h, p.v, p.dtype, p.entropy, table=points) == p.stock_wins
+
+
+def test_probe_grid_covers_the_recipe_shapes():
+    import probe_logps_nograd as probe
+
+    assert {(h, v) for _, h, v in probe.MODELS} == {
+        (896, 151936), (1536, 151936), (2048, 151936), (3584, 152064), (5120, 152064), (4096, 128256),
+    }  # fmt: skip
+    assert probe.N_VALUES == (1024, 2048, 4096, 8192, 16384)

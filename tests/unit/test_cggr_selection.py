@@ -1,6 +1,8 @@
 """CGGR selection, counting, schedule and head-share estimate against brute-force references (pure tensors)."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,10 @@ from leantrain.cggr.ops import (
     select_topk,
     targets_of,
 )
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the shared shapes table
+import shapes  # noqa: E402
 
 
 def reference_keep(scores, valid, groups, ratio):
@@ -134,24 +140,10 @@ def test_schedule():
 
 def test_head_share_matches_hand_count():
     # Qwen2.5-0.5B shape: head 151936*896 vs 24 layers of (q,o 896^2 + k,v 2*896*128 + MLP 3*896*4864) -> 27.6%
-    qwen = transformers.Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-    )
+    qwen = transformers.Qwen2Config(**shapes.config("qwen2.5-0.5b"))
     head = 151936 * 896
     body = 24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864)
     assert head_share(qwen) == pytest.approx(head / (head + body), rel=1e-12)
     assert head_share(qwen) == pytest.approx(0.276, abs=0.001)
-    smollm2 = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-    )
+    smollm2 = transformers.LlamaConfig(**shapes.config("smollm2-135m"))
     assert head_share(smollm2) == pytest.approx(0.21, abs=0.005)

@@ -138,7 +138,11 @@ class GrpoLogps(Optimization):
         else:
             n = _trl.legacy_method_kind(trainer)
             how = f"TRL <= 1.14 {_trl.legacy_method_name(trainer)} ({n}-tuple) replaced"
-        return f"{how} on {where}; kernel: {_kernel_name()}"
+        # >>> issue #28: name the no-grad dispatch to TRL's own head (fused path only: it compares with that head)
+        heads = _targets(trainer) if path == "fused" else []
+        nograd = _trl.nograd_detail(heads, getattr(trainer, "args", None))
+        return f"{how} on {where}; kernel: {_kernel_name()}" + (f"; {nograd}" if nograd else "")
+        # <<< issue #28
 
 
 def _entropy_grad(trainer: Any) -> Callable[[], bool]:
@@ -154,6 +158,10 @@ def _make_forward(
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not kwargs.get("fused_lm_head", False):
             return original(*args, **kwargs)
+        # >>> issue #28: no-grad calls where TRL's own head measured faster go to it (_trl.nograd_uses_stock)
+        if _trl.nograd_uses_stock(original, model, call.settings, kwargs):
+            return original(*args, **kwargs)
+        # <<< issue #28
         if fallback is None:
             return fast(*args, **kwargs)
         return fallback.call(fast, original, *args, **kwargs)

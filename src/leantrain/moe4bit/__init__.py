@@ -37,6 +37,7 @@ class Moe4bit(Optimization):
 
     def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
         from .layouts import find_experts
+        from .plan import ModelPlan
         from .probe import ZERO3_REASON, zero3
 
         ready = readiness(trainer.model)
@@ -47,9 +48,9 @@ class Moe4bit(Optimization):
         reason = fsdp_reason(trainer, trainer.model)
         if reason:
             return Readiness.no(reason)
-        return dataclasses.replace(ready, plan=find_experts(unwrap_model(trainer.model)))
+        return dataclasses.replace(ready, plan=ModelPlan(find_experts(unwrap_model(trainer.model)), ready.detail))
 
-    def apply(self, trainer: Any, plan: list, ctx: PatchContext) -> Applied:
+    def apply(self, trainer: Any, plan: Any, ctx: PatchContext) -> Applied:
         from . import _adapters
         from .forwards import block_forward, experts_forward, fixed
         from .layouts import block_recipe
@@ -59,11 +60,10 @@ class Moe4bit(Optimization):
         model = unwrap_model(trainer.model)
         recompute = bool(ctx.config.moe_recompute)
         live = fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
-        detail = readiness(model).detail + f"; recompute {'on' if recompute else 'off'}"  # before the patches
         targets = []
         wrapped = _adapters.wrapped_map(model)
         lora = []
-        for found in plan:  # every change goes on ctx.undo as it is made (run if apply raises)
+        for found in plan.experts:  # every change goes on ctx.undo as it is made (run if apply raises)
             if live:
                 plan_for = live_stacked_plan(found.module, recompute)
             else:
@@ -84,6 +84,7 @@ class Moe4bit(Optimization):
                 make = _adapters.owner_forward(experts_forward(plan_for, ctx.fallback), owner, found.module, wrapped)
                 ctx.undo.wrap_method(owner, "forward", make)
             targets.append(found.name)
+        detail = plan.detail + f"; recompute {'on' if recompute else 'off'}"
         detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
         detail += _adapters.lora_detail(lora)
         return Applied(tuple(targets), detail)

@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ._grouped import ExpertsPlan, Projection, clamp_swiglu, gated_act
 from ._stacks import Record, consolidate_linear4bit, stack_from_quant_state, state_tensors
-from .layouts import Found, _bnb_parametrization, expert_projections
+from .layouts import Found, _bnb_parametrization, expert_mlp_names, expert_projections
 from .probe import _state_key, device_mix_reason, tensor_key
 from .quantize import BIAS_NAMES, STACK_NAMES
 
 
 Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class ModelPlan(NamedTuple):
+    """What the probe hands to ``apply``: the experts modules to patch and the path detail for the report."""
+
+    experts: list[Found]
+    detail: str
 
 
 def _plan_device(plan: ExpertsPlan) -> torch.device:
@@ -115,17 +123,21 @@ def expert_mlps_plan(block: nn.Module, record: Record, recompute: bool) -> tuple
         Projection(stack, False, None, compute, restore_dtype=True, cast_bias=False) for stack in (gate_up, down)
     ]
     plan = ExpertsPlan(experts, hidden, *projections, gated_act(block.experts[0].act_fn), False, recompute)
-    sampled = [layers[i] for layers in (gates, ups, downs) for i in (0, -1)]  # first and last expert, as above
+    names = expert_mlp_names(block.experts[0])
+
+    def sampled() -> list[nn.Module]:  # read from the block per call: the first and last expert, as above
+        experts = block.experts
+        return [getattr(experts[i], n) for i in (0, -1) for n in names]
 
     def snapshot() -> tuple:
         parts = []
-        for layer in sampled:
+        for layer in sampled():
             weight = layer.weight
             parts += [id(layer), tensor_key(weight), _state_key(weight.quant_state), layer.compute_dtype]
         return tuple(parts)
 
     def frozen() -> bool:
-        return not any(layer.weight.requires_grad for layer in sampled)
+        return not any(layer.weight.requires_grad for layer in sampled())
 
     return plan, _make_check(plan, snapshot, frozen, "expert weights")
 
