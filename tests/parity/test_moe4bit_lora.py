@@ -342,3 +342,17 @@ def test_expert_lora_targets_full_names():
     assert "model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj" in names
     assert _adapters.expert_lora_targets(base_model("qwen3_moe")) == []  # not quantized: PEFT's suffixes work there
     assert _grouped.ExpertsPlan.__dataclass_fields__["adapters"].default is None
+
+
+def test_forward_hooks_on_expert_lora_fall_back(tmp_path):
+    """PEFT's mixed-adapter batches reach each LoRA layer through forward hooks, which the grouped path never
+    calls: with a hook present the call goes to the stock per-expert loop (warned once), with the same result."""
+    ref_model = lists_model()
+    model = copy.deepcopy(ref_model)
+    trainer = patch(model, tmp_path)
+    model.base_model.model.model.layers[0].mlp.experts.gate_up_projs[0].register_forward_pre_hook(lambda m, a: None)
+    with pytest.warns(RuntimeWarning, match="moe4bit failed at run time"):
+        loss = model(**batch()).loss.detach()
+    assert torch.equal(loss, ref_model(**batch()).loss.detach())
+    assert "forward hooks" in leantrain.current_report(trainer)["moe4bit"].reasons[0]
+    leantrain.unpatch_trainer(trainer)

@@ -239,6 +239,8 @@ def _compute(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[to
 
 
 def _active(layer: nn.Module) -> list[str]:
+    if layer._forward_pre_hooks:  # PEFT's mixed-adapter batches (adapter_names) pass through per-layer hooks
+        raise RuntimeError("expert LoRA layers carry forward hooks (PEFT adapter_names): served by the stock loop")
     if getattr(layer, "disable_adapters", False):
         return []
     if getattr(layer, "merged", False):
