@@ -90,12 +90,12 @@ def leantrain_backend(backend: str, keep_logits_mib: int = 0) -> Callable:
 
 def leantrain_default(h, w, t):
     """What the patched trainer runs by default: leantrain's op, or TRL's own head for a no-grad call where the
-    measured rule (``_trl.nograd_route``, the trainer's own decision) says TRL's is faster (issue #28)."""
-    from leantrain.grpo_logps import _trl
+    measured rule (``glue.nograd_route``, the trainer's own decision) says TRL's is faster (issue #28)."""
+    from leantrain.grpo_logps import patch as glue
 
     backend = ops.default_backend(h.device)
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-    if _trl.nograd_route(h.shape[0], h.shape[1], w.shape[0], dtype, True, backend):
+    if glue.nograd_route(h.shape[0], h.shape[1], w.shape[0], dtype, True, backend):
         return trl_chunked(h, w, t)
     return leantrain_backend(backend)(h, w, t)
 

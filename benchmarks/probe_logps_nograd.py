@@ -1,6 +1,6 @@
 """No-grad log-probs (GRPO's old-policy and reference scoring, issue #28): TRL 1.16's own fused head vs leantrain's
 op over the GRPO recipe shapes, to derive the rule that sends no-grad calls to TRL's head where it is faster
-(``leantrain.grpo_logps._trl.NOGRAD_MEASURED``).
+(``leantrain.grpo_logps.patch.NOGRAD_MEASURED``).
 
 What one no-grad call scores: TRL 1.16's ``_get_per_token_logps_and_entropies`` calls the model once per
 ``batch_size`` rows (``per_device_train_batch_size``, default 8) and the fused head scores only the labelled
@@ -33,7 +33,8 @@ import bench_grpo_logps as bench  # noqa: E402
 from _harness import RESULTS, Row, markdown_table, peak_memory, read_rows, time_fn, write_results  # noqa: E402
 
 from leantrain.config import LeantrainConfig  # noqa: E402
-from leantrain.grpo_logps import _trl, ops  # noqa: E402
+from leantrain.grpo_logps import ops
+from leantrain.grpo_logps import patch as glue  # noqa: E402
 
 
 BENCH = "grpo_logps_nograd"
@@ -120,7 +121,7 @@ def run_grid(models, n_values, device: str, dtype: torch.dtype, reps: int, warmu
                     rows.append(Row.timing(BENCH, name, "no_grad", "N", n, t, **config, backend=backend))
                     rows.append(Row(BENCH, name, "no_grad", "memory", "GiB", "N", n, mem, config=config))
                 (ts, ms), (tf, mf) = got[STOCK], got[FUSED]
-                rule = _trl.nograd_prefers_stock(n, h, v, dtype, entropy, backend)
+                rule = glue.nograd_prefers_stock(n, h, v, dtype, entropy, backend)
                 tall = got[TALL][0].p50 if TALL in got else float("nan")
                 faster, rule_now = ("stock" if ts.p50 < tf.p50 else "fused"), ("stock" if rule else "fused")
                 table.append(
@@ -159,7 +160,7 @@ def profile_cell(model: str, n: int, h: int, v: int, device: str, dtype: torch.d
     return "\n\n".join(parts)
 
 
-def rule_points(rows: list[Row]) -> list[_trl.NogradPoint]:
+def rule_points(rows: list[Row]) -> list[glue.NogradPoint]:
     """The rule's measured points from the probe's speed rows: one per (N, H, V, dtype, entropy), both providers."""
     cells: dict[tuple, dict[str, float]] = {}
     for row in rows:
@@ -168,12 +169,12 @@ def rule_points(rows: list[Row]) -> list[_trl.NogradPoint]:
         c = row.config
         key = (int(c["N"]), int(c["H"]), int(c["V"]), str(c["dtype"]), bool(c["entropy"]))
         cells.setdefault(key, {})[row.provider] = float(row.p50)
-    return [_trl.NogradPoint(*key, round(t[STOCK], 4), round(t[FUSED], 4))
+    return [glue.NogradPoint(*key, round(t[STOCK], 4), round(t[FUSED], 4))
             for key, t in sorted(cells.items()) if STOCK in t and FUSED in t]  # fmt: skip
 
 
 def emit_rule(path: Path) -> str:
-    """Python source of NOGRAD_SOURCE / NOGRAD_MEASURED for grpo_logps/_trl.py, from a probe JSON."""
+    """Python source of NOGRAD_SOURCE / NOGRAD_MEASURED for grpo_logps/patch.py, from a probe JSON."""
     rows = read_rows(path)
     if not rows:
         raise SystemExit(f"no probe results in {path}: run the probe first")
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     md += (
         "\n\nNo-grad calls (torch.no_grad), bf16, median CUDA-event ms. TRL: ChunkedLogProbFunction as TRL 1.16's "
         "fused head calls it on the scored rows; leantrain: its op (Triton backend, default tile budget). 'rule now': "
-        "what leantrain.grpo_logps._trl.nograd_prefers_stock decides at the time of the run; update it with "
+        "what leantrain.grpo_logps.patch.nograd_prefers_stock decides at the time of the run; update it with "
         "`python benchmarks/probe_logps_nograd.py --emit-rule`. 'tall tiles': a candidate (not the default), "
         f"leantrain's op with logits tiles of twice {ops.MAX_TILE_ROWS} rows (same tile budget), where N allows them."
     )

@@ -120,10 +120,15 @@ class StepStats:
             "rank": trainer.args.process_index,
             "world_size": trainer.args.world_size,
             "distributed": str(trainer.accelerator.distributed_type),
+            "zero_stage": getattr(trainer.accelerator.state.deepspeed_plugin, "zero_stage", None),
             "step_ms_p50": statistics.median(times) if times else None,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "kl": [e["kl"] for e in trainer.state.log_history if "kl" in e],  # GRPO with beta > 0
+            # TRL logs the running count of input tokens over all ranks as `num_tokens`
+            "num_tokens": max((e.get("num_tokens", 0) for e in trainer.state.log_history), default=0),
+            "steps": trainer.state.global_step,
             "report": report.to_dict() if report else None,
         }
         out.mkdir(parents=True, exist_ok=True)

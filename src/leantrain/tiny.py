@@ -128,3 +128,81 @@ def tiny_model(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     return model.eval()
+
+
+class Linear4bitMoeExperts(torch.nn.Module):
+    """gpt-oss experts in the layout of community pre-quantized 4-bit checkpoints: per-expert ``bnb.nn.Linear4bit``
+    lists (``F.linear`` orientation, gate/up interleaved on rows, biases) run by a per-expert loop. That loop is the
+    stock path leantrain's grouped 4-bit experts (moe4bit) replace; the demo trains on it."""
+
+    def __init__(
+        self, gate_up_projs: torch.nn.ModuleList, down_projs: torch.nn.ModuleList, alpha: float, limit: float
+    ):
+        super().__init__()
+        self.num_experts = len(gate_up_projs)
+        self.hidden_size = gate_up_projs[0].in_features
+        self.gate_up_projs, self.down_projs = gate_up_projs, down_projs
+        self.alpha, self.limit = alpha, limit
+
+    def _gate(self, h: torch.Tensor) -> torch.Tensor:  # gpt-oss clamp-SwiGLU on interleaved gate/up columns
+        gate, up = h[..., ::2].clamp(max=self.limit), h[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        x = hidden_states.reshape(-1, self.hidden_size)
+        indices = router_indices.reshape(x.shape[0], -1)
+        weights = routing_weights.reshape(x.shape[0], -1)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(indices, self.num_experts).permute(2, 1, 0)  # [E, k, T]
+            hit = mask.sum(dim=(1, 2)).nonzero().flatten().tolist()
+        for expert in hit:  # the per-expert loop of the checkpoint layout, host syncs included
+            slot, token = torch.where(mask[expert])
+            y = self.down_projs[expert](self._gate(self.gate_up_projs[expert](x[token])))
+            out.index_add_(0, token, (y * weights[token, slot][:, None]).float())
+        return out.to(hidden_states.dtype).view(hidden_states.shape)
+
+
+def _linear4bit(weight: torch.Tensor, bias: torch.Tensor) -> torch.nn.Module:
+    import bitsandbytes as bnb
+
+    quant = {"quant_type": "nf4", "compress_statistics": True}
+    layer = bnb.nn.Linear4bit(weight.shape[1], weight.shape[0], bias=True, device="meta", **quant)
+    layer.weight = bnb.nn.Params4bit(weight.detach().clone(), requires_grad=False, blocksize=64, module=layer, **quant)
+    layer.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+    layer = layer.to(weight.device)  # bitsandbytes quantizes on the first move to a device
+    # bitsandbytes sets a layer's compute dtype on its first forward: set it now for every expert (a routed batch
+    # reaches only some), so the experts agree (moe4bit declines experts with mixed compute dtypes).
+    with torch.enable_grad():
+        layer(torch.zeros(2, weight.shape[1], dtype=weight.dtype, device=weight.device, requires_grad=True))
+    return layer
+
+
+def linear4bit_experts(model: torch.nn.Module) -> int:
+    """Swap every stock gpt-oss experts module of ``model`` for frozen nf4 :class:`Linear4bitMoeExperts` holding
+    the same weights; returns how many were swapped. Every expert's row length (hidden and intermediate size) must
+    be a multiple of 64, bitsandbytes' blocksize: its CPU 4-bit matmul is wrong otherwise."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ != "GptOssExperts":
+            continue
+        gate_up, down = module.gate_up_proj.detach().transpose(1, 2), module.down_proj.detach().transpose(1, 2)
+        if gate_up.shape[-1] % 64 or down.shape[-1] % 64:
+            raise ValueError(f"{name}: hidden and intermediate sizes must be multiples of 64 (bitsandbytes blocks)")
+        ups = torch.nn.ModuleList(_linear4bit(gate_up[e], module.gate_up_proj_bias[e]) for e in range(len(gate_up)))
+        downs = torch.nn.ModuleList(_linear4bit(down[e], module.down_proj_bias[e]) for e in range(len(down)))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Linear4bitMoeExperts(ups, downs, module.alpha, module.limit))
+        swapped += 1
+    return swapped
+
+
+def settle_4bit(model: torch.nn.Module) -> None:
+    """One training step's forward and backward on a dummy batch, gradients dropped: on CPU, a model's first
+    training forward through fresh bitsandbytes 4-bit experts came out ~1e-4 off every later forward on the same
+    inputs (bitsandbytes settles per-layer state on first use). Run it before training (and before patching), so a
+    stock and a patched run start from the same state."""
+    ids = torch.zeros(1, 4, dtype=torch.long, device=model.device)
+    with torch.enable_grad():
+        model(input_ids=ids).logits.float().sum().backward()
+    model.zero_grad(set_to_none=True)

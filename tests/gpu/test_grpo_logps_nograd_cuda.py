@@ -23,7 +23,8 @@ trl = pytest.importorskip("trl")
 pytest.importorskip("trl.kernels.chunked_logprob")
 
 import leantrain  # noqa: E402
-from leantrain.grpo_logps import _trl, ops  # noqa: E402
+from leantrain.grpo_logps import ops  # noqa: E402
+from leantrain.grpo_logps import patch as glue  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from tests.gpu import _grpo_helpers as H  # noqa: E402
 from tests.gpu.test_grpo_logps_op_cuda import Case, reference  # noqa: E402
@@ -84,7 +85,7 @@ def test_dispatch_is_trls_output_and_the_op_stays_within_bounds(dev, model_dir, 
     leantrain.patch_trainer(trainer, grpo_logps=True)
     calls = count_op_calls(monkeypatch)
 
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", lambda *args, **kwargs: True)
+    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: True)
     for name, model in models.items():
         out = call(model, inputs)
         for field in ("log_probs", "entropy", "loss", "label_mask"):
@@ -92,7 +93,7 @@ def test_dispatch_is_trls_output_and_the_op_stays_within_bounds(dev, model_dir, 
             assert (a is None and b is None) or torch.equal(a, b), (name, field)
     assert calls == []  # TRL's forward served both
 
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", lambda *args, **kwargs: False)
+    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: False)
     for name, model in models.items():
         out = call(model, inputs)
         entropy = name == "policy"  # TRL's reference head computes no entropy
@@ -114,7 +115,7 @@ def test_real_rule_dispatches_a_measured_stock_regime(dev):
     no-grad call to TRL's forward without counting labels (a uniform cell), never a call that wants a gradient."""
     if ops.default_backend(dev) != "triton":
         pytest.skip("the rule covers the Triton backend only")
-    points = [p for p in _trl.NOGRAD_MEASURED if p.stock_wins]
+    points = [p for p in glue.NOGRAD_MEASURED if p.stock_wins]
     if not points:
         pytest.skip("no measured regime where TRL's head is faster: nothing to dispatch")
     p = min(points, key=lambda q: q.h * q.v)
@@ -123,13 +124,13 @@ def test_real_rule_dispatches_a_measured_stock_regime(dev):
     with torch.device(dev):
         model = tiny_model("llama", vocab_size=p.v, hidden=p.h, layers=1, dtype=getattr(torch, p.dtype))
     add_fused_lm_head(model, TEMPERATURE, outputs=("log_probs", "entropy") if p.entropy else ("log_probs",))
-    settings = _trl.trl_head_settings(model)
+    settings = glue.trl_head_settings(model)
     labels = torch.full((8, p.n // 8 + 1), -100, device=dev)
     labels[:, 1:] = 7  # p.n scored rows
-    profile = _trl._nograd_profile(p.h, p.v, p.dtype, p.entropy, _trl.NOGRAD_MEASURED)
+    profile = glue._nograd_profile(p.h, p.v, p.dtype, p.entropy, glue.NOGRAD_MEASURED)
     uniform = len({wins for _, wins in profile}) == 1
     if uniform:  # the count is never taken: labels that cannot be counted do not matter
         labels = labels.to("meta")
     with torch.no_grad():
-        assert _trl.nograd_uses_stock(model.forward, model, settings, {"labels": labels})
-    assert not _trl.nograd_uses_stock(model.forward, model, settings, {"labels": labels})  # grad mode
+        assert glue.nograd_uses_stock(model.forward, model, settings, {"labels": labels})
+    assert not glue.nograd_uses_stock(model.forward, model, settings, {"labels": labels})  # grad mode

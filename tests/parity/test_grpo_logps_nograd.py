@@ -1,6 +1,6 @@
 """Issue #28: no-grad calls (old / reference log-probs) go to TRL's own fused head where it measured faster.
 
-The rule (``_trl.nograd_prefers_stock`` over ``_trl.NOGRAD_MEASURED``) on synthetic tables; the dispatch in the
+The rule (``glue.nograd_prefers_stock`` over ``glue.NOGRAD_MEASURED``) on synthetic tables; the dispatch in the
 patched GRPOTrainer's forward (TRL >= 1.15): TRL's forward bitwise when dispatched (it is TRL's forward), leantrain's
 op otherwise and whenever a gradient is wanted; the report names the dispatch."""
 
@@ -13,41 +13,42 @@ import torch
 trl = pytest.importorskip("trl")
 
 import leantrain  # noqa: E402
-from leantrain.grpo_logps import _trl, ops  # noqa: E402
+from leantrain.grpo_logps import ops  # noqa: E402
+from leantrain.grpo_logps import patch as glue  # noqa: E402
 from leantrain.tiny import tiny_model, train_tokenizer  # noqa: E402
 from tests.parity.test_grpo_logps_trainer import count_op_calls, make_trainer, needs_fused_head  # noqa: E402
 
 
-P = _trl.NogradPoint
+P = glue.NogradPoint
 BF16 = torch.bfloat16
 
 
 def rule(n, h, v, dtype=BF16, entropy=True, backend="triton", table=()):
-    return _trl.nograd_prefers_stock(n, h, v, dtype, entropy, backend, table=table)
+    return glue.nograd_prefers_stock(n, h, v, dtype, entropy, backend, table=table)
 
 
 # ------------------------------------------------------------------------------------------------------ the rule
 def test_rule_reproduces_every_measured_point():
     """At a measured point the rule says what was measured: TRL's head unless leantrain's median was lower by more
     than the timing noise."""
-    assert _trl.NOGRAD_MEASURED, "the rule has no measurements"
-    for p in _trl.NOGRAD_MEASURED:
-        expected = p.fused_ms > p.stock_ms * (1 - _trl.NOGRAD_NOISE)
-        assert _trl.nograd_prefers_stock(p.n, p.h, p.v, p.dtype, p.entropy) == expected, p
+    assert glue.NOGRAD_MEASURED, "the rule has no measurements"
+    for p in glue.NOGRAD_MEASURED:
+        expected = p.fused_ms > p.stock_ms * (1 - glue.NOGRAD_NOISE)
+        assert glue.nograd_prefers_stock(p.n, p.h, p.v, p.dtype, p.entropy) == expected, p
 
 
 def test_a_tie_within_the_noise_goes_to_the_stock_head():
-    tie, faster = 1 - _trl.NOGRAD_NOISE / 2, 1 - 2 * _trl.NOGRAD_NOISE
+    tie, faster = 1 - glue.NOGRAD_NOISE / 2, 1 - 2 * glue.NOGRAD_NOISE
     assert P(4096, 1000, 100_000, "bfloat16", True, 1.0, tie).stock_wins
     assert not P(4096, 1000, 100_000, "bfloat16", True, 1.0, faster).stock_wins
 
 
 def test_measured_shapes_need_no_row_count():
     """Every measured cell has one verdict over N, so the trainer never counts labels (a host sync) to decide."""
-    for p in _trl.NOGRAD_MEASURED:
+    for p in glue.NOGRAD_MEASURED:
         cell = {
             q.stock_wins
-            for q in _trl.NOGRAD_MEASURED
+            for q in glue.NOGRAD_MEASURED
             if (q.h, q.v, q.dtype, q.entropy) == (p.h, p.v, p.dtype, p.entropy)
         }
         assert len(cell) == 1, p
@@ -108,21 +109,21 @@ def test_rule_reach_backend_and_empty_table():
 
 
 def test_route_only_without_gradient(monkeypatch):
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", lambda *args, **kwargs: True)
-    assert not _trl.nograd_route(8, 16, 32, BF16, True, "triton")
+    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: True)
+    assert not glue.nograd_route(8, 16, 32, BF16, True, "triton")
     with torch.no_grad():
-        assert _trl.nograd_route(8, 16, 32, BF16, True, "triton")
+        assert glue.nograd_route(8, 16, 32, BF16, True, "triton")
     with torch.inference_mode():
-        assert _trl.nograd_route(8, 16, 32, BF16, True, "triton")
+        assert glue.nograd_route(8, 16, 32, BF16, True, "triton")
 
 
 def test_never_dispatches_below_a_method_that_is_not_trl_fused_head(monkeypatch):
     """TRL <= 1.14: the wrapped forward's original is the model's own (full logits), not a head the rule measured."""
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", lambda *args, **kwargs: True)
+    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: True)
     model = tiny_model("llama", vocab_size=64, hidden=32, layers=1)
-    st = _trl.HeadSettings(1.0, _trl.FUSED_OUTPUTS, False, 1.0, None, "base_model", model.config)
+    st = glue.HeadSettings(1.0, glue.FUSED_OUTPUTS, False, 1.0, None, "base_model", model.config)
     with torch.no_grad():
-        assert not _trl.nograd_uses_stock(model.forward, model, st, {"labels": torch.zeros(1, 4, dtype=torch.long)})
+        assert not glue.nograd_uses_stock(model.forward, model, st, {"labels": torch.zeros(1, 4, dtype=torch.long)})
 
 
 # --------------------------------------------------------------------------------------------- the trainer's path
@@ -169,7 +170,7 @@ def test_dispatched_no_grad_call_is_trls_forward_bitwise(model_dir, tmp_path, mo
     stock = outputs(trainer)
     leantrain.patch_trainer(trainer)
     calls = count_op_calls(monkeypatch)
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", lambda *args, **kwargs: True)
+    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: True)
     ours = outputs(trainer)
     assert calls == []  # leantrain's op never ran
     for a, b in zip(stock, ours):
@@ -186,12 +187,12 @@ def test_fused_op_where_the_rule_says_so_and_whenever_grad_is_on(model_dir, tmp_
     stock = outputs(trainer)
     leantrain.patch_trainer(trainer)
     calls = count_op_calls(monkeypatch)
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", lambda *args, **kwargs: False)
+    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: False)
     ours = outputs(trainer)
     assert len(calls) == 2  # policy and reference: leantrain's op
     for a, b in zip(stock, ours):
         torch.testing.assert_close(b.log_probs, a.log_probs, rtol=0, atol=1e-5)  # as the fused-forward parity test
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", lambda *args, **kwargs: True)
+    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: True)
     out, _ = outputs(trainer, no_grad=False)  # a gradient is wanted: the gradient path is unchanged
     assert len(calls) == 4 and out.log_probs.requires_grad
     out.log_probs.sum().backward()
@@ -206,7 +207,7 @@ def test_rule_sees_the_calls_shape_and_counts_labels(model_dir, tmp_path, monkey
     leantrain.patch_trainer(trainer)
     v, h = trainer.model.lm_head.weight.shape
     seen = []
-    real = _trl.nograd_prefers_stock
+    real = glue.nograd_prefers_stock
     # TRL's head faster up to N = 8 scored rows, leantrain's from 32 (log-midpoint 16); entropy or not alike
     table = tuple(P(n, h, v, "float32", ent, ms, 1.0) for n, ms in ((8, 0.5), (32, 2.0)) for ent in (True, False))
 
@@ -215,7 +216,7 @@ def test_rule_sees_the_calls_shape_and_counts_labels(model_dir, tmp_path, monkey
         seen.append((rows, h_, v_, dtype, entropy, backend))
         return real(rows, h_, v_, dtype, entropy, "triton", table=table)
 
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", spy)
+    monkeypatch.setattr(glue, "nograd_prefers_stock", spy)
     calls = count_op_calls(monkeypatch)
     outputs(trainer, valid=2)
     outputs(trainer, valid=12)
@@ -230,15 +231,15 @@ def test_rule_sees_the_calls_shape_and_counts_labels(model_dir, tmp_path, monkey
 def test_report_names_the_dispatch(model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(model_dir, tmp_path, beta=0.1, bf16=False)
     v, h = trainer.model.lm_head.weight.shape
-    assert _trl.nograd_detail([("model", trainer.model)], trainer.args) == ""  # CPU: the rule covers Triton only
+    assert glue.nograd_detail([("model", trainer.model)], trainer.args) == ""  # CPU: the rule covers Triton only
     monkeypatch.setattr(ops, "default_backend", lambda device: "triton")
-    monkeypatch.setattr(_trl, "NOGRAD_MEASURED", (P(64, h, v, "float32", True, 1.0, 2.0),))
-    detail = _trl.nograd_detail([("model", trainer.model), ("ref_model", trainer.ref_model)], trainer.args)
+    monkeypatch.setattr(glue, "NOGRAD_MEASURED", (P(64, h, v, "float32", True, 1.0, 2.0),))
+    detail = glue.nograd_detail([("model", trainer.model), ("ref_model", trainer.ref_model)], trainer.args)
     report = leantrain.patch_trainer(trainer)
     assert report["grpo_logps"].detail.endswith("kernel: torch chunked; " + detail)
     # the reference head asks no entropy: no such cell, the entropy one is the nearest
     assert detail.startswith(f"no-grad calls at policy H={h} V={v} (any N), ref model H={h} V={v} (any N) use TRL")
-    assert _trl.NOGRAD_SOURCE in detail
+    assert glue.NOGRAD_SOURCE in detail
 
 
 def test_rule_never_raises_on_an_unknown_dtype_name():

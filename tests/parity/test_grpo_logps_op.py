@@ -256,24 +256,24 @@ def test_triton_backend_declines_unsupported_inputs(monkeypatch):
 def test_unsupported_input_falls_back_to_torch(monkeypatch):
     """The trainer's op runner: a declined Triton call warns once and runs the torch backend, same result."""
     from leantrain._patching import RuntimeFallback
-    from leantrain.grpo_logps import _run_op, _trl
+    from leantrain.grpo_logps import patch as glue
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(ops, "default_backend", lambda device: "triton")  # as on CUDA; these tensors are on CPU
-    st = _trl.HeadSettings(0.7, ("log_probs", "entropy"), False, 1.0, None, "base_model", None)
+    st = glue.HeadSettings(0.7, ("log_probs", "entropy"), False, 1.0, None, "base_model", None)
     hidden, weight, targets = make_inputs(n=9, v=31, h=8)
     guard = RuntimeFallback("grpo_logps triton kernel", strict=False)
     with pytest.warns(RuntimeWarning, match="UnsupportedInput: the Triton backend runs on CUDA"):
-        logp, entropy = _run_op(guard, 64, 0, st, hidden, weight, targets, True, False)
+        logp, entropy = glue.run_op(guard, 64, 0, st, hidden, weight, targets, True, False)
     ref = ops.logp_entropy(hidden, weight, targets, temperature=0.7, backend="torch")
     assert torch.equal(logp, ref[0]) and torch.equal(entropy, ref[1])
     strict = RuntimeFallback("grpo_logps triton kernel", strict=True)
     with pytest.raises(ValueError, match="runs on CUDA"):
-        _run_op(strict, 64, 0, st, hidden, weight, targets, True, False)
+        glue.run_op(strict, 64, 0, st, hidden, weight, targets, True, False)
 
 
 def test_probe_declines_unusable_head_weights():
-    from leantrain.grpo_logps._trl import weight_reasons
+    from leantrain.grpo_logps.patch import weight_reasons
 
     assert weight_reasons(torch.zeros(4, 3)) == []
     assert "quantized head" in weight_reasons(torch.zeros(4, 3, dtype=torch.uint8))[0]

@@ -17,7 +17,8 @@ import transformers  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._compat import TRL_FUSED_LM_HEAD  # noqa: E402
-from leantrain.grpo_logps import GrpoLogps, _trl, ops  # noqa: E402
+from leantrain.grpo_logps import GrpoLogps, ops  # noqa: E402
+from leantrain.grpo_logps import patch as glue  # noqa: E402
 from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
 
 
@@ -337,7 +338,7 @@ def test_probe_declines_lm_head_lora(model_dir, tmp_path):
     peft_model = get_peft_model(
         transformers.AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["lm_head"])
     )
-    reasons = _trl.head_reasons(peft_model.get_base_model())
+    reasons = glue.head_reasons(peft_model.get_base_model())
     assert any("PEFT adapter" in r for r in reasons)
     assert GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).ready
 
@@ -423,7 +424,7 @@ def test_legacy_real_trl_method(model_dir, tmp_path, monkeypatch):
     """The installed TRL's own full-logits method (0.29: 2 values; GRPO 1.14: ``_full_logits_logps``, 3 values)."""
     trainer = make_trainer(model_dir, tmp_path, bf16=False)  # fp32 end to end: the full-logits path is exact
     base = trainer.model
-    name = _trl.legacy_method_name(trainer)
+    name = glue.legacy_method_name(trainer)
     method = getattr(trainer, name)
     ids, att, k = legacy_inputs()
     stock = method(base, ids, att, k, compute_entropy=True)

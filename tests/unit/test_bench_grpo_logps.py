@@ -59,9 +59,9 @@ def test_default_provider_only_in_no_grad_forward_rows(monkeypatch):
 
 @pytest.mark.parametrize("stock", [False, True])
 def test_default_provider_takes_the_trainers_decision(monkeypatch, stock):
-    """leantrain_default asks _trl.nograd_route, as the trainer's forward: TRL's head under no_grad where the rule says
+    """leantrain_default asks glue.nograd_route, as the trainer's forward: TRL's head under no_grad where the rule says
     so (bitwise TRL's output then), leantrain's op otherwise and with a gradient."""
-    from leantrain.grpo_logps import _trl
+    from leantrain.grpo_logps import patch as glue
 
     seen = []
 
@@ -69,7 +69,7 @@ def test_default_provider_takes_the_trainers_decision(monkeypatch, stock):
         seen.append((n, h, v, dtype, entropy, backend))
         return stock
 
-    monkeypatch.setattr(_trl, "nograd_prefers_stock", rule)
+    monkeypatch.setattr(glue, "nograd_prefers_stock", rule)
     used = []
     monkeypatch.setattr(bench, "trl_chunked", lambda *a: used.append("trl") or (torch.zeros(16), None))
     hidden, weight, targets = torch.randn(16, 8), torch.randn(32, 8), torch.randint(0, 32, (16,))
@@ -103,7 +103,7 @@ def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
     per cell with both providers' medians), which reproduces the measured winners."""
     import probe_logps_nograd as probe
 
-    from leantrain.grpo_logps import _trl
+    from leantrain.grpo_logps import patch as glue
 
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
     monkeypatch.setattr(probe, "SMOKE_MODELS", [("tiny", 16, 257)])
@@ -122,7 +122,7 @@ def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     probe.main(["--emit-rule"])
     source = capsys.readouterr().out
-    scope = {"NogradPoint": _trl.NogradPoint}
+    scope = {"NogradPoint": glue.NogradPoint}
     exec(source, scope)
     points = scope["NOGRAD_MEASURED"]
     assert len(points) == 4 and "grpo_logps_nograd.json" in scope["NOGRAD_SOURCE"]
@@ -132,7 +132,7 @@ def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
             round(medians[probe.STOCK, p.n, p.entropy], 4),
             round(medians[probe.FUSED, p.n, p.entropy], 4),
         )
-        assert _trl.nograd_prefers_stock(p.n, p.h, p.v, p.dtype, p.entropy, table=points) == p.stock_wins
+        assert glue.nograd_prefers_stock(p.n, p.h, p.v, p.dtype, p.entropy, table=points) == p.stock_wins
 
 
 def test_probe_grid_covers_the_recipe_shapes():

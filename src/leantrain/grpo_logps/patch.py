@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .._patching import RuntimeFallback
 from ..models import head_weight, logit_transform
 from . import ops
 
@@ -530,3 +531,66 @@ def legacy_method(trainer: Any, original: Callable[..., Any], n_values: int) -> 
         return result if n_values == 2 else (*result, None)
 
     return method
+
+
+# ------------------------------------------------------------------ the wrappers apply() installs
+def entropy_grad(trainer: Any) -> Callable[[], bool]:
+    # TRL's entropy bonus needs the entropy's gradient; otherwise it is only logged/masked
+    return lambda: bool(getattr(trainer, "_entropy_bonus_enabled", False))
+
+
+def make_forward(model: nn.Module, call: FusedCall, fallback: RuntimeFallback | None, original: Callable[..., Any]):
+    fast = functools.partial(fused_forward, model, call)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("fused_lm_head", False):
+            return original(*args, **kwargs)
+        # >>> issue #28: no-grad calls where TRL's own head measured faster go to it (nograd_uses_stock)
+        if nograd_uses_stock(original, model, call.settings, kwargs):
+            return original(*args, **kwargs)
+        # <<< issue #28
+        if fallback is None:
+            return fast(*args, **kwargs)
+        return fallback.call(fast, original, *args, **kwargs)
+
+    return forward
+
+
+def guarded(fallback: RuntimeFallback, fast: Callable[..., Any], stock: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args, **kwargs: fallback.call(fast, stock, *args, **kwargs)
+
+
+def run_op(
+    guard: RuntimeFallback,
+    tile_mib: int,
+    keep_logits_mib: int,
+    st: HeadSettings,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    need_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The op on the best backend; a Triton failure falls back to the torch chunked path (warned once)."""
+
+    def run(backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return ops.logp_entropy(
+            hidden,
+            weight,
+            targets,
+            temperature=st.temperature,
+            logit_scale=st.logit_scale,
+            softcap=st.softcap,
+            need_entropy=need_entropy,
+            entropy_grad=entropy_grad,
+            tile_mib=tile_mib,
+            backend=backend,
+            keep_logits_mib=keep_logits_mib,
+            weight_context=functools.partial(zero3_gather, weight) if hasattr(weight, "ds_id") else None,
+        )
+
+    if ops.default_backend(hidden.device) == "triton":
+        # Triton launches on the current device: make it the tensors' one (models placed on cuda:1, device maps)
+        with torch.cuda.device(hidden.device) if hidden.is_cuda else nullcontext():
+            return guard.call(run, lambda _backend: run("torch"), "triton")
+    return run("torch")

@@ -1,0 +1,184 @@
+"""Rows and a markdown table for ``gpu_dist.sh``: recipes (SFT, GRPO, OSFT) under DDP, FSDP2, ZeRO-2 and ZeRO-3,
+stock vs leantrain.
+
+Input: the per-rank JSON files the example scripts write (``examples/_common.py``), one directory per run named
+``<recipe>.<engine>.<variant>`` (variant ``stock`` = ``LEANTRAIN_DISABLE=1``, or ``leantrain``). Output, into
+``--out`` (default ``benchmarks/results/distributed``): ``dist_<device>_<date>_<commit>.json`` (one row per run:
+step time, tokens/s per GPU, peak memory per rank, applied / declined / failed optimizations with reasons, loss and
+KL agreement with the stock run of the same recipe and engine) and the same name ``.md`` (device, versions, date,
+commit, the table).
+
+    python3 benchmarks/dist_table.py /tmp/out/dist --out benchmarks/results/distributed
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+
+RESULTS = Path(__file__).resolve().parent / "results" / "distributed"
+VARIANTS = ("stock", "leantrain")
+RUN_NAME = re.compile(r"^(?P<recipe>[a-z0-9_]+)\.(?P<engine>[a-z0-9_]+)\.(?P<variant>stock|leantrain)$")
+
+
+def parse_run(name: str) -> tuple[str, str, str] | None:
+    """(recipe, engine, variant) of a run directory name, or None for anything else."""
+    match = RUN_NAME.match(name)
+    return (match["recipe"], match["engine"], match["variant"]) if match else None
+
+
+def load(root: Path) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """{(recipe, engine, variant): [rank rows sorted by rank]} of every run directory under ``root``."""
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for path in sorted(Path(root).glob("*/*_rank*.json")):
+        key = parse_run(path.parent.name)
+        if key is not None:
+            runs.setdefault(key, []).append(json.loads(path.read_text()))
+    return {key: sorted(rows, key=lambda r: r["rank"]) for key, rows in runs.items()}
+
+
+def _outcomes(rank0: dict[str, Any]) -> dict[str, list[str]]:
+    """{status: ["name: reason", ...]} from rank 0's patch report (every rank runs the same probes)."""
+    grouped: dict[str, list[str]] = {}
+    for outcome in (rank0.get("report") or {}).get("outcomes", []):
+        reasons = "; ".join(outcome.get("reasons") or ())
+        entry = f"{outcome['name']}: {reasons}" if reasons else outcome["name"]
+        grouped.setdefault(outcome["status"], []).append(entry)
+    return grouped
+
+
+def _max_rel_diff(got: list[float], ref: list[float]) -> float | None:
+    """max_i |got_i - ref_i| / max(|ref_i|, 1e-12) over the common steps; None when there is nothing to compare."""
+    pairs = list(zip(got, ref))
+    if not pairs:
+        return None
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
+
+
+def _max_abs_diff(got: list[float], ref: list[float]) -> float | None:
+    pairs = list(zip(got, ref))
+    return max(abs(a - b) for a, b in pairs) if pairs else None
+
+
+def summarize(runs: dict[tuple[str, str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per run. Step time: the slowest rank's median (the ranks wait for each other); tokens/s per GPU:
+    the global token count / world / steps / that step time; loss and KL agreement: rank 0's logged values against
+    the stock run of the same recipe and engine (ranks log the same gathered values)."""
+    rows = []
+    for (recipe, engine, variant), ranks in sorted(runs.items()):
+        rank0 = ranks[0]
+        world = int(rank0.get("world_size") or len(ranks))
+        step_ms = max((r["step_ms_p50"] for r in ranks if r.get("step_ms_p50") is not None), default=None)
+        steps = int(rank0.get("steps") or len(rank0.get("losses") or ()) or 0)
+        tokens = int(rank0.get("num_tokens") or 0)
+        per_gpu = tokens / world / steps / (step_ms / 1e3) if tokens and steps and step_ms else None
+        outcomes = _outcomes(rank0)
+        row: dict[str, Any] = {
+            "recipe": recipe,
+            "engine": engine,
+            "variant": variant,
+            "world_size": world,
+            "ranks_reported": len(ranks),
+            "distributed": rank0.get("distributed"),
+            "device": rank0.get("device"),
+            "step_ms_p50": step_ms,
+            "tokens_per_s_per_gpu": per_gpu,
+            "peak_gib_per_rank": [r.get("peak_gib") for r in ranks],
+            "applied": outcomes.get("applied", []),
+            "declined": outcomes.get("skipped", []),
+            "failed": outcomes.get("failed", []),
+            "losses": rank0.get("losses") or [],
+            "kl": rank0.get("kl") or [],
+            "loss_max_rel_diff_vs_stock": None,
+            "kl_max_abs_diff_vs_stock": None,
+        }
+        stock = runs.get((recipe, engine, "stock"))
+        if variant != "stock" and stock:
+            row["loss_max_rel_diff_vs_stock"] = _max_rel_diff(row["losses"], stock[0].get("losses") or [])
+            row["kl_max_abs_diff_vs_stock"] = _max_abs_diff(row["kl"], stock[0].get("kl") or [])
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "—"
+    return format(value, spec)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    header = (
+        "| recipe | engine | variant | step ms (p50, slowest rank) | tokens/s per GPU | peak GiB per rank | "
+        "loss max rel diff vs stock | KL max abs diff vs stock | applied | declined / failed (why) |"
+    )
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for r in rows:
+        peaks = ", ".join(_fmt(p, ".2f") for p in r["peak_gib_per_rank"]) or "—"
+        why = "<br>".join(r["declined"] + [f"FAILED {f}" for f in r["failed"]]) or "—"
+        lines.append(
+            f"| {r['recipe']} | {r['engine']} | {r['variant']} | {_fmt(r['step_ms_p50'], '.1f')} | "
+            f"{_fmt(r['tokens_per_s_per_gpu'], ',.0f')} | {peaks} | {_fmt(r['loss_max_rel_diff_vs_stock'], '.2e')} | "
+            f"{_fmt(r['kl_max_abs_diff_vs_stock'], '.2e')} | {', '.join(r['applied']) or '—'} | {why} |"
+        )
+    return "\n".join(lines)
+
+
+def write(rows: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> tuple[Path, Path]:
+    """``<stem>.json`` ({meta, rows}) and ``<stem>.md`` under ``out_dir``; the stem names device, date and commit."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = re.sub(r"[^A-Za-z0-9]+", "-", str(meta.get("device") or "unknown")).strip("-").lower()
+    stem = f"dist_{device}_{str(meta['date'])[:10]}_{meta['commit']}"
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
+    md_path.write_text(
+        f"# Distributed recipes: stock vs leantrain\n\nDevice: {meta.get('device')} x {meta.get('world_size')}. "
+        f"Date: {meta['date']}. Commit: {meta['commit']}.\nVersions: {versions}.\n\n{markdown(rows)}\n"
+    )
+    return json_path, md_path
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "bitsandbytes", "leantrain"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", type=Path, help="the directory holding one sub-directory per run")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--commit", default=None, help="default: $BENCH_COMMIT or 'unknown'")
+    args = parser.parse_args(argv)
+    runs = load(args.root)
+    if not runs:
+        print(f"dist_table: no <recipe>.<engine>.<variant>/*_rank*.json under {args.root}")
+        return 1
+    rows = summarize(runs)
+    meta = {
+        "device": rows[0]["device"],
+        "world_size": max(r["world_size"] for r in rows),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": args.commit or os.environ.get("BENCH_COMMIT", "unknown"),
+        "versions": _versions(),
+    }
+    json_path, md_path = write(rows, args.out, meta)
+    print(md_path.read_text())
+    print(f"rows: {json_path}\ntable: {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
