@@ -90,8 +90,10 @@ def moe_trainer(family: str, layout: str, out: str) -> Any:
     """A tiny MoE with 4-bit experts: ``stacked`` = stock 3-D experts through quantize_experts_4bit, ``linear4bit``
     = per-expert bitsandbytes lists (the community gpt-oss layout)."""
     import leantrain
-    from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts
+
+    sys.path.insert(0, str(ROOT))  # the test scaffolding lives under tests/
     from leantrain.tiny import tiny_model
+    from tests._moe4bit_models import convert_model_to_linear4bit_experts
 
     model = tiny_model(family, vocab_size=VOCAB, hidden=128, layers=2)
     if layout == "stacked":

@@ -11,13 +11,23 @@ weights) at 512 / 4096 / 16384 tokens:
 - ``transformers grouped_mm (4-bit stacked)``: the stock path of that module (dequantize-on-access parametrization);
 - ``grouped floor (pre-dequantized)``: leantrain's grouped path on pre-dequantized bf16 stacks (no dequantize);
 - ``transformers grouped_mm (dense weights)``: HF's grouped experts on bf16 3-D weights (peer).
+- LoRA on every expert (r=16, alpha 32, bf16 adapters): ``PEFT LoRA loop`` (PEFT LoRA layers on each expert
+  ``Linear4bit``, the stock per-expert loop) vs ``leantrain grouped + split LoRA`` (the same module patched: base
+  and adapters as grouped GEMMs), and ``leantrain grouped + split LoRA (stacked)`` (``target_parameters`` LoRA on
+  ``quantize_experts_4bit`` stacks).
 Plus peak memory per provider and a whole small gpt-oss-shaped model training step (loop vs grouped).
 
+``--shape`` picks the expert shapes: ``gpt-oss-20b`` (default; E=32, top-4, H=I=2880), ``qwen3-30b-a3b`` (E=128,
+top-8, H=2048, I=768) or ``deepseek-v2-lite`` (DeepSeek-V2-Lite-like routed experts: E=64, top-6, H=2048, I=1408;
+SiLU experts without the shared expert). ``--lora-only`` times only the loop, grouped and LoRA providers.
+
     python benchmarks/bench_moe4bit.py            # CUDA, full size (< 4 minutes on an H100)
+    python benchmarks/bench_moe4bit.py --shape qwen3-30b-a3b --lora-only --no-model
     python benchmarks/bench_moe4bit.py --smoke    # CPU, tiny shapes (< 60 s)
     python benchmarks/bench_moe4bit.py --smoke --profile   # + op counts / non-GEMM CPU time per provider
 
-Writes ``moe4bit.json`` / ``.md`` / ``.png`` into ``$BENCH_RESULTS`` or ``benchmarks/results/``.
+Writes ``moe4bit.json`` / ``.md`` / ``.png`` (``moe4bit_<shape>.*`` for the other shapes) into ``$BENCH_RESULTS``
+or ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -35,19 +45,31 @@ import transformers
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests._moe4bit_models (the per-expert layout)
 from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._patching import Undo  # noqa: E402
-from leantrain.moe4bit import _grouped, _layouts, _triton  # noqa: E402
-from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
+from leantrain.moe4bit import _adapters, _grouped, _triton  # noqa: E402
+from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.plan import build_plan  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
+from tests._moe4bit_models import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
 
 
 NAME = "moe4bit"
 LOOP, GROUPED, FLOOR = "bnb loop", "leantrain grouped", "grouped floor (pre-dequantized)"
 FUSED = "leantrain fused (Triton)"
-DENSE_ROUTING = (LOOP, GROUPED, FUSED)  # the community layout's router returns dense [T, E] scores
+LORA_LOOP, LORA_GROUPED = "PEFT LoRA loop (per-expert)", "leantrain grouped + split LoRA"
+LORA_STACKED = f"{LORA_GROUPED} (stacked)"
+DENSE_ROUTING = (LOOP, GROUPED, FUSED, LORA_LOOP, LORA_GROUPED)  # the community layout's router: dense [T, E]
+LORA_RANK, LORA_ALPHA = 16, 32
+# expert shapes: (experts, top_k, hidden, expert intermediate, family of the experts module)
+SHAPES = {
+    "gpt-oss-20b": (32, 4, 2880, 2880, "gpt_oss"),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "qwen3_moe"),
+    "deepseek-v2-lite": (64, 6, 2048, 1408, "qwen3_moe"),  # routed experts only; SiLU gated MLPs like Qwen3's
+}
 
 
 @dataclasses.dataclass
@@ -62,6 +84,8 @@ class Setup:
     reps: int
     model: dict  # whole-model step: tiny_config overrides + batch shape
     dtype: torch.dtype = torch.bfloat16
+    family: str = "gpt_oss"
+    shape: str = "gpt-oss-20b"
 
 
 FULL = Setup(
@@ -99,25 +123,91 @@ class Dense:
         return self.weight
 
 
-def stock_gpt_oss_experts(s: Setup) -> torch.nn.Module:
-    config = transformers.GptOssConfig(
-        hidden_size=s.hidden, intermediate_size=s.inter, num_local_experts=s.experts, num_experts_per_tok=s.top_k
-    )
+def with_shape(s: Setup, shape: str) -> Setup:
+    """``s`` at the named expert shapes (the smoke setup keeps its tiny sizes and takes only the family)."""
+    experts, top_k, hidden, inter, family = SHAPES[shape]
+    if s.device == "cpu":
+        return dataclasses.replace(s, family=family, shape=shape)
+    return dataclasses.replace(s, experts=experts, top_k=top_k, hidden=hidden, inter=inter, family=family, shape=shape)
+
+
+def stock_experts(s: Setup) -> torch.nn.Module:
+    """Stock transformers 3-D experts at the setup's shapes (gpt-oss, or Qwen3-MoE-style SiLU experts)."""
+    if s.family == "gpt_oss":
+        config = transformers.GptOssConfig(
+            hidden_size=s.hidden, intermediate_size=s.inter, num_local_experts=s.experts, num_experts_per_tok=s.top_k
+        )
+        cls = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts
+    else:
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=s.hidden, moe_intermediate_size=s.inter, num_experts=s.experts, num_experts_per_tok=s.top_k
+        )
+        cls = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    module = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(config)
+    module = cls(config)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0, 0.02)
     return module.to(device=s.device, dtype=s.dtype).requires_grad_(False)
 
 
-def providers(s: Setup) -> dict[str, object]:
+def _bf16_lora(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Adapters in the compute dtype (PEFT leaves them fp32 next to 4-bit weights; fp32 grouped GEMMs take torch's
+    slow per-group path on CUDA): both LoRA providers run the same bf16 adapters."""
+    for name, param in module.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(dtype)
+            param.requires_grad_(True)
+
+
+def lora_providers(s: Setup, stock: torch.nn.Module) -> dict[str, object]:
+    """LoRA (r=16) on every expert: PEFT's per-expert loop vs the grouped path with split LoRA, per-expert lists and
+    ``target_parameters`` on 4-bit stacks (random B, so the adapters contribute)."""
+    import peft
+
+    lists = linear4bit_experts_from(stock, quant_type="nf4", blocksize=64, compress_statistics=True)
+    targets = [n for n, _ in lists.named_modules() if n.startswith(("gate_up_projs.", "down_projs."))]
+    config = peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=targets, init_lora_weights=False)
+    torch.manual_seed(1)
+    peft.inject_adapter_in_model(config, lists)
+    _bf16_lora(lists, s.dtype)
+    plan, _ = build_plan(Found("experts", lists, "linear4bit"), Undo().push, recompute=True)
+    wrapped = _adapters.wrapped_map(lists)
+    plan.adapters = _adapters.adapters_for("linear4bit", lists, wrapped)
+
+    stacked = copy.deepcopy(stock)
+    leantrain.quantize_experts_4bit(stacked, compress_statistics=True)
+    holder = torch.nn.Module()  # PEFT cannot wrap parameters of the module it is handed: give it a parent
+    holder.experts = stacked
+    config = peft.LoraConfig(
+        r=LORA_RANK, lora_alpha=LORA_ALPHA, target_parameters=_adapters.expert_lora_targets(holder),
+        init_lora_weights=False,
+    )  # fmt: skip
+    peft.inject_adapter_in_model(config, holder)
+    _bf16_lora(holder, s.dtype)
+    stacked_plan, _ = build_plan(Found("experts", stacked, "stacked"), Undo().push, recompute=True)
+    stacked_plan.adapters = _adapters.adapters_for("stacked", stacked, _adapters.wrapped_map(holder))
+
+    def grouped(p):
+        return lambda x, idx, w: _grouped.grouped_forward(p, x, idx, w)
+
+    return {LORA_LOOP: lists, LORA_GROUPED: grouped(plan), LORA_STACKED: grouped(stacked_plan)}
+
+
+def providers(s: Setup, lora_only: bool = False) -> dict[str, object]:
     """name -> callable(x, idx, weights) for every provider (built once; the loop module is timed unpatched)."""
-    stock = stock_gpt_oss_experts(s)
+    stock = stock_experts(s)
     loop = linear4bit_experts_from(stock, quant_type="nf4", blocksize=64, compress_statistics=True)
     # The grouped path consolidates the loop module's stacks in place (views): the loop keeps working unchanged.
-    plan, _ = _layouts.build_plan(_layouts.Found("experts", loop, "linear4bit"), Undo(), recompute=True)
+    plan, _ = build_plan(Found("experts", loop, "linear4bit"), Undo().push, recompute=True)
+    if lora_only:
+        grouped_plan = plan
+        return {
+            LOOP: loop,
+            GROUPED: lambda x, idx, w: _grouped.grouped_forward(grouped_plan, x, idx, w),
+            **lora_providers(s, stock),
+        }
     no_recompute = dataclasses.replace(plan, recompute=False)
     floor = dataclasses.replace(
         plan,
@@ -126,7 +216,7 @@ def providers(s: Setup) -> dict[str, object]:
     )
     stacked = copy.deepcopy(stock)
     leantrain.quantize_experts_4bit(stacked, compress_statistics=True)
-    stacked_plan, _ = _layouts.build_plan(_layouts.Found("experts", stacked, "stacked"), Undo(), recompute=True)
+    stacked_plan, _ = build_plan(Found("experts", stacked, "stacked"), Undo().push, recompute=True)
 
     def grouped(p):
         return lambda x, idx, w: _grouped.grouped_forward(p, x, idx, w)
@@ -146,6 +236,7 @@ def providers(s: Setup) -> dict[str, object]:
         "transformers grouped_mm (4-bit stacked)": stacked,
         FLOOR: grouped(floor),
         "transformers grouped_mm (dense weights)": stock,
+        **lora_providers(s, stock),
     }
 
 
@@ -161,11 +252,12 @@ def layer_inputs(s: Setup, tokens: int, dense: bool):
     return x, idx, weights.requires_grad_(), grad
 
 
-def bench_layers(s: Setup, rows: list[Row]) -> dict[str, dict[int, float]]:
-    fns = providers(s)
+def bench_layers(s: Setup, rows: list[Row], lora_only: bool = False) -> dict[str, dict[int, float]]:
+    fns = providers(s, lora_only)
     medians: dict[str, dict[int, float]] = {name: {} for name in fns}
     dtype = str(s.dtype).replace("torch.", "")
     config = {"experts": s.experts, "top_k": s.top_k, "hidden": s.hidden, "intermediate": s.inter, "dtype": dtype}
+    config |= {"shape": s.shape, "lora_rank": LORA_RANK, "lora_alpha": LORA_ALPHA}
     for tokens in s.tokens:
         for name, fn in fns.items():
             x, idx, weights, grad = layer_inputs(s, tokens, dense=name in DENSE_ROUTING)
@@ -243,6 +335,19 @@ def summary(s: Setup, medians: dict[str, dict[int, float]], rows: list[Row], mod
     header = ["provider", *(f"{t} tok ms" for t in s.tokens), *(f"{t} tok GiB" for t in s.tokens)]
     table = [[name, *(v[t] for t in s.tokens), *(mem[(name, t)] for t in s.tokens)] for name, v in medians.items()]
     lines = [markdown_table(header, table), ""]
+    mid = s.tokens[len(s.tokens) // 2]
+    if LORA_LOOP in medians:
+        loop, split = medians[LORA_LOOP][mid], medians[LORA_GROUPED][mid]
+        lines.append(
+            f"LoRA r={LORA_RANK} on every expert, {mid} tokens: PEFT per-expert loop {loop:.2f} ms, "
+            f"grouped + split LoRA {split:.2f} ms ({loop / split:.1f}x; target >= 10x: "
+            f"{'met' if loop >= 10 * split else 'NOT met'}); stacked target_parameters "
+            f"{medians[LORA_STACKED][mid]:.2f} ms; "
+            f"grouped + split LoRA / frozen grouped: {medians[LORA_GROUPED][mid] / medians[GROUPED][mid]:.2f}x."
+        )
+        lines.append("")
+    if FLOOR not in medians:
+        return "\n".join(lines)
     no_rc = f"{GROUPED} (no recompute)"
     header = ["tokens", "loop / grouped", "grouped / floor", "no-recompute / floor", "recompute saves GiB"]
     ratios = [
@@ -268,7 +373,6 @@ def summary(s: Setup, medians: dict[str, dict[int, float]], rows: list[Row], mod
             for t in s.tokens
         ]
         lines += [markdown_table(header, ratios), ""]
-    mid = s.tokens[len(s.tokens) // 2]
     speedup, over_floor = medians[LOOP][mid] / medians[GROUPED][mid], medians[GROUPED][mid] / medians[FLOOR][mid]
     lines.append(
         f"At {mid} tokens (recompute on, the default): {speedup:.2f}x the loop (target >= 5.5x: "
@@ -348,20 +452,24 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI smoke run)")
     parser.add_argument("--no-model", action="store_true", help="skip the whole-model training step")
     parser.add_argument("--profile", action="store_true", help="print a CPU-profile op summary per provider")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b", help="expert shapes (layer bench)")
+    parser.add_argument("--lora-only", action="store_true", help="only the loop, grouped and LoRA providers")
     args = parser.parse_args()
-    s = SMOKE if args.smoke or not torch.cuda.is_available() else FULL
+    s = with_shape(SMOKE if args.smoke or not torch.cuda.is_available() else FULL, args.shape)
+    name = NAME if args.shape == "gpt-oss-20b" else f"{NAME}_{args.shape.replace('-', '_')}"
     if s is SMOKE:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
     rows: list[Row] = []
-    medians = bench_layers(s, rows)
+    medians = bench_layers(s, rows, args.lora_only)
     model = {} if args.no_model else bench_model(s, rows)
     table = summary(s, medians, rows, model)
-    out_dir = write_results(NAME, rows, table, out_dir)
+    out_dir = write_results(name, rows, table, out_dir)
     shown = [name for name in (LOOP, GROUPED, FUSED, f"{GROUPED} (stacked)", FLOOR) if name in medians]
+    shown += [n for n in (LORA_LOOP, LORA_GROUPED, LORA_STACKED) if n in medians]
     bar_plot(
-        out_dir / f"{NAME}.png",
-        f"MoE layer E={s.experts} top-{s.top_k} H=I={s.hidden} {str(s.dtype).replace('torch.', '')} fwd+bwd",
+        out_dir / f"{name}.png",
+        f"MoE layer E={s.experts} top-{s.top_k} H={s.hidden} I={s.inter} {str(s.dtype).replace('torch.', '')} fwd+bwd",
         [f"{t} tok" for t in s.tokens],
         {name: [medians[name][t] for t in s.tokens] for name in shown},
         "ms (median)",
@@ -369,7 +477,7 @@ def main() -> None:
     print(table)
     if args.profile:
         print(profile_summary(s, s.tokens[-1]))
-    print(f"wrote {out_dir / NAME}.json/.md/.png")
+    print(f"wrote {out_dir / name}.json/.md/.png")
 
 
 if __name__ == "__main__":

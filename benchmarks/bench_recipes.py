@@ -74,6 +74,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 from _harness import RESULTS, Row, read_rows  # noqa: E402
 from recipes import grpo, moe_experts, moe_qlora, osft, sft  # noqa: E402
 from recipes.report import markdown, merge, to_rows, write_all  # noqa: E402

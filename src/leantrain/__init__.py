@@ -18,6 +18,7 @@ __all__ = [
     "trainer_kind",
     "unpatch_trainer",
     "quantize_experts_4bit",
+    "expert_lora_targets",
 ]
 
 
@@ -27,4 +28,8 @@ def __getattr__(name: str):
         from .moe4bit import quantize_experts_4bit
 
         return quantize_experts_4bit
+    if name == "expert_lora_targets":
+        from .moe4bit import expert_lora_targets
+
+        return expert_lora_targets
     raise AttributeError(name)

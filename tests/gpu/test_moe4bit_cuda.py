@@ -37,12 +37,14 @@ import bitsandbytes.functional as bnbf  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._patching import Undo  # noqa: E402
-from leantrain.moe4bit import _grouped, _layouts, readiness  # noqa: E402
+from leantrain.moe4bit import _grouped, readiness  # noqa: E402
 from leantrain.moe4bit._stacks import state_tensors  # noqa: E402
+from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.plan import build_plan, live_stacked_plan  # noqa: E402
 from leantrain.moe4bit.quantize import STACK_NAMES  # noqa: E402
-from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
+from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 from tests.parity import test_moe4bit as parity  # noqa: E402
 
 
@@ -125,7 +127,7 @@ def run(fn, x0, logits0, idx):
 
 
 def grouped(layout: str, module: torch.nn.Module):
-    plan, check = _layouts.build_plan(_layouts.Found("experts", module, layout), Undo(), recompute=True)
+    plan, check = build_plan(Found("experts", module, layout), Undo().push, recompute=True)
 
     def fn(x, idx, w):
         check(x, idx, w)
@@ -161,7 +163,7 @@ def test_per_call_plan_matches_the_stock_path(family, dtype, dev):
     """The FSDP2 plan (rebuilt per call around the module's live stacks) on the device: the same outputs and
     gradients as the stock path, and bitwise the fixed plan's (same tensors, same kernels)."""
     module = four_bit("stacked", stock_experts(family).to(dtype)).to(dev)
-    plan_for = _layouts.live_stacked_plan(module, recompute=True)
+    plan_for = live_stacked_plan(module, recompute=True)
     x, logits, idx = inputs(dev, dtype)
     loop = run(module, x, logits, idx)
     live = run(lambda x, idx, w: _grouped.grouped_forward(plan_for(x, idx, w), x, idx, w), x, logits, idx)
@@ -177,7 +179,7 @@ def test_dequantized_stack_bitwise_equals_bitsandbytes(layout, nested, dev):
     """The grouped path's one-call stack dequantize equals bitsandbytes' ``dequantize_4bit`` of the same data,
     for a module quantized on CPU and then moved (the defect's path)."""
     module = four_bit(layout, stock_experts("gpt_oss"), nested).to(dev)
-    plan, _ = _layouts.build_plan(_layouts.Found("experts", module, layout), Undo(), recompute=True)
+    plan, _ = build_plan(Found("experts", module, layout), Undo().push, recompute=True)
     for dtype in DTYPES.values():
         if layout == "stacked":
             plist = module.parametrizations.gate_up_proj

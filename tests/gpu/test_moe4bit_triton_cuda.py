@@ -30,9 +30,11 @@ import bitsandbytes.functional as bnbf  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._patching import Undo  # noqa: E402
-from leantrain.moe4bit import _grouped, _layouts, _triton  # noqa: E402
+from leantrain.moe4bit import _grouped, _triton  # noqa: E402
 from leantrain.moe4bit._stacks import stack_from_quant_state  # noqa: E402
-from leantrain.moe4bit.testing import linear4bit_experts_from  # noqa: E402
+from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.plan import build_plan  # noqa: E402
+from tests._moe4bit_models import linear4bit_experts_from  # noqa: E402
 
 
 H = INTER = 2880  # gpt-oss-20b / 120b hidden and expert sizes
@@ -123,7 +125,7 @@ def _gpt_oss_layer(device: torch.device, experts: int, layout: str) -> torch.nn.
 
 
 def _plans(module: torch.nn.Module, layout: str) -> dict[str, _grouped.ExpertsPlan]:
-    plan, _ = _layouts.build_plan(_layouts.Found("experts", module, layout), Undo(), recompute=True)
+    plan, _ = build_plan(Found("experts", module, layout), Undo().push, recompute=True)
     return {kernel: dataclasses.replace(plan, kernel=kernel) for kernel in _grouped.KERNELS}
 
 

@@ -29,8 +29,11 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: 
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
 
 from leantrain._patching import Undo  # noqa: E402
-from leantrain.moe4bit import _grouped, _layouts, _stacks, quantize_experts_4bit, readiness  # noqa: E402
-from leantrain.moe4bit.testing import linear4bit_experts_from  # noqa: E402
+from leantrain.moe4bit import _grouped, _stacks, quantize_experts_4bit, readiness  # noqa: E402
+from leantrain.moe4bit import probe as moe_probe  # noqa: E402
+from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.plan import build_plan  # noqa: E402
+from tests._moe4bit_models import linear4bit_experts_from  # noqa: E402
 
 
 HIDDEN, INTER = 128, 64  # hidden and expert intermediate sizes: multiples of the blocksize (see the module docstring)
@@ -107,7 +110,7 @@ def run(fn, x0, logits0, idx, dense: bool, dtype, device: str = "cpu"):
 
 
 def grouped(layout: str, module: torch.nn.Module, undo: Undo, recompute: bool = True):
-    plan, check = _layouts.build_plan(_layouts.Found("experts", module, layout), undo, recompute)
+    plan, check = build_plan(Found("experts", module, layout), undo.push, recompute)
 
     def fn(x, idx, w):
         check(x, idx, w)
@@ -224,7 +227,7 @@ def test_activation_checkpointing_matches_and_counts_dequantizes():
     x0, logits0 = inputs(5)
     idx = routing(5, 2)
     module = four_bit("linear4bit", stock, True)
-    plan, _ = _layouts.build_plan(_layouts.Found("experts", module, "linear4bit"), Undo(), recompute=True)
+    plan, _ = build_plan(Found("experts", module, "linear4bit"), Undo().push, recompute=True)
     calls = []
     for proj in (plan.gate_up, plan.down):
         proj.stack = copy.copy(proj.stack)
@@ -271,7 +274,7 @@ def test_recompute_costs_only_the_dequantize_and_backward_scatters_nothing(layou
     logs = {}
     for recompute in (True, False):
         module = four_bit(layout, stock, True)
-        plan, _ = _layouts.build_plan(_layouts.Found("experts", module, layout), Undo(), recompute=recompute)
+        plan, _ = build_plan(Found("experts", module, layout), Undo().push, recompute=recompute)
         log, calls = _OpLog(), []
         for proj in (plan.gate_up, plan.down):
             proj.stack = copy.copy(proj.stack)
@@ -303,7 +306,7 @@ def test_dequantize_chunks_past_the_32bit_limit(monkeypatch):
     stock = stock_experts("gpt_oss", 5)
     for nested in (False, True):
         module = four_bit("linear4bit", stock, nested)
-        stack = _stacks.consolidate_linear4bit(list(module.gate_up_projs), Undo())
+        stack = _stacks.consolidate_linear4bit(list(module.gate_up_projs), Undo().push)
         whole = stack.dequantize(torch.float32)
         monkeypatch.setattr(_stacks, "MAX_ELEMENTS_PER_CALL", 2 * HIDDEN * 2 * INTER)  # two experts per call: 3 chunks
         assert_equal(stack.dequantize(torch.float32), whole, "chunked dequantize")
@@ -320,7 +323,7 @@ def test_consolidation_shares_storage_and_undo_restores():
     module = four_bit("linear4bit", stock_experts("gpt_oss", 5), True)
     before = [(lin.weight.data.clone(), lin.weight.quant_state.absmax.clone()) for lin in module.gate_up_projs]
     undo = Undo()
-    stack = _stacks.consolidate_linear4bit(list(module.gate_up_projs), undo)
+    stack = _stacks.consolidate_linear4bit(list(module.gate_up_projs), undo.push)
     base = stack.data.untyped_storage().data_ptr()
     assert all(lin.weight.data.untyped_storage().data_ptr() == base for lin in module.gate_up_projs)
     undo()
@@ -379,17 +382,19 @@ def test_probe_bitsandbytes_missing(monkeypatch):
 
 
 def test_probe_lora_wrapped_experts():
+    """LoRA on some experts only is declined (the grouped path serves LoRA on every expert alike:
+    tests/parity/test_moe4bit_lora.py)."""
     peft = pytest.importorskip("peft")
     module = four_bit("linear4bit", stock_experts("gpt_oss", 5), False)
     peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["gate_up_projs.0", "down_projs.3"]), module)
     result = readiness(module)
-    assert not result.ready and result.reasons[0].startswith(_layouts.LORA_REASON)
+    assert not result.ready and "LoRA adapters sit on some experts only" in result.reasons[0]
 
 
 def test_probe_trainable_experts_and_cache_invalidation():
     module = four_bit("linear4bit", stock_experts("gpt_oss", 5), False)
     assert readiness(module).ready
-    assert module in _layouts._CACHE  # cached per module
+    assert module in moe_probe._CACHE  # cached per module
     module.down_projs[2].bias.requires_grad_(True)
     result = readiness(module)
     assert not result.ready and "require grad" in result.reasons[0]
@@ -407,8 +412,8 @@ def test_probe_mixed_formats_and_grouped_mm_unavailable(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel")
 
-    monkeypatch.setattr(_layouts, "grouped_mm", broken)
-    monkeypatch.setattr(_layouts, "_GMM_CACHE", {})
+    monkeypatch.setattr(moe_probe, "grouped_mm", broken)
+    monkeypatch.setattr(moe_probe, "_GMM_CACHE", {})
     result = readiness(four_bit("stacked", stock, False))
     assert not result.ready and "grouped_mm does not run on cpu" in result.reasons[0]
 

@@ -23,9 +23,9 @@ pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
 from leantrain.moe4bit import _grouped  # noqa: E402
-from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
+from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 
 
 ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}

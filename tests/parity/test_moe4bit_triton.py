@@ -55,7 +55,7 @@ _SCRIPT = textwrap.dedent(
     import bitsandbytes.functional as bnbf
     from leantrain.moe4bit import _triton
     from leantrain.moe4bit._stacks import stack_from_quant_state, consolidate_linear4bit
-    from leantrain.moe4bit.testing import linear4bit_experts_from
+    from tests._moe4bit_models import linear4bit_experts_from
     from leantrain._patching import Undo
     from tests.parity import test_moe4bit as parity
 
@@ -77,7 +77,7 @@ _SCRIPT = textwrap.dedent(
                 if bs == 64:  # per-expert quant states (each with its own nested offset)
                     experts = parity.stock_experts("gpt_oss", 3)
                     lin = linear4bit_experts_from(experts, quant_type=qt, compress_statistics=nested)
-                    stacks["linear4bit"] = consolidate_linear4bit(list(lin.down_projs), Undo())
+                    stacks["linear4bit"] = consolidate_linear4bit(list(lin.down_projs), Undo().push)
                 for kind, stack in stacks.items():
                     for dt in DTYPES:
                         ref = stack.dequantize(dt)
@@ -113,7 +113,7 @@ _SCRIPT = textwrap.dedent(
     for layout, family, nested, dt in CASES:
         stock = parity.stock_experts(family, 6, dt)
         module = parity.four_bit(layout, stock, nested)
-        plan, _ = parity._layouts.build_plan(parity._layouts.Found("experts", module, layout), Undo(), True)
+        plan, _ = parity.build_plan(parity.Found("experts", module, layout), Undo().push, True)
         x0, logits0 = parity.inputs(6)
         idx = parity.routing(6, 2)
         results = []

@@ -20,7 +20,7 @@ MATH = {
     "cggr": ("ops",),
     "grpo_logps": ("ops", "_triton"),
     "osft": ("ops", "linear", "_triton"),
-    "moe4bit": ("_grouped", "_stacks", "_qstate", "_triton"),
+    "moe4bit": ("_grouped", "_stacks", "_qstate", "_triton", "lora"),
 }
 FRAMEWORK_FOR_MATH = {"leantrain.config", "leantrain._patching", "leantrain._registry", "leantrain._record"}
 
@@ -87,10 +87,7 @@ def test_framework_imports_no_optimization_or_entry_point():
         assert not above, f"framework module {module} imports {sorted(above)}"
 
 
-PENDING = pytest.mark.xfail(strict=True, reason="moe4bit's restructure (branch moe-layouts) is not merged yet")
-
-
-@pytest.mark.parametrize("package", [*OPTIMIZATIONS[:3], pytest.param("moe4bit", marks=PENDING)])
+@pytest.mark.parametrize("package", OPTIMIZATIONS)
 def test_math_takes_plain_values(package):
     for name in MATH[package]:
         module = f"leantrain.{package}.{name}"
@@ -131,6 +128,5 @@ def test_no_import_cycle():
     assert not cycles, f"import cycles: {cycles}"
 
 
-@PENDING
 def test_no_test_scaffolding_in_the_package():
     assert not list(SRC.rglob("testing.py")), "test helpers live under tests/"

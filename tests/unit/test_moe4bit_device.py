@@ -22,12 +22,14 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._patching import Undo  # noqa: E402
-from leantrain.moe4bit import _layouts, readiness  # noqa: E402
+from leantrain.moe4bit import readiness  # noqa: E402
 from leantrain.moe4bit._qstate import FollowingParametrization  # noqa: E402
 from leantrain.moe4bit._stacks import state_tensors  # noqa: E402
+from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.plan import build_plan  # noqa: E402
 from leantrain.moe4bit.quantize import STACK_NAMES  # noqa: E402
-from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
+from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 
 
 VOCAB = 256
@@ -221,7 +223,7 @@ def test_plan_guard_declines_moved_or_cast_modules_and_foreign_inputs(layout):
     tensors or the inputs are on another device; a no-op move keeps the plan."""
     model = quantized("gpt_oss") if layout == "stacked" else linear4bit_model()
     experts = experts_of(model)[0]
-    plan, check = _layouts.build_plan(_layouts.Found("experts", experts, layout), Undo(), recompute=True)
+    plan, check = build_plan(Found("experts", experts, layout), Undo().push, recompute=True)
     x, idx, w = torch.randn(5, 128), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2)
     check(x, idx, w)
     model.to("cpu").float()  # no-op conversions
@@ -236,7 +238,7 @@ def test_plan_guard_declines_moved_or_cast_modules_and_foreign_inputs(layout):
 def test_plan_guard_declines_a_moved_stack():
     model = quantized("qwen3_moe")
     experts = experts_of(model)[0]
-    _, check = _layouts.build_plan(_layouts.Found("experts", experts, "stacked"), Undo(), recompute=True)
+    _, check = build_plan(Found("experts", experts, "stacked"), Undo().push, recompute=True)
     model.to("meta")
     with pytest.raises(RuntimeError, match="packed expert stacks were moved"):
         check(*(t.to("meta") for t in (torch.randn(5, 128), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2))))
@@ -269,7 +271,7 @@ def test_dequantize_matches_bitsandbytes_after_moves():
     dequantize of the same packed data."""
     model = quantized("gpt_oss", compress_statistics=True).to(torch.bfloat16).float()
     experts = experts_of(model)[0]
-    plan, _ = _layouts.build_plan(_layouts.Found("experts", experts, "stacked"), Undo(), recompute=True)
+    plan, _ = build_plan(Found("experts", experts, "stacked"), Undo().push, recompute=True)
     plist = experts.parametrizations.gate_up_proj
     expected = bnbf.dequantize_4bit(plist.original, plist[0].quant_state)
     assert torch.equal(plan.gate_up.stack.dequantize(torch.float32), expected)

@@ -1,4 +1,4 @@
-"""moe4bit under FSDP2: the per-call plan (``_layouts.live_stacked_plan``) follows the tensors the module holds at
+"""moe4bit under FSDP2: the per-call plan (``plan.live_stacked_plan``) follows the tensors the module holds at
 each call, as FSDP2 swaps whole stacks in around a layer's forward and backward, and it refuses, before any kernel,
 what it cannot serve (a shard, a replaced quantization state, foreign-device inputs). The probe serves FSDP2 with
 stacked experts and declines FSDP1 and per-expert Linear4bit lists. CPU; the 2-process FSDP2 run is in
@@ -16,10 +16,12 @@ pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
 from leantrain._patching import Undo  # noqa: E402
-from leantrain.moe4bit import _fsdp_reason, _layouts  # noqa: E402
 from leantrain.moe4bit._grouped import grouped_forward  # noqa: E402
-from leantrain.moe4bit.testing import convert_model_to_linear4bit_experts  # noqa: E402
+from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.plan import build_plan, live_stacked_plan  # noqa: E402
+from leantrain.moe4bit.probe import fsdp_reason  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
+from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 
 
 HIDDEN = 128  # a multiple of the 4-bit blocksize (bitsandbytes' CPU dequantize needs whole blocks per row)
@@ -51,8 +53,8 @@ def run(plan, x, idx, w) -> tuple[torch.Tensor, torch.Tensor]:
 def test_live_plan_equals_the_fixed_plan(family):
     """Same tensors, same math: the per-call plan's outputs and input gradients equal the fixed plan's bitwise."""
     experts = stacked_experts(family)
-    fixed, check = _layouts.build_plan(_layouts.Found("experts", experts, "stacked"), Undo(), recompute=True)
-    plan_for = _layouts.live_stacked_plan(experts, recompute=True)
+    fixed, check = build_plan(Found("experts", experts, "stacked"), Undo().push, recompute=True)
+    plan_for = live_stacked_plan(experts, recompute=True)
     x, idx, w = inputs(experts)
     check(x, idx, w)
     expected = run(fixed, x, idx, w)
@@ -64,7 +66,7 @@ def test_live_plan_follows_a_swapped_in_stack():
     """FSDP2's unshard sets a new whole tensor on the module for each forward: the plan reads that one, not the
     tensor it saw at patch time."""
     experts = stacked_experts("gpt_oss")
-    plan_for = _layouts.live_stacked_plan(experts, recompute=True)
+    plan_for = live_stacked_plan(experts, recompute=True)
     x, idx, w = inputs(experts)
     before = run(plan_for(x, idx, w), x, idx, w)
     plist = experts.parametrizations.gate_up_proj
@@ -78,7 +80,7 @@ def test_live_plan_follows_a_swapped_in_stack():
 
 def test_live_plan_refuses_what_it_cannot_serve():
     experts = stacked_experts("gpt_oss")
-    plan_for = _layouts.live_stacked_plan(experts, recompute=True)
+    plan_for = live_stacked_plan(experts, recompute=True)
     x, idx, w = inputs(experts)
     with pytest.raises(RuntimeError, match="experts inputs on cpu / meta / cpu"):
         plan_for(x, idx.to("meta"), w)
@@ -109,9 +111,9 @@ def test_fsdp_reasons():
     leantrain.quantize_experts_4bit(stacked)
     lists = tiny_model("gpt_oss", seed=0, hidden=HIDDEN, layers=1, vocab_size=256)
     convert_model_to_linear4bit_experts(lists)
-    assert _fsdp_reason(trainer(stacked, None), stacked) is None
-    assert _fsdp_reason(trainer(stacked, 2), stacked) is None
-    assert _fsdp_reason(trainer(stacked, 1), stacked).startswith("FSDP1 flattens the packed 4-bit expert stacks")
-    reason = _fsdp_reason(trainer(lists, 2), lists)
+    assert fsdp_reason(trainer(stacked, None), stacked) is None
+    assert fsdp_reason(trainer(stacked, 2), stacked) is None
+    assert fsdp_reason(trainer(stacked, 1), stacked).startswith("FSDP1 flattens the packed 4-bit expert stacks")
+    reason = fsdp_reason(trainer(lists, 2), lists)
     assert reason.startswith("FSDP2 would shard each expert's Linear4bit weight (model.layers.0.mlp.experts)"), reason
-    assert _fsdp_reason(trainer(lists, None), lists) is None
+    assert fsdp_reason(trainer(lists, None), lists) is None

@@ -113,6 +113,9 @@ class ExpertsPlan:
     # "fused": the Triton grouped GEMM that dequantizes in registers (CUDA; opt-in: measured 2.4-4.5x slower on an
     # H100, benchmarks/results/moe4bit_fused_kernel.md)
     kernel: str = "dequant"
+    # PEFT LoRA on the experts (``_adapters``): called once per forward for the active adapters' factors, added as
+    # split LoRA (``lora.split_lora``) to each projection's output; None: frozen experts without adapters
+    adapters: Callable[[], object] | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -252,10 +255,26 @@ def grouped_forward(
     routing = route(indices, plan.num_experts)
     w = pair_weights(plan, routing_weights.reshape(x.shape[0], -1), routing, indices.shape[1])
     xs = _Dispatch.apply(x, routing)
+    adapters = plan.adapters() if plan.adapters is not None else None
     h = _project(plan, xs, plan.gate_up, routing)
-    y = _project(plan, plan.gate(h), plan.down, routing)  # the gate: plain autograd
+    h = _with_lora(h, xs, adapters and adapters.gate_up, routing, adapters, (x, routing.tok))  # xs re-gathered
+    a = plan.gate(h)  # the gate: plain autograd
+    y = _with_lora(_project(plan, a, plan.down, routing), a, adapters and adapters.down, routing, adapters)
     out = _Combine.apply(y, w, routing)
     return out.to(x.dtype).view(hidden_states.shape)
+
+
+def _with_lora(
+    base: torch.Tensor, inp: torch.Tensor, factors, routing: Routing, adapters, source=None
+) -> torch.Tensor:
+    """``base + sum over active adapters of split LoRA(inp)``, each cast to the base's dtype first (PEFT's order);
+    the same group ends as the base GEMM. ``source = (tokens, index)``: backward re-gathers ``inp`` from the
+    tokens instead of keeping the top-k times larger sorted rows."""
+    if not factors:
+        return base
+    from .lora import lora_sum
+
+    return base + lora_sum(inp, factors, routing.offs, base.dtype, adapters.training, source)
 
 
 def clamp_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:

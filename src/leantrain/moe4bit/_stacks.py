@@ -8,11 +8,14 @@ whenever each expert's element count is a multiple of the blocksize (checked by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .._patching import Undo
+
+# Called with each restore step as it becomes due (the caller records it on its undo stack, e.g. ``undo.push``).
+Record = Callable[[Callable[[], None]], None]
 
 
 # bitsandbytes' CUDA dequantize entry points take a C ``int n``: stay strictly below 2**31 elements per call.
@@ -107,7 +110,7 @@ class PackedStack:
         return out
 
 
-def _concat_nested(states: list, undo: Undo) -> NestedAbsmax:
+def _concat_nested(states: list, record: Record) -> NestedAbsmax:
     """Move each expert's uint8 absmax into one padded buffer and its second-level absmax into another; re-point
     every expert's quant state at its slice (bitwise the same values, no persistent extra memory)."""
     first = states[0]
@@ -119,21 +122,22 @@ def _concat_nested(states: list, undo: Undo) -> NestedAbsmax:
     offsets = torch.stack([torch.as_tensor(qs.offset, dtype=torch.float32).reshape(()) for qs in states]).view(-1, 1)
     per2 = first.state2.absmax.numel()
     for e, qs in enumerate(states):
-        _repoint(undo, qs, "absmax", codes[e, :per_group])
-        _repoint(undo, qs.state2, "absmax", absmax2[e * per2 : (e + 1) * per2])
+        _repoint(record, qs, "absmax", codes[e, :per_group])
+        _repoint(record, qs.state2, "absmax", absmax2[e * per2 : (e + 1) * per2])
     return NestedAbsmax(codes, absmax2, first.state2.code, offsets.to(first.absmax.device), per_group)
 
 
-def _repoint(undo: Undo, obj: object, name: str, view: torch.Tensor) -> None:
-    """Point ``obj.name`` at a view of a shared buffer; undo gives it a private copy again (the old tensor is not
-    kept alive, so consolidation costs no memory while patched)."""
+def _repoint(record: Record, obj: object, name: str, view: torch.Tensor) -> None:
+    """Point ``obj.name`` at a view of a shared buffer; the recorded restore gives it a private copy again (the old
+    tensor is not kept alive, so consolidation costs no memory while patched)."""
     setattr(obj, name, view)
-    undo.push(lambda: setattr(obj, name, getattr(obj, name).clone()))
+    record(lambda: setattr(obj, name, getattr(obj, name).clone()))
 
 
-def consolidate_linear4bit(linears: list, undo: Undo) -> PackedStack:
+def consolidate_linear4bit(linears: list, record: Record) -> PackedStack:
     """One contiguous stack from per-expert ``bnb.nn.Linear4bit`` modules; every expert's ``weight.data`` (and
-    absmax) becomes a view into it, so the per-expert modules keep working for the stock loop."""
+    absmax) becomes a view into it, so the per-expert modules keep working for the stock loop. Each restore step
+    (a private copy again) goes to ``record`` as soon as its change is made."""
     weights = [m.weight for m in linears]
     states = [w.quant_state for w in weights]
     rows, cols = (int(s) for s in states[0].shape)
@@ -142,15 +146,15 @@ def consolidate_linear4bit(linears: list, undo: Undo) -> PackedStack:
     for e, w in enumerate(weights):
         old_shape = w.data.shape
         w.data = data[e * half : (e + 1) * half].view(old_shape)
-        undo.push(lambda w=w: setattr(w, "data", w.data.clone()))
+        record(lambda w=w: setattr(w, "data", w.data.clone()))
     if states[0].nested:
-        absmax, nested = None, _concat_nested(states, undo)
+        absmax, nested = None, _concat_nested(states, record)
     else:
         nested = None
         absmax = torch.cat([qs.absmax.reshape(-1) for qs in states])
         per = states[0].absmax.numel()
         for e, qs in enumerate(states):
-            _repoint(undo, qs, "absmax", absmax[e * per : (e + 1) * per])
+            _repoint(record, qs, "absmax", absmax[e * per : (e + 1) * per])
     first = states[0]
     return PackedStack(data, (len(linears), rows, cols), int(first.blocksize), first.quant_type, absmax, nested)
 

@@ -1,0 +1,192 @@
+"""Whole QLoRA training step with LoRA on the 4-bit experts: one Qwen3-30B-A3B decoder layer (H=2048, 32 q / 4 kv
+heads, head_dim 128, E=128, top-8, norm_topk_prob, expert intermediate 768), vocab 16384 untied, random seeded
+weights saved and reloaded with ``from_pretrained``; 1x4096 tokens, ``labels=input_ids``, bf16, no gradient
+checkpointing; LoRA r=16, alpha 32; forward + backward + SGD step; median of 10 after 3 warm-ups; peak =
+``max_memory_allocated`` over the timed steps, weights included.
+
+Providers, in one run:
+- ``stock``: ``BitsAndBytesConfig`` nf4 (attention linears 4-bit, 3-D experts stay bf16), LoRA on q/k/v/o and on
+  both expert stacks through PEFT ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``;
+- ``leantrain``: the same attention; experts quantized by ``leantrain.quantize_experts_4bit``; LoRA on q/k/v/o and
+  both expert stacks (``target_parameters=leantrain.expert_lora_targets(model)``); ``leantrain.patch_trainer`` on a
+  minimal ``Trainer`` (moe4bit only; the report is printed and recorded);
+- ``leantrain_attn_only``: as ``leantrain`` with LoRA on q/k/v/o only.
+
+    python benchmarks/bench_moe4bit_step.py            # CUDA (about 2 minutes on an H100)
+    python benchmarks/bench_moe4bit_step.py --smoke    # CPU, tiny shapes (seconds)
+
+Writes ``moe4bit_step.json`` / ``.md`` into ``$BENCH_RESULTS`` or ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import RESULTS, Row, markdown_table, time_fn, write_results  # noqa: E402
+
+import leantrain  # noqa: E402
+
+
+NAME = "moe4bit_step"
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+STOCK_STACKS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+STOCK_MS, STOCK_GIB = 21.7, 4.20  # notes/moe4bit.md section 7 (H100, transformers 5.17, peft 0.21.0)
+
+
+@dataclasses.dataclass
+class Setup:
+    device: str
+    tokens: int
+    warmup: int
+    reps: int
+    config: dict
+
+
+FULL = Setup(
+    "cuda",
+    4096,
+    3,
+    10,
+    dict(
+        hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, moe_intermediate_size=768, intermediate_size=6144,
+        vocab_size=16384, max_position_embeddings=8192,
+    ),
+)  # fmt: skip
+SMOKE = Setup(
+    "cpu",
+    64,
+    1,
+    2,
+    dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64, intermediate_size=256, vocab_size=512,
+        max_position_embeddings=256,
+    ),
+)  # fmt: skip
+
+
+def save_random_model(s: Setup, path: str) -> None:
+    config = transformers.Qwen3MoeConfig(num_hidden_layers=1, tie_word_embeddings=False, **s.config)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def load_4bit(s: Setup, path: str) -> transformers.PreTrainedModel:
+    """Attention (every nn.Linear but lm_head) in nf4 as ``BitsAndBytesConfig`` makes it; 3-D experts stay bf16."""
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=quant, dtype=torch.bfloat16, device_map={"": s.device}
+    )
+    return model.train()
+
+
+def build(provider: str, s: Setup, path: str, tmp: str):
+    """(model, report text) for one provider, LoRA attached and, for leantrain, patched."""
+    import peft
+
+    model = load_4bit(s, path)
+    lora = dict(r=16, lora_alpha=32, target_modules=ATTENTION)
+    if provider == "stock":
+        model = peft.get_peft_model(model, peft.LoraConfig(target_parameters=STOCK_STACKS, **lora))
+        return model, "stock: no patch"
+    report = leantrain.quantize_experts_4bit(model)
+    if provider == "leantrain":
+        lora["target_parameters"] = leantrain.expert_lora_targets(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    args = transformers.TrainingArguments(output_dir=tmp, report_to=[], use_cpu=s.device == "cpu", save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args)
+    patch = leantrain.patch_trainer(trainer, moe4bit=True, cggr=False, grpo_logps=False, osft=False)
+    return model, f"{report}\n{patch}"
+
+
+def bench(provider: str, s: Setup, path: str, rows: list[Row]) -> tuple[float, float, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        model, text = build(provider, s, path, tmp)
+    print(f"[{provider}] {text}", flush=True)
+    ids = torch.randint(3, s.config["vocab_size"], (1, s.tokens), device=s.device, generator=None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-5)
+
+    def step(_i: int = 0) -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time_fn(step, warmup=s.warmup, reps=s.reps)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    config = {
+        **s.config,
+        "tokens": s.tokens,
+        "lora_rank": 16,
+        "lora_alpha": 32,
+        "trainable": sum(p.numel() for p in params),
+    }
+    rows.append(Row.timing(NAME, provider, "train step", "tokens", s.tokens, t, **config))
+    rows.append(Row(NAME, provider, "train step", "memory", "GiB", "tokens", s.tokens, peak, config=config))
+    print(f"{provider:<20} {t.p50:9.2f} ms  peak {peak:.3f} GiB", flush=True)
+    return t.p50, peak, text
+
+
+def release() -> None:
+    """Free the previous provider's model before the next one loads (its peak must not count)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def summary(results: dict[str, tuple[float, float, str]]) -> str:
+    stock_ms, stock_gib, _ = results["stock"]
+    table = [[name, ms, gib, ms / stock_ms, gib / stock_gib] for name, (ms, gib, _) in results.items()]
+    lines = [markdown_table(["provider", "ms", "peak GiB", "time / stock", "peak / stock"], table), ""]
+    ms, gib, text = results["leantrain"]
+    lines.append(
+        f"leantrain (LoRA on attention + experts): {ms / stock_ms:.2f}x stock time (target <= 0.80x: "
+        f"{'met' if ms <= 0.8 * stock_ms else 'NOT met'}), {gib / stock_gib:.2f}x stock peak (target <= 0.45x: "
+        f"{'met' if gib <= 0.45 * stock_gib else 'NOT met'}). Earlier stock record: {STOCK_MS} ms / {STOCK_GIB} GiB."
+    )
+    lines += ["", "What applied (leantrain):", "", "```", text, "```"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument("--providers", default="stock,leantrain,leantrain_attn_only")
+    args = parser.parse_args()
+    s = SMOKE if args.smoke or not torch.cuda.is_available() else FULL
+    if s is SMOKE:
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    rows: list[Row] = []
+    results = {}
+    with tempfile.TemporaryDirectory() as path:
+        save_random_model(s, path)
+        for provider in args.providers.split(","):
+            results[provider] = bench(provider, s, path, rows)
+            release()
+    table = summary(results) if {"stock", "leantrain"} <= results.keys() else ""
+    out_dir = write_results(NAME, rows, table, Path(os.environ.get("BENCH_RESULTS", RESULTS)))
+    print(table)
+    print(f"wrote {out_dir / NAME}.json/.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Test and benchmark scaffolding: the per-expert ``bnb.nn.Linear4bit`` experts layout, built from stock transformers
+experts.
+
+Community pre-quantized gpt-oss 4-bit checkpoints store experts as ``gate_up_projs`` / ``down_projs`` ModuleLists
+of ``Linear4bit`` (weight = transpose of the 3-D slice, gate/up interleaved on rows, biases) and run a per-expert
+loop. :class:`Linear4bitExperts` reproduces that layout and loop (the stock path leantrain replaces and falls back
+to); :func:`linear4bit_experts_from` converts a stock gpt-oss (or Qwen3-MoE / Mixtral-style) experts module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from leantrain.moe4bit._grouped import clamp_swiglu, gated_act
+
+
+class Linear4bitExperts(nn.Module):
+    """Experts as per-expert ``bnb.nn.Linear4bit`` lists with the stock per-expert loop forward.
+
+    gpt-oss style when ``alpha``/``limit`` are given (clamp-SwiGLU, interleaved gate/up rows); otherwise
+    ``act_fn(gate) * up`` on concatenated halves. Routing weights may be ``[T, top_k]`` or dense ``[T, E]``.
+    """
+
+    def __init__(
+        self,
+        gate_up_projs: nn.ModuleList,
+        down_projs: nn.ModuleList,
+        *,
+        alpha: float | None = None,
+        limit: float | None = None,
+        act_fn: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = len(gate_up_projs)
+        self.hidden_size = gate_up_projs[0].in_features
+        self.expert_dim = down_projs[0].in_features
+        self.gate_up_projs = gate_up_projs
+        self.down_projs = down_projs
+        if alpha is not None:
+            self.alpha, self.limit = alpha, limit
+        else:
+            self.act_fn = act_fn
+
+    def _gate(self, h: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "alpha"):
+            return clamp_swiglu(self.alpha, self.limit)(h)
+        return gated_act(self.act_fn)(h)
+
+    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        x = hidden_states.reshape(-1, self.hidden_size)
+        tokens = x.shape[0]
+        indices = router_indices.reshape(tokens, -1)
+        weights = routing_weights.reshape(tokens, -1)
+        dense = weights.shape[1] == self.num_experts and indices.shape[1] != self.num_experts
+        out = torch.zeros(tokens, self.hidden_size, dtype=torch.float32, device=x.device)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(indices, self.num_experts).permute(2, 1, 0)  # [E, k, T]
+            hit = mask.sum(dim=(1, 2)).nonzero()
+        for expert in hit.flatten().tolist():  # the stock per-expert loop (what leantrain replaces)
+            slot, token = torch.where(mask[expert])
+            h = self.gate_up_projs[expert](x[token])
+            y = self.down_projs[expert](self._gate(h))
+            w = weights[token, expert] if dense else weights[token, slot]
+            out.index_add_(0, token, (y * w[:, None]).float())
+        return out.to(hidden_states.dtype).view(hidden_states.shape)
+
+
+def _linear4bit(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quant_type: str,
+    blocksize: int,
+    compress_statistics: bool,
+    compute_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    import bitsandbytes as bnb
+
+    out_features, in_features = weight.shape
+    quant = {"quant_type": quant_type, "compress_statistics": compress_statistics}
+    layer = bnb.nn.Linear4bit(
+        in_features, out_features, bias=bias is not None, compute_dtype=compute_dtype, device="meta", **quant
+    )
+    layer.weight = bnb.nn.Params4bit(
+        weight.detach().clone(), requires_grad=False, blocksize=blocksize, module=layer, **quant
+    )
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return layer.to(weight.device)  # bitsandbytes quantizes on the first move to a device
+
+
+def linear4bit_experts_from(
+    experts: nn.Module, quant_type: str = "nf4", blocksize: int = 64, compress_statistics: bool = True
+) -> Linear4bitExperts:
+    """Convert stock 3-D experts (gpt-oss ``[E, H, 2I]`` transposed, or ``[E, 2I, H]`` Qwen/Mixtral style) into
+    per-expert ``Linear4bit`` lists holding the same weights (``weight[e] = W[e]`` in ``F.linear`` orientation)."""
+    in_major = bool(getattr(experts, "is_transposed", False))
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if in_major:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    has_bias = bool(getattr(experts, "has_bias", False))
+    quant = {"quant_type": quant_type, "blocksize": blocksize, "compress_statistics": compress_statistics}
+
+    def layers(stack: torch.Tensor, bias_name: str) -> nn.ModuleList:
+        biases = getattr(experts, bias_name) if has_bias else None
+        return nn.ModuleList(
+            _linear4bit(stack[e].contiguous(), None if biases is None else biases[e], **quant)
+            for e in range(stack.shape[0])
+        )
+
+    gate_up_projs, down_projs = layers(gate_up, "gate_up_proj_bias"), layers(down, "down_proj_bias")
+    if hasattr(experts, "alpha") and hasattr(experts, "limit"):
+        return Linear4bitExperts(gate_up_projs, down_projs, alpha=experts.alpha, limit=experts.limit)
+    return Linear4bitExperts(gate_up_projs, down_projs, act_fn=experts.act_fn)
+
+
+def convert_model_to_linear4bit_experts(model: nn.Module, **quant) -> list[str]:
+    """Replace every stock experts module of ``model`` by its :class:`Linear4bitExperts` copy; returns their names."""
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if "gate_up_proj" in module._parameters and "down_proj" in module._parameters
+    ]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, linear4bit_experts_from(module, **quant))
+    return [name for name, _ in targets]
+
+
+def load_in_4bit_like(
+    model: nn.Module,
+    *,
+    quant_type: str = "nf4",
+    compute_dtype: torch.dtype = torch.float32,
+    double_quant: bool = False,
+    skip: tuple[str, ...] = ("lm_head",),
+    blocksize: int = 64,
+) -> list[str]:
+    """What ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` makes of a model
+    (transformers 4.57's ``replace_with_bnb_linear`` + loading): every ``nn.Linear`` becomes a frozen
+    ``bnb.nn.Linear4bit`` holding the same weights, except modules named in ``skip`` (``modules_to_not_convert`` /
+    ``llm_int8_skip_modules``: a child name, a full name, or a prefix). ``compute_dtype`` is the config's
+    ``bnb_4bit_compute_dtype`` (float32 when unset). Returns the replaced names."""
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear
+        and name.rpartition(".")[2] not in skip
+        and not any(name == key or name.startswith(key + ".") or f".{key}." in f".{name}." for key in skip)
+    ]
+    quant = {"quant_type": quant_type, "blocksize": blocksize, "compress_statistics": double_quant}
+    for name, module in targets:
+        parent, _, child = name.rpartition(".")
+        layer = _linear4bit(module.weight.detach(), module.bias, compute_dtype=compute_dtype, **quant)
+        layer.source_cls = type(module)
+        setattr(model.get_submodule(parent) if parent else model, child, layer.requires_grad_(False))
+    return [name for name, _ in targets]
+
+
+class ExpertMLP(nn.Module):
+    """A transformers 4.x expert MLP: ``down(act(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock4x(nn.Module):
+    """The transformers 4.57 Qwen2-MoE / Qwen3-MoE sparse MoE block, rebuilt for any transformers version (5.x has
+    3-D experts only): a ``gate`` router, an ``experts`` ModuleList of :class:`ExpertMLP`, the per-expert loop over
+    the experts a batch hits, the optional sigmoid-gated shared expert; returns ``(hidden, router_logits)``.
+    Not a stock class, so the probe declines it: tests and benchmarks patch it with
+    ``leantrain.moe4bit.forwards.block_forward`` and this recipe directly (normalize per ``norm_topk_prob``)."""
+
+    def __init__(
+        self, hidden: int, inter: int, experts: int, top_k: int, norm_topk_prob: bool, shared_inter: int = 0
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(hidden, inter) for _ in range(experts))
+        if shared_inter:
+            self.shared_expert = ExpertMLP(hidden, shared_inter)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, hidden = hidden_states.shape
+        x = hidden_states.view(-1, hidden)
+        router_logits = self.gate(x)
+        weights = nn.functional.softmax(router_logits, dim=1, dtype=torch.float)
+        weights, selected = torch.topk(weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = nn.functional.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)  # [E, k, T]
+        for expert in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():  # the stock loop (host sync per step)
+            slot, token = torch.where(mask[expert].squeeze(0))
+            y = self.experts[expert](x[None, token].reshape(-1, hidden)) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(x)
+            out = out + nn.functional.sigmoid(self.shared_expert_gate(x)) * shared
+        return out.reshape(batch, seq, hidden), router_logits
+
+
+def patch_block_4x(block: nn.Module, undo, recompute: bool = True, strict: bool = True) -> None:
+    """Install the grouped forward on a 4.x-style block (stock class or :class:`SparseMoeBlock4x`) as
+    ``Moe4bit.apply`` does, recording on ``undo``; ``strict``: an error in the grouped path raises."""
+    from leantrain._patching import RuntimeFallback
+    from leantrain.moe4bit.forwards import block_forward, fixed
+    from leantrain.moe4bit.layouts import Found, block_recipe
+    from leantrain.moe4bit.plan import build_plan
+
+    plan_for = fixed(*build_plan(Found("mlp", block, "expert_mlps"), undo.push, recompute))
+    recipe = block_recipe(block)
+    normalize, shared = (
+        (recipe.normalize, recipe.shared) if recipe else ("norm_topk_prob", hasattr(block, "shared_expert"))
+    )
+    fallback = RuntimeFallback("moe4bit", strict=strict)
+    undo.wrap_method(block, "forward", block_forward(block, plan_for, normalize, shared, fallback))

@@ -1,0 +1,358 @@
+"""PEFT LoRA on 4-bit experts through the grouped path (``patch_trainer``) against PEFT's per-expert result on whole
+tiny Qwen3-MoE / gpt-oss models: loss, every trainable gradient (expert and attention LoRA, the router), disabled
+and multiple adapters, save/reload, decline reasons, the run-time fallback. CPU, seeded.
+
+Two placements: ``target_parameters`` LoRA on 3-D stacks quantized by ``quantize_experts_4bit`` (the reference is
+PEFT on the same model with plain stacks holding the dequantized weights: PEFT's own forward is wrong on
+parametrized stacks, see ``_adapters.stock_forward``), and PEFT ``lora.Linear4bit`` on every per-expert
+``Linear4bit`` (the reference is the same model unpatched: PEFT's per-expert loop).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+
+from leantrain._compat import TRANSFORMERS_3D_EXPERTS, needs
+
+
+_OLDER = needs("transformers", TRANSFORMERS_3D_EXPERTS, "3-D experts and PEFT target_parameters on them")
+if _OLDER:
+    pytest.skip(_OLDER, allow_module_level=True)
+
+pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+
+import leantrain  # noqa: E402
+from leantrain.moe4bit import _adapters, _grouped, lora  # noqa: E402
+from leantrain.report import Status  # noqa: E402
+from leantrain.tiny import tiny_model  # noqa: E402
+from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
+
+
+ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+VOCAB, SEQ = 256, 16
+STACK_SUFFIXES = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+LIST_TARGETS = r".*experts\.(gate_up_projs|down_projs)\.\d+"
+
+
+def base_model(family: str, dtype=torch.float32) -> transformers.PreTrainedModel:
+    model = tiny_model(family, seed=0, hidden=128, layers=2, vocab_size=VOCAB, dtype=dtype)
+    model.set_experts_implementation("eager")  # the stock per-expert loop
+    return model.train()
+
+
+def experts_modules(model) -> list[torch.nn.Module]:
+    return [m for n, m in model.named_modules() if n.endswith("mlp.experts") and hasattr(m, "parametrizations")]
+
+
+def stacked_pair(family: str, dtype=torch.float32, **lora_kwargs):
+    """(4-bit model with target_parameters LoRA, plain model with the dequantized stacks and the same LoRA)."""
+    quantized = base_model(family, dtype)
+    leantrain.quantize_experts_4bit(quantized)
+    plain = base_model(family, dtype)
+    with torch.no_grad():
+        for q, p in zip(
+            experts_modules(quantized), (m for n, m in plain.named_modules() if n.endswith("mlp.experts"))
+        ):
+            for name in ("gate_up_proj", "down_proj"):
+                getattr(p, name).copy_(getattr(q, name))  # bitsandbytes' parametrization dequantizes on access
+    cfg = dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False) | lora_kwargs
+    torch.manual_seed(1)
+    quantized = peft.get_peft_model(
+        quantized, peft.LoraConfig(target_parameters=leantrain.expert_lora_targets(quantized), **cfg)
+    )
+    plain = peft.get_peft_model(plain, peft.LoraConfig(target_parameters=STACK_SUFFIXES, **cfg))
+    copy_lora(quantized, plain)
+    return quantized, plain
+
+
+def wrappers(model) -> dict[tuple[str, str], torch.nn.Module]:
+    """Every target_parameters LoRA wrapper by (experts module name, parameter name): the nesting order of the
+    wrappers differs between full-name and suffix targets, the adapters' identity does not."""
+    found = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ == "ParamWrapper":
+            found[(name.split(".mlp.")[0].split("layers.")[-1], module.parameter_name)] = module
+    return found
+
+
+def copy_lora(src, dst) -> None:
+    with torch.no_grad():
+        theirs = wrappers(dst)
+        for key, ours in wrappers(src).items():
+            for adapter in ours.lora_A:
+                theirs[key].lora_A[adapter].weight.copy_(ours.lora_A[adapter].weight)
+                theirs[key].lora_B[adapter].weight.copy_(ours.lora_B[adapter].weight)
+        src_state = {k: v for k, v in src.state_dict().items() if "lora" in k and "experts" not in k}
+        dst.load_state_dict(src_state, strict=False)
+
+
+def batch(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def make_trainer(model, tmp_path) -> transformers.Trainer:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    return transformers.Trainer(model=model, args=args, train_dataset=[batch(1)["input_ids"][0]] * 2)
+
+
+def routers_trainable(model) -> None:
+    """The router gradient is part of the parity (PEFT freezes it; the grouped path must still produce it)."""
+    for name, param in model.named_parameters():
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+            param.requires_grad_(True)
+
+
+def step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch()).loss
+    loss.backward()
+    keys = _keys(model)
+    return loss.detach(), {keys.get(id(p), n): p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _keys(model) -> dict[int, str]:
+    """Expert LoRA parameters named by (layer, stack, factor, adapter): PEFT's wrapper nesting differs between the
+    two models."""
+    keys = {}
+    for (layer, stack), wrapper in wrappers(model).items():
+        for adapter in wrapper.lora_A:
+            keys[id(wrapper.lora_A[adapter].weight)] = f"{layer}.experts.{stack}.lora_A.{adapter}"
+            keys[id(wrapper.lora_B[adapter].weight)] = f"{layer}.experts.{stack}.lora_B.{adapter}"
+    return keys
+
+
+def patch(model, tmp_path):
+    trainer = make_trainer(model, tmp_path)
+    report = leantrain.patch_trainer(trainer, moe4bit=True, **ONLY_MOE)
+    assert report["moe4bit"].status is Status.APPLIED, report["moe4bit"].reasons
+    return trainer
+
+
+def close(ours: torch.Tensor, ref: torch.Tensor, eps: float, terms: int) -> tuple[bool, float, float]:
+    """|ours - ref| <= terms * eps * scale: the two paths sum the same products in a different order (W + s·BA
+    folded first vs split x·A·B added after the base GEMM), each reordering costs at most an ulp of the scale per
+    accumulated term; ``terms`` bounds the accumulation depth that differs (the LoRA rank plus a few adds)."""
+    scale = ref.abs().max().item()
+    err = (ours.float() - ref.float()).abs().max().item()
+    return err <= terms * eps * scale, err, scale
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_stacked_target_parameters_fp32(family, tmp_path):
+    quantized, plain = stacked_pair(family)
+    routers_trainable(quantized), routers_trainable(plain)
+    ref_loss, ref_grads = step(plain)
+    trainer = patch(quantized, tmp_path)
+    loss, grads = step(quantized)
+    outcome = leantrain.current_report(trainer)["moe4bit"]
+    assert outcome.status is Status.APPLIED  # no silent fallback
+    assert "expert LoRA as split grouped GEMMs on 2 modules" in outcome.detail
+    assert grads.keys() == ref_grads.keys()
+    assert any("experts.down_proj.lora_A" in k for k in grads) and any(
+        k.endswith("mlp.gate.weight") or "router" in k for k in grads
+    )
+    eps = torch.finfo(torch.float32).eps
+    ok, err, scale = close(loss, ref_loss, eps, 64)
+    assert ok, (loss, ref_loss)
+    for name, grad in grads.items():
+        # fp32 gradients pass back through 2 layers of softmax/attention: 4096 ulps of the gradient's scale still
+        # sits 3 orders below any real error (a dropped adapter or a wrong expert moves them by O(scale))
+        ok, err, scale = close(grad, ref_grads[name], eps, 4096)
+        assert ok, f"{name}: {err:.3g} vs scale {scale:.3g}"
+    leantrain.unpatch_trainer(trainer)
+
+
+def test_stacked_target_parameters_bf16(tmp_path):
+    quantized, plain = stacked_pair("qwen3_moe", torch.bfloat16)
+    ref_loss, ref_grads = step(plain)
+    trainer = patch(quantized, tmp_path)
+    loss, grads = step(quantized)
+    eps = 2**-8  # bf16 unit roundoff
+    # bf16: the stock path rounds W + s·BA to bf16 before its GEMM, the split path rounds x·A and the LoRA output:
+    # a handful of bf16 roundings of each quantity's scale
+    assert close(loss, ref_loss, eps, 4)[0], (loss, ref_loss)
+    for name, grad in grads.items():
+        ok, err, scale = close(grad, ref_grads[name], eps, 16)
+        assert ok, f"{name}: {err:.3g} vs scale {scale:.3g}"
+    leantrain.unpatch_trainer(trainer)
+
+
+def test_disabled_and_multiple_adapters(tmp_path):
+    quantized, plain = stacked_pair("qwen3_moe")
+    frozen = base_model("qwen3_moe")
+    leantrain.quantize_experts_4bit(frozen)
+    base_loss = frozen(**batch()).loss.detach()  # the stock loop on the same 4-bit stacks, no adapters
+    cfg = dict(r=8, lora_alpha=8, use_rslora=True, init_lora_weights=False)
+    torch.manual_seed(2)
+    targets = leantrain.expert_lora_targets(quantized)  # called on the PEFT model: the same list as before
+    assert set(targets) == set(quantized.peft_config["default"].target_parameters)
+    quantized.add_adapter("second", peft.LoraConfig(target_parameters=targets, **cfg))
+    plain.add_adapter("second", peft.LoraConfig(target_parameters=STACK_SUFFIXES, **cfg))
+    copy_lora(quantized, plain)
+    trainer = patch(quantized, tmp_path)
+    with quantized.disable_adapter():
+        assert torch.equal(quantized(**batch()).loss.detach(), base_loss)  # fp32 grouped base: bit-exact
+    eps = torch.finfo(torch.float32).eps
+    for active in (["second"], ["default", "second"]):
+        for model in (quantized, plain):
+            model.base_model.set_adapter(active)
+        ref, ours = plain(**batch()).loss.detach(), quantized(**batch()).loss.detach()
+        assert close(ours, ref, eps, 64)[0], (active, ours, ref)
+        assert not torch.equal(ours, base_loss)
+    leantrain.unpatch_trainer(trainer)
+
+
+def test_save_pretrained_and_reload(tmp_path):
+    quantized, _ = stacked_pair("qwen3_moe")
+    trainer = patch(quantized, tmp_path / "a")
+    expected = quantized(**batch()).loss.detach()
+    quantized.save_pretrained(tmp_path / "adapter")
+    leantrain.unpatch_trainer(trainer)
+    fresh = base_model("qwen3_moe")
+    leantrain.quantize_experts_4bit(fresh)  # the same seeded weights, quantized the same way
+    reloaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter", is_trainable=True)
+    trainer = patch(reloaded, tmp_path / "b")
+    assert torch.equal(reloaded(**batch()).loss.detach(), expected)
+    leantrain.unpatch_trainer(trainer)
+
+
+def test_fallback_serves_correct_lora(tmp_path, monkeypatch):
+    """A run-time failure falls back to the per-expert stock forward with the adapters folded in (PEFT's own
+    forward would drop the inner stack's adapter and fail on the next call)."""
+    quantized, plain = stacked_pair("qwen3_moe")
+    ref = plain(**batch()).loss.detach()
+    trainer = patch(quantized, tmp_path)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected split LoRA failure")
+
+    monkeypatch.setattr(lora, "split_lora", broken)
+    with pytest.warns(RuntimeWarning, match="moe4bit failed at run time"):
+        first = quantized(**batch()).loss
+    first.backward()
+    second = quantized(**batch()).loss.detach()
+    eps = torch.finfo(torch.float32).eps
+    assert close(first.detach(), ref, eps, 64)[0] and torch.equal(second, first.detach())
+    assert all(len(p) == 1 for m in experts_modules(quantized) for p in m.parametrizations.values())
+    leantrain.unpatch_trainer(trainer)
+
+
+def list_targets(model) -> list[str]:
+    """Every expert Linear4bit by full name (what ``target_modules="all-linear"`` reaches on a 4-bit model)."""
+    return [n for n, _ in model.named_modules() if re.fullmatch(LIST_TARGETS, n)]
+
+
+def lists_model(family: str = "gpt_oss", **lora_kwargs):
+    model = base_model(family)
+    convert_model_to_linear4bit_experts(model)
+    cfg = dict(r=16, lora_alpha=32, target_modules=list_targets(model), init_lora_weights=False) | lora_kwargs
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(**cfg))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_linear4bit_lists_lora_fp32(family, tmp_path):
+    ref_model = lists_model(family)
+    model = copy.deepcopy(ref_model)
+    routers_trainable(model), routers_trainable(ref_model)
+    ref_loss, ref_grads = step(ref_model)
+    trainer = patch(model, tmp_path)
+    loss, grads = step(model)
+    assert leantrain.current_report(trainer)["moe4bit"].status is Status.APPLIED
+    assert grads.keys() == ref_grads.keys() and any("gate_up_projs.0.lora_A" in k for k in grads)
+    eps = torch.finfo(torch.float32).eps
+    assert close(loss, ref_loss, eps, 16)[0], (loss, ref_loss)
+    for name, grad in grads.items():
+        ok, err, scale = close(grad, ref_grads[name], eps, 4096)  # as in the stacked test
+        assert ok, f"{name}: {err:.3g} vs scale {scale:.3g}"
+    with model.disable_adapter(), ref_model.disable_adapter():
+        assert torch.equal(model(**batch()).loss, ref_model(**batch()).loss)  # grouped base: bit-exact in fp32
+    leantrain.unpatch_trainer(trainer)
+
+
+def test_linear4bit_lists_dropout(tmp_path):
+    """Dropout p > 0: off in eval (then equal to PEFT's loop), on in training (the mask is per row, drawn once)."""
+    ref_model = lists_model(lora_dropout=0.5)
+    model = copy.deepcopy(ref_model)
+    trainer = patch(model, tmp_path)
+    model.eval(), ref_model.eval()
+    eps = torch.finfo(torch.float32).eps
+    assert close(model(**batch()).loss.detach(), ref_model(**batch()).loss.detach(), eps, 16)[0]
+    model.train()
+    torch.manual_seed(0)
+    a = model(**batch()).loss.detach()
+    torch.manual_seed(0)
+    assert torch.equal(model(**batch()).loss.detach(), a)  # seeded: reproducible
+    assert not torch.equal(a, model.eval()(**batch()).loss.detach())  # and the dropout did apply
+    leantrain.unpatch_trainer(trainer)
+
+
+@pytest.mark.parametrize(
+    "kwargs,reason",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"lora_bias": True}, "LoRA bias"),
+        ({"bias": "all"}, "expert biases require grad"),
+    ],
+)
+def test_lists_declines_with_reason(kwargs, reason, tmp_path):
+    model = lists_model(**kwargs)
+    trainer = make_trainer(model, tmp_path)
+    report = leantrain.patch_trainer(trainer, **ONLY_MOE)
+    assert report["moe4bit"].status is not Status.APPLIED and reason in report["moe4bit"].reasons[0]
+    leantrain.unpatch_trainer(trainer)
+
+
+def test_lists_declines_other_tuners_and_mixed_ranks(tmp_path):
+    model = base_model("gpt_oss")
+    convert_model_to_linear4bit_experts(model)
+    model = peft.get_peft_model(model, peft.LoHaConfig(r=4, target_modules=list_targets(model)))
+    report = leantrain.patch_trainer(make_trainer(model, tmp_path), **ONLY_MOE)
+    assert "LoRA only" in report["moe4bit"].reasons[0]
+    model = lists_model(rank_pattern={"gate_up_projs.0": 4})
+    report = leantrain.patch_trainer(make_trainer(model, tmp_path), **ONLY_MOE)
+    assert "differ in their LoRA adapters" in report["moe4bit"].reasons[0]
+
+
+def test_small_rank_is_padded(tmp_path):
+    """Rank 4 in bf16 (8-byte rows) runs padded to 8 and matches PEFT."""
+    quantized, plain = stacked_pair("qwen3_moe", torch.bfloat16, r=4, lora_alpha=8)
+    assert lora.padded_rank(4, torch.bfloat16) == 8
+    ref = plain(**batch()).loss.detach()
+    trainer = patch(quantized, tmp_path)
+    assert close(quantized(**batch()).loss.detach(), ref, 2**-8, 4)[0]
+    leantrain.unpatch_trainer(trainer)
+
+
+def test_expert_lora_targets_full_names():
+    model = base_model("qwen3_moe")
+    leantrain.quantize_experts_4bit(model)
+    names = leantrain.expert_lora_targets(model)
+    assert "model.layers.1.mlp.experts.down_proj" in names and len(names) == 2 * 2 * 3  # layers x stacks x depths
+    assert "model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj" in names
+    assert _adapters.expert_lora_targets(base_model("qwen3_moe")) == []  # not quantized: PEFT's suffixes work there
+    assert _grouped.ExpertsPlan.__dataclass_fields__["adapters"].default is None
+
+
+def test_forward_hooks_on_expert_lora_fall_back(tmp_path):
+    """PEFT's mixed-adapter batches reach each LoRA layer through forward hooks, which the grouped path never
+    calls: with a hook present the call goes to the stock per-expert loop (warned once), with the same result."""
+    ref_model = lists_model()
+    model = copy.deepcopy(ref_model)
+    trainer = patch(model, tmp_path)
+    model.base_model.model.model.layers[0].mlp.experts.gate_up_projs[0].register_forward_pre_hook(lambda m, a: None)
+    with pytest.warns(RuntimeWarning, match="moe4bit failed at run time"):
+        loss = model(**batch()).loss.detach()
+    assert torch.equal(loss, ref_model(**batch()).loss.detach())
+    assert "forward hooks" in leantrain.current_report(trainer)["moe4bit"].reasons[0]
+    leantrain.unpatch_trainer(trainer)
