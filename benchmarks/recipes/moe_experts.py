@@ -77,16 +77,21 @@ def quantize_layer(layer: torch.nn.Module, experts_4bit: bool, dtype: torch.dtyp
         quantize_experts_4bit(layer)
 
 
-def lora_config(s: Settings) -> Any:
+def lora_config(s: Settings, model: torch.nn.Module, experts_4bit: bool) -> Any:
+    """LoRA on attention and on both expert stacks. PEFT matches quantized stacks only by their full names:
+    ``leantrain.expert_lora_targets(model)`` gives them (the suffixes match the bf16 stacks)."""
     from peft import LoraConfig
 
+    from leantrain import expert_lora_targets
+
+    experts = expert_lora_targets(model) if experts_4bit else list(EXPERT_PARAMETERS)
     return LoraConfig(
         r=s.lora_r,
         lora_alpha=2 * s.lora_r,
         lora_dropout=0.0,
         task_type="CAUSAL_LM",
         target_modules=list(ATTENTION),
-        target_parameters=list(EXPERT_PARAMETERS),
+        target_parameters=experts,
     )
 
 
@@ -146,7 +151,7 @@ def recipe_moe_qlora_experts(s: Settings, budget: Budget, args: argparse.Namespa
                         tmp,
                         warmup + timed,
                         s,
-                        peft_config=lora_config(s),
+                        peft_config=lora_config(s, model, experts_4bit),
                         learning_rate=2e-4,
                         per_device_train_batch_size=s.moex_batch,
                         max_length=s.moex_seq,

@@ -29,6 +29,24 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def data_parallel_reason(trainer: Any, why: str) -> str | None:
+    """A reason when ``trainer.train()`` will run the model through ``nn.DataParallel`` (one process that sees
+    several GPUs, no launcher), or already does. DataParallel copies every module per forward with a shallow copy of
+    its ``__dict__``: a forward patched on the instance stays bound to the original module (its weights, its device)
+    and forward hooks are shared by every replica. ``why`` says what that breaks for the optimization."""
+    args = getattr(trainer, "args", None)
+    wrapped = isinstance(getattr(trainer, "model_wrapped", None), nn.DataParallel)
+    n_gpu = getattr(args, "n_gpu", 1) if args is not None else 1
+    mode = str(getattr(getattr(args, "parallel_mode", None), "value", ""))
+    if not wrapped and not (isinstance(n_gpu, int) and n_gpu > 1 and mode == "not_distributed"):
+        return None
+    return (
+        f"nn.DataParallel (one process, {n_gpu} GPUs: transformers.Trainer wraps the model at train()) replicates the "
+        f"model every forward; {why}: launch one process per GPU (accelerate launch / torchrun: DDP) or make one GPU "
+        "visible (CUDA_VISIBLE_DEVICES=0)"
+    )
+
+
 def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 

@@ -42,3 +42,35 @@ def test_forward_hooks_are_shared_by_every_replica():
     replica(torch.randn(2, 4))
     layer(torch.randn(2, 4))
     assert replica._forward_hooks is layer._forward_hooks and seen == [id(replica), id(layer)]
+
+
+# ------------------------------------------------------------------------------- the probes that follow from this
+def _as_if_two_gpus(trainer) -> None:
+    """What TrainingArguments reports in one process that sees two GPUs (Trainer then wraps in DataParallel)."""
+    trainer.args._n_gpu = 2
+    assert trainer.args.parallel_mode.value == "not_distributed"
+
+
+def test_cggr_and_moe4bit_decline_under_data_parallel(tmp_path):
+    """Both patch module instances (the router hook, the experts forward): required, they raise naming DataParallel;
+    in auto mode the report says why. OSFT replaces modules (replicated with their own factors): it is not refused."""
+    import pytest
+
+    import leantrain
+    from leantrain import NotReadyError, Status
+    from tests.parity.test_moe4bit_model import make_model, make_trainer
+    from tests.unit._fakes import tiny_trainer
+
+    sft = tiny_trainer(tmp_path / "cggr")
+    _as_if_two_gpus(sft)
+    with pytest.raises(NotReadyError, match=r"cggr is required but not ready: nn.DataParallel \(one process, 2 GPUs"):
+        leantrain.patch_trainer(sft, cggr=True, environ={})
+    moe = make_trainer(make_model("qwen3_moe", "stacked"), tmp_path / "moe")
+    _as_if_two_gpus(moe)
+    report = leantrain.patch_trainer(moe, environ={})
+    assert report["moe4bit"].status is Status.SKIPPED and "nn.DataParallel" in report["moe4bit"].reasons[0]
+    assert "launch one process per GPU" in report["moe4bit"].reasons[0]
+    leantrain.unpatch_trainer(moe)
+    moe.args._n_gpu = 1
+    assert leantrain.patch_trainer(moe, environ={})["moe4bit"].status is Status.APPLIED  # one GPU: served
+    leantrain.unpatch_trainer(moe)

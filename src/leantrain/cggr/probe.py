@@ -8,7 +8,7 @@ from typing import Any
 
 from .._patching import UserInputError
 from .._registry import PatchContext, Readiness
-from ..models import DecoderParts, decoder_parts
+from ..models import DecoderParts, data_parallel_reason, decoder_parts
 from .ops import head_share
 
 
@@ -107,6 +107,13 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         return Readiness.no(str(error))  # auto mode (LEANTRAIN_CGGR=auto) with the default depth: decline
     if _sequence_parallel(trainer):
         return Readiness.no("sequence/context parallelism splits the labels across ranks: not supported yet")
+    replicas = data_parallel_reason(
+        trainer,
+        "each replica gets part of the batch inside the forward while CGGR's router hook, shared by every "
+        "replica, selects the labels of one whole batch",
+    )
+    if replicas:
+        return Readiness.no(replicas)
     path, kept_only, saves = loss_path(trainer, ctx.trainer_kind, parts)
     share = head_share(parts.model.config)
     detail = (

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from .._registry import Applied, Optimization, PatchContext, Readiness, register
-from ..models import unwrap_model
+from ..models import data_parallel_reason, unwrap_model
 from ._adapters import expert_lora_targets
 from .probe import bnb_reason, fsdp_reason, readiness
 from .quantize import QuantizeReport, quantize_experts_4bit
@@ -45,7 +45,11 @@ class Moe4bit(Optimization):
             return ready
         if zero3(trainer):
             return Readiness.no(ZERO3_REASON)
-        reason = fsdp_reason(trainer, trainer.model)
+        reason = fsdp_reason(trainer, trainer.model) or data_parallel_reason(
+            trainer,
+            "the grouped experts forward is patched on the module instance and its plan holds the packed "
+            "stacks of the first GPU, so every replica would compute there",
+        )
         if reason:
             return Readiness.no(reason)
         return dataclasses.replace(ready, plan=ModelPlan(find_experts(unwrap_model(trainer.model)), ready.detail))
