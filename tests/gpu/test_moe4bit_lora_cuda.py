@@ -14,6 +14,7 @@ two more roundings: twice that. Whole models: as tests/gpu/test_moe4bit_cuda.py 
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -46,9 +47,13 @@ def dev(request) -> torch.device:
     return torch.device(DEVICE)
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
 def assert_close(a: torch.Tensor, b: torch.Tensor, bound: float, what: str) -> None:
     assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{what}: non-finite values"
-    err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    err = _rel(a, b)
     assert err <= bound, f"{what}: relative error {err:.3g} > {bound:.3g}"
 
 
@@ -107,7 +112,9 @@ def test_stacked_target_parameters_vs_peft(dev, dtype, tmp_path):
     quantized, plain = parity.stacked_pair("qwen3_moe", dtype)
     quantized, plain = quantized.to(dev), plain.to(dev)
     parity.routers_trainable(quantized), parity.routers_trainable(plain)
+    exact = copy.deepcopy(plain).float()  # the same (bf16-rounded) weights in fp32: what both bf16 runs estimate
     ref_loss, ref_grads = step(plain, dev)
+    _, exact_grads = step(exact, dev)
     trainer = trainer_on(quantized, dev, tmp_path)
     report = leantrain.patch_trainer(trainer, moe4bit=True, **ONLY_MOE)
     assert report["moe4bit"].status is Status.APPLIED, report["moe4bit"].reasons
@@ -117,7 +124,14 @@ def test_stacked_target_parameters_vs_peft(dev, dtype, tmp_path):
     assert_close(loss.float(), ref_loss.float(), bound, "loss")
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
-        assert_close(grad.float(), ref_grads[name].float(), 2 * bound, name)
+        if dtype == torch.float32:
+            assert_close(grad, ref_grads[name], 2 * bound, name)
+            continue
+        # bf16: grouped and per-expert GEMMs sum in other orders, and a gradient summed over many tokens with
+        # cancellation can differ between the two by more than a few eps; each must estimate the fp32 gradient of
+        # the same weights as well as the other (within a factor 2, plus eps of rounding the result itself).
+        ours, peft_err = _rel(grad, exact_grads[name]), _rel(ref_grads[name], exact_grads[name])
+        assert ours <= 2 * peft_err + bound, f"{name}: bf16 error {ours:.3g} vs PEFT's {peft_err:.3g}"
     with quantized.disable_adapter():
         quantized(**{k: v.to(dev) for k, v in parity.batch().items()}).loss.backward()  # base-only path runs
     leantrain.unpatch_trainer(trainer)
