@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 from _harness import Row, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
-from leantrain._patching import Undo  # noqa: E402
+from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
 
 

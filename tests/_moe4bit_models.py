@@ -176,7 +176,7 @@ class SparseMoeBlock4x(nn.Module):
     3-D experts only): a ``gate`` router, an ``experts`` ModuleList of :class:`ExpertMLP`, the per-expert loop over
     the experts a batch hits, the optional sigmoid-gated shared expert; returns ``(hidden, router_logits)``.
     Not a stock class, so the probe declines it: tests and benchmarks patch it with
-    ``leantrain.moe4bit.forwards.block_forward`` and this recipe directly (normalize per ``norm_topk_prob``)."""
+    ``leantrain.moe4bit.patch.block_forward`` and this recipe directly (normalize per ``norm_topk_prob``)."""
 
     def __init__(
         self, hidden: int, inter: int, experts: int, top_k: int, norm_topk_prob: bool, shared_inter: int = 0
@@ -213,9 +213,9 @@ class SparseMoeBlock4x(nn.Module):
 def patch_block_4x(block: nn.Module, undo, recompute: bool = True, strict: bool = True) -> None:
     """Install the grouped forward on a 4.x-style block (stock class or :class:`SparseMoeBlock4x`) as
     ``Moe4bit.apply`` does, recording on ``undo``; ``strict``: an error in the grouped path raises."""
-    from leantrain._patching import RuntimeFallback
-    from leantrain.moe4bit.forwards import block_forward, fixed
+    from leantrain.fallback import RuntimeFallback
     from leantrain.moe4bit.layouts import Found, block_recipe
+    from leantrain.moe4bit.patch import block_forward, fixed
     from leantrain.moe4bit.plan import build_plan
 
     plan_for = fixed(*build_plan(Found("mlp", block, "expert_mlps"), undo.push, recompute))

@@ -2,7 +2,7 @@
 
 from ._version import __version__
 from .config import LeantrainConfig
-from .patching import NotReadyError, current_report, patch_trainer, patched, trainer_kind, unpatch_trainer
+from .entry import NotReadyError, current_report, patch_trainer, patched, trainer_kind, unpatch_trainer
 from .report import PatchOutcome, PatchReport, Status
 
 

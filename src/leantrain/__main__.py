@@ -17,7 +17,7 @@ def env_report() -> str:
     import torch
 
     from . import __version__
-    from ._registry import registry
+    from .optimization import registry
 
     lines = [f"leantrain {__version__}", f"python {platform.python_version()} ({platform.platform()})"]
     for name in PACKAGES:

@@ -13,10 +13,10 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ._compat import installed
-from ._patching import Undo
 from ._version import __version__
 from .config import ResolvedConfig
 from .report import PatchReport
+from .undo import Undo
 
 
 RECORD_NAME = "leantrain.json"
@@ -116,7 +116,7 @@ def install_exports(trainer: Any, optimizations: list[Any], undo: Undo) -> None:
 
 
 def _base_export() -> Callable[..., Any]:
-    from ._registry import Optimization
+    from .optimization import Optimization
 
     return Optimization.export_state_dict
 

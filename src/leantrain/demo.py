@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import tiny
-from .patching import current_report, patch_trainer, unpatch_trainer
+from .entry import current_report, patch_trainer, unpatch_trainer
 
 
 DEMO_MODELS = {"llama": "llama", "gpt2": "gpt2", "gpt-oss": "gpt_oss"}

@@ -29,7 +29,7 @@ from importlib.util import find_spec
 from typing import Any
 
 from .config import OPTIMIZATIONS, resolve_config
-from .patching import NotReadyError, current_report, patch_trainer
+from .entry import NotReadyError, current_report, patch_trainer
 
 
 USAGE = "leantrain run [options] (FILE | -m MODULE | CONSOLE_SCRIPT) [ARGS ...]"

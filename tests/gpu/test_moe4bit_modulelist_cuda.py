@@ -27,9 +27,9 @@ pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available
 
 pytest.importorskip("bitsandbytes")
 
-from leantrain._patching import Undo  # noqa: E402
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
 
 

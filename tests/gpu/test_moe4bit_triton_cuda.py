@@ -29,11 +29,11 @@ bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as bnbf  # noqa: E402
 
 import leantrain  # noqa: E402
-from leantrain._patching import Undo  # noqa: E402
 from leantrain.moe4bit import _grouped, _triton  # noqa: E402
 from leantrain.moe4bit._stacks import stack_from_quant_state  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.plan import build_plan  # noqa: E402
+from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import linear4bit_experts_from  # noqa: E402
 
 

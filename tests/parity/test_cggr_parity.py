@@ -565,7 +565,7 @@ def test_runtime_fallback(tmp_path, monkeypatch):
         (loss_p,), _ = step(patched, [batch])
     (loss_s,), _ = step(stock, [batch])
     assert torch.equal(loss_p, loss_s)  # the failed window falls back to the unmasked labels and the stock count
-    report = leantrain.patching.current_report(patched)
+    report = leantrain.entry.current_report(patched)
     assert report["cggr"].status is Status.FAILED and "injected" in report["cggr"].reasons[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once only

@@ -255,7 +255,7 @@ def test_triton_backend_declines_unsupported_inputs(monkeypatch):
 
 def test_unsupported_input_falls_back_to_torch(monkeypatch):
     """The trainer's op runner: a declined Triton call warns once and runs the torch backend, same result."""
-    from leantrain._patching import RuntimeFallback
+    from leantrain.fallback import RuntimeFallback
     from leantrain.grpo_logps import patch as glue
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

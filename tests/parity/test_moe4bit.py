@@ -28,11 +28,11 @@ import bitsandbytes.functional as bnbf  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
 
-from leantrain._patching import Undo  # noqa: E402
 from leantrain.moe4bit import _grouped, _stacks, quantize_experts_4bit, readiness  # noqa: E402
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.plan import build_plan  # noqa: E402
+from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import linear4bit_experts_from  # noqa: E402
 
 

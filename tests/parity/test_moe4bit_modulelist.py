@@ -27,13 +27,14 @@ if version_tuple(installed("transformers") or "0") >= version_tuple(TRANSFORMERS
 pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
-from leantrain._patching import RuntimeFallback, Undo  # noqa: E402
+from leantrain.fallback import RuntimeFallback  # noqa: E402
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
 from leantrain.moe4bit import readiness  # noqa: E402
-from leantrain.moe4bit.forwards import block_forward, experts_forward, fixed  # noqa: E402
 from leantrain.moe4bit.layouts import Found, block_recipe, find_experts  # noqa: E402
+from leantrain.moe4bit.patch import block_forward, experts_forward, fixed  # noqa: E402
 from leantrain.moe4bit.plan import build_plan  # noqa: E402
 from leantrain.report import Status  # noqa: E402
+from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import load_in_4bit_like  # noqa: E402
 
 

@@ -56,7 +56,7 @@ _SCRIPT = textwrap.dedent(
     from leantrain.moe4bit import _triton
     from leantrain.moe4bit._stacks import stack_from_quant_state, consolidate_linear4bit
     from tests._moe4bit_models import linear4bit_experts_from
-    from leantrain._patching import Undo
+    from leantrain.undo import Undo
     from tests.parity import test_moe4bit as parity
 
     def use_tiles(tiles):

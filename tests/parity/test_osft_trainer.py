@@ -13,8 +13,8 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 import leantrain
+from leantrain.entry import NotReadyError
 from leantrain.osft import OSFTCallback, OSFTLinear, frozen_overlap, osft_layers
-from leantrain.patching import NotReadyError
 from leantrain.report import Status
 from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer
 

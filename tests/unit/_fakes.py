@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from leantrain._registry import Applied, Optimization, PatchContext, Readiness
+from leantrain.optimization import Applied, Optimization, PatchContext, Readiness
 from leantrain.tiny import tiny_model
 
 

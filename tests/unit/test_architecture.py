@@ -1,6 +1,6 @@
 """The package's shape, checked from the source: which module may import which (ARCHITECTURE.md says why).
 
-Layers, top to bottom: the entry point (``leantrain``, ``patching``, ``launch``, ``__main__``, ``demo``), the
+Layers, top to bottom: the entry point (``leantrain``, ``entry``, ``launch``, ``__main__``, ``demo``), the
 optimizations (one package each), the framework (interface, undo, options, report, model adapters, versions). An
 import may only run down; the math of an optimization takes plain values and imports no framework module."""
 
@@ -13,7 +13,7 @@ import pytest
 
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "leantrain"
-ENTRY = {"leantrain", "leantrain.patching", "leantrain.launch", "leantrain.__main__", "leantrain.demo"}
+ENTRY = {"leantrain", "leantrain.entry", "leantrain.launch", "leantrain.__main__", "leantrain.demo"}
 OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit")
 # Math: plain values in, plain values out (no option table, undo, trainer or entry point).
 MATH = {
@@ -22,7 +22,13 @@ MATH = {
     "osft": ("ops", "linear", "_triton"),
     "moe4bit": ("_grouped", "_stacks", "_qstate", "_triton", "lora"),
 }
-FRAMEWORK_FOR_MATH = {"leantrain.config", "leantrain._patching", "leantrain._registry", "leantrain._record"}
+FRAMEWORK_FOR_MATH = {
+    "leantrain.config",
+    "leantrain.fallback",
+    "leantrain.undo",
+    "leantrain.optimization",
+    "leantrain._record",
+}
 
 
 def module_name(path: Path) -> str:

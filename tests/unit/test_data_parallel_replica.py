@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from leantrain._patching import Undo
+from leantrain.undo import Undo
 
 
 def _replica_with_own_weight(module: nn.Linear) -> nn.Linear:

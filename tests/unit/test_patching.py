@@ -6,7 +6,7 @@ from transformers import Trainer
 
 import leantrain
 from leantrain import NotReadyError, Status, patch_trainer, unpatch_trainer
-from leantrain._registry import NotAvailable, registry
+from leantrain.optimization import NotAvailable, registry
 
 from ._fakes import FakeLossOpt, tiny_trainer
 
@@ -25,7 +25,7 @@ def fake(monkeypatch):
         "cggr": opt,
         "grpo_logps": NotAvailable("grpo_logps"),
     }
-    monkeypatch.setattr("leantrain.patching.registry", lambda: fakes)
+    monkeypatch.setattr("leantrain.entry.registry", lambda: fakes)
     return opt
 
 
@@ -197,7 +197,7 @@ def test_fallback_lets_control_flow_through():
     """Checkpoint's early-stop exception and user errors propagate; neither counts as a run-time failure."""
     from torch.utils.checkpoint import _StopRecomputationError
 
-    from leantrain._patching import RuntimeFallback, UserInputError
+    from leantrain.fallback import RuntimeFallback, UserInputError
 
     fallback = RuntimeFallback("x", strict=False)
     for error in (_StopRecomputationError(), UserInputError("bad ratio")):

@@ -22,7 +22,7 @@ from transformers.trainer_utils import SaveStrategy
 import leantrain
 from leantrain import launch
 from leantrain._record import RECORD_NAME, ReportLogCallback, log_entry
-from leantrain.patching import NotReadyError
+from leantrain.entry import NotReadyError
 from tests.unit._fakes import tiny_trainer
 
 

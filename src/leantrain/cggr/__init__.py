@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._registry import Applied, Optimization, PatchContext, Readiness, register
+from ..optimization import Applied, Optimization, PatchContext, Readiness, register
 from .ops import head_share, schedule_ratio, score_tokens, select_topk
 from .patch import Runtime, Settings
 from .probe import AUTO_MIN_HEAD_SHARE, CggrPlan, describe_router, loss_path, probe, resolve_router_layer

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._patching import RuntimeFallback
+from ..fallback import RuntimeFallback
 from ..models import DecoderParts
 from . import ops as _ops
 from .ops import IGNORE_INDEX, count_stand_in, groups_of, schedule_ratio, select_topk, targets_of

@@ -6,9 +6,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .._patching import UserInputError
-from .._registry import PatchContext, Readiness
+from ..fallback import UserInputError
 from ..models import DecoderParts, data_parallel_reason, decoder_parts
+from ..optimization import PatchContext, Readiness
 from .ops import head_share
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .._patching import RuntimeFallback
-from .._registry import Applied, Optimization, PatchContext, Readiness, register
+from ..fallback import RuntimeFallback
+from ..optimization import Applied, Optimization, PatchContext, Readiness, register
 from . import patch as glue
 from .ops import logp_entropy
 from .probe import LogpsPlan, detail, probe

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .._patching import RuntimeFallback
+from ..fallback import RuntimeFallback
 from ..models import head_weight, logit_transform
 from . import ops
 

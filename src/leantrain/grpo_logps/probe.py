@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._registry import PatchContext, Readiness
 from ..models import is_peft_model, unwrap_model
+from ..optimization import PatchContext, Readiness
 from . import ops
 from . import patch as glue
 

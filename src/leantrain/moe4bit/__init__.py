@@ -6,8 +6,9 @@ gpt-oss checkpoints), stock transformers 3-D experts quantized by :func:`quantiz
 transformers 4.x sparse MoE blocks (ModuleLists of expert MLPs) loaded with ``BitsAndBytesConfig(load_in_4bit=True)``.
 
 Files: ``layouts`` finds experts modules, ``probe`` says whether each can be served (and why not), ``plan`` builds
-what the grouped path serves, ``forwards`` are the installed forwards; the math: ``_grouped`` (grouped GEMMs and
-autograd), ``_stacks`` / ``_qstate`` (packed 4-bit stacks), ``_triton`` (fused kernel), ``quantize``.
+what the grouped path serves, ``patch`` the installed forwards (trainer glue), ``_adapters`` reads PEFT's expert
+adapters; the math: ``_grouped`` (grouped GEMMs and autograd), ``lora`` (split LoRA), ``_stacks`` / ``_qstate``
+(packed 4-bit stacks), ``_triton`` (fused kernel), ``quantize``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .._registry import Applied, Optimization, PatchContext, Readiness, register
 from ..models import data_parallel_reason, unwrap_model
+from ..optimization import Applied, Optimization, PatchContext, Readiness, register
 from ._adapters import expert_lora_targets
 from .probe import bnb_reason, fsdp_reason, readiness
 from .quantize import QuantizeReport, quantize_experts_4bit
@@ -30,6 +31,11 @@ class Moe4bit(Optimization):
     """Grouped 4-bit MoE experts (see the module docstring); ``moe_recompute`` re-dequantizes in backward."""
 
     name = "moe4bit"
+    saved_weights = (
+        "unchanged keys: quantize_experts_4bit's stacks save packed with their quantization state (load_state_dict "
+        "into a model quantized the same way); per-expert Linear4bit weights the grouped path consolidates stay each "
+        "expert's own parameter (views of one buffer); expert LoRA adapters save with PEFT's save_pretrained"
+    )
 
     def check_environment(self) -> tuple[str, ...]:
         reason = bnb_reason()
@@ -56,8 +62,8 @@ class Moe4bit(Optimization):
 
     def apply(self, trainer: Any, plan: Any, ctx: PatchContext) -> Applied:
         from . import _adapters
-        from .forwards import block_forward, experts_forward, fixed
         from .layouts import block_recipe
+        from .patch import block_forward, experts_forward, fixed
         from .plan import build_plan, live_stacked_plan
         from .probe import fsdp2
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._registry import Readiness, optional_import_reason
 from ..models import unwrap_model
+from ..optimization import Readiness, optional_import_reason
 from ._grouped import grouped_mm
 from ._stacks import MAX_ELEMENTS_PER_CALL, NESTED_BLOCKSIZE, state_tensors
 from .layouts import (

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._registry import Applied, Optimization, PatchContext, Readiness, register
+from ..optimization import Applied, Optimization, PatchContext, Readiness, register
 from .convert import Conversion, convert, dense_state_dict, merge, osft_layers
 from .distributed import fully_shard, shard_placement_fn
 from .linear import OSFTLinear
@@ -60,6 +60,7 @@ def __getattr__(name: str) -> Any:
 class OSFT(Optimization):
     name = "osft"
     trainer_kinds = ("sft", "trainer", "grpo")
+    off_by_default_why = "changes the model (SVD-factored linears, updates kept off the frozen subspace)"
     saved_weights = (
         "save_model() writes dense weights that stock from_pretrained loads (export_state_dict); the checkpoints "
         "train() writes keep the six factors per target, so resume_from_checkpoint resumes exactly"

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._patching import Undo
 from ..models import unwrap_model
+from ..undo import Undo
 from .linear import FACTORS, OSFTLinear, dense_module, high_rank, is_conv1d, rebuild
 from .probe import plan_targets
 

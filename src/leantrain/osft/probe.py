@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._registry import PatchContext, Readiness
 from ..models import text_config, unwrap_model
+from ..optimization import PatchContext, Readiness
 from .linear import is_conv1d
 
 

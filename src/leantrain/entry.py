@@ -8,10 +8,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._patching import RuntimeFallback, Undo
-from ._registry import Applied, Optimization, PatchContext, Readiness, registry
 from .config import ResolvedConfig, resolve_config
+from .fallback import RuntimeFallback
+from .optimization import Applied, Optimization, PatchContext, Readiness, registry
 from .report import PatchOutcome, PatchReport, Status
+from .undo import Undo
 
 
 logger = logging.getLogger("leantrain")

@@ -15,8 +15,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ._patching import RuntimeFallback, Undo
 from .config import OPTIMIZATIONS, ResolvedConfig
+from .fallback import RuntimeFallback
+from .undo import Undo
 
 
 TRAINER_KINDS = ("sft", "grpo", "trainer")
