@@ -10,14 +10,13 @@ logic on CPU (TRL's and leantrain's torch paths; the real-rule test needs Triton
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.gpu._device import DEVICE, dev_fixture, needs_device  # noqa: E402, F401 (the "dev" fixture)
 
-DEVICE = os.environ.pop("LEANTRAIN_TEST_DEVICE", "cuda")  # popped: leantrain rejects unknown LEANTRAIN_* names
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
+
+pytestmark = needs_device
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("trl.kernels.chunked_logprob")
@@ -32,14 +31,6 @@ from tests.parity.test_grpo_logps_trainer import count_op_calls  # noqa: E402
 
 
 TEMPERATURE = 0.7  # _grpo_helpers.make_trainer's
-
-
-@pytest.fixture
-def dev(request) -> torch.device:
-    if DEVICE == "cuda":
-        return request.getfixturevalue("cuda")  # tests/gpu/conftest.py: TF32 off, seeded
-    torch.manual_seed(0)
-    return torch.device("cpu")
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,16 @@ twice the bound.
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
 import pytest
 import torch
 import transformers
 
+from tests.gpu._device import DEVICE, dev_fixture, needs_device  # noqa: E402, F401 (the "dev" fixture)
 
-DEVICE = os.environ.pop("LEANTRAIN_TEST_DEVICE", "cuda")  # popped: leantrain rejects unknown LEANTRAIN_* names
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
+
+pytestmark = needs_device
 
 bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as bnbf  # noqa: E402
@@ -54,14 +54,6 @@ FP32_REL = 256 * torch.finfo(torch.float32).eps
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
 ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@pytest.fixture
-def dev(request) -> torch.device:
-    if DEVICE == "cuda":
-        return request.getfixturevalue("cuda")  # tests/gpu/conftest.py: TF32 off, seeded
-    torch.manual_seed(0)
-    return torch.device(DEVICE)
 
 
 def rel(dtype: torch.dtype, grads: bool = False) -> float:

@@ -15,15 +15,15 @@ two more roundings: twice that. Whole models: as tests/gpu/test_moe4bit_cuda.py 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 import transformers
 
+from tests.gpu._device import DEVICE, dev_fixture, needs_device  # noqa: E402, F401 (the "dev" fixture)
 
-DEVICE = os.environ.pop("LEANTRAIN_TEST_DEVICE", "cuda")  # popped: leantrain rejects unknown LEANTRAIN_* names
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
+
+pytestmark = needs_device
 
 pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -37,14 +37,6 @@ from tests.parity import test_moe4bit_lora as parity  # noqa: E402
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
 FP32_REL = 256 * torch.finfo(torch.float32).eps
 ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
-
-
-@pytest.fixture
-def dev(request) -> torch.device:
-    if DEVICE == "cuda":
-        return request.getfixturevalue("cuda")  # tests/gpu/conftest.py: TF32 off, seeded
-    torch.manual_seed(0)
-    return torch.device(DEVICE)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

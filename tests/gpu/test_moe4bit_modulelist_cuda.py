@@ -16,14 +16,13 @@ fp32 and rounds once): a few roundings, BF16_REL = 4 * eps_bf16; gradients pass 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.gpu._device import DEVICE, dev_fixture, needs_device  # noqa: E402, F401 (the "dev" fixture)
 
-DEVICE = os.environ.pop("LEANTRAIN_TEST_DEVICE", "cuda")  # popped: leantrain rejects unknown LEANTRAIN_* names
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
+
+pytestmark = needs_device
 
 pytest.importorskip("bitsandbytes")
 
@@ -37,14 +36,6 @@ HIDDEN, INTER = 256, 128
 FP32_REL = 256 * torch.finfo(torch.float32).eps
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@pytest.fixture
-def dev(request) -> torch.device:
-    if DEVICE == "cuda":
-        return request.getfixturevalue("cuda")  # tests/gpu/conftest.py: TF32 off, seeded
-    torch.manual_seed(0)
-    return torch.device(DEVICE)
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, bound: float, what: str) -> None:
