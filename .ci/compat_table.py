@@ -96,10 +96,19 @@ def moe_trainer(family: str, layout: str, out: str) -> Any:
     from tests._moe4bit_models import convert_model_to_linear4bit_experts
 
     model = tiny_model(family, vocab_size=VOCAB, hidden=128, layers=2)
-    if layout == "stacked":
+    if layout in ("stacked", "stacked+lora"):
         leantrain.quantize_experts_4bit(model)
+    elif layout == "bnb":  # what BitsAndBytesConfig(load_in_4bit=True) makes: every nn.Linear but router and head
+        from tests._moe4bit_models import load_in_4bit_like
+
+        load_in_4bit_like(model, skip=("gate", "router", "lm_head"))
     else:
         convert_model_to_linear4bit_experts(model)
+    if layout == "stacked+lora":  # LoRA on attention and on the 4-bit expert stacks (PEFT target_parameters)
+        from peft import LoraConfig, get_peft_model
+
+        targets = leantrain.expert_lora_targets(model)
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], target_parameters=targets))
     return plain_trainer(model.train(), out)
 
 
@@ -122,6 +131,16 @@ SCENARIOS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
         lambda o: moe_trainer("gpt_oss", "stacked", o),
     ),
     ("moe4bit", "Trainer, gpt-oss Linear4bit expert lists", lambda o: moe_trainer("gpt_oss", "linear4bit", o)),
+    (
+        "moe4bit",
+        "Trainer, Qwen3-MoE loaded as BitsAndBytesConfig(load_in_4bit) would",
+        lambda o: moe_trainer("qwen3_moe", "bnb", o),
+    ),
+    (
+        "moe4bit",
+        "Trainer, Qwen3-MoE 4-bit 3-D experts + LoRA on them (target_parameters)",
+        lambda o: moe_trainer("qwen3_moe", "stacked+lora", o),
+    ),
 )
 
 
@@ -201,7 +220,26 @@ def render(records: list[dict[str, Any]]) -> str:
             for row in rec["rows"]:
                 if row["optimization"] == name:
                     lines.append(f"| `{rec['set']}` | {row['scenario']} | **{row['status']}**: {row['why']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ENGINES) + "\n"
+
+
+# The engines the distributed tests run (tests/distributed, 2 CPU processes over gloo, latest set, in CI) and what
+# has run on GPUs; measured distances in benchmarks/results/distributed/cpu_engines.md.
+ENGINES = [
+    "",
+    "## Distributed engines",
+    "",
+    "| engine | run in CI (2 CPU processes, gloo, vs one process on the same global batch) | on GPUs |",
+    "| --- | --- | --- |",
+    "| DDP | CGGR, fused log-probs, OSFT, moe4bit | 2x H200 (NCCL) on 2026-11-24: SFT+CGGR, SFT+OSFT, GRPO |",
+    "| FSDP2 | CGGR, fused log-probs, OSFT (both V layouts), moe4bit (plan per call) | 2x H200 (NCCL) on 2026-11-24 |",
+    "| DeepSpeed ZeRO-2 | CGGR, fused log-probs (OSFT declines), `examples/train_sft.py` | "
+    "2x H200 on 2026-11-24: SFT+CGGR |",
+    "| DeepSpeed ZeRO-3 | CGGR, fused log-probs (partitioned head gathered; OSFT and moe4bit decline), "
+    "`examples/train_sft.py` | 2x H200 on 2026-11-24: GRPO |",
+    "| `nn.DataParallel` (one process, several GPUs) | CGGR and moe4bit decline (probe tests with n_gpu=2) | "
+    "`tests/gpu/test_data_parallel.py`: not run yet (needs 2 GPUs) |",
+]
 
 
 def main(argv: list[str]) -> int:

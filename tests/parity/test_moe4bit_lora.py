@@ -174,7 +174,9 @@ def test_stacked_target_parameters_fp32(family, tmp_path):
 
 def test_stacked_target_parameters_bf16(tmp_path):
     quantized, plain = stacked_pair("qwen3_moe", torch.bfloat16)
+    exact = copy.deepcopy(plain).float()  # the same (bf16-rounded) weights in fp32: what both bf16 runs estimate
     ref_loss, ref_grads = step(plain)
+    _, exact_grads = step(exact)
     trainer = patch(quantized, tmp_path)
     loss, grads = step(quantized)
     eps = 2**-8  # bf16 unit roundoff
@@ -182,8 +184,13 @@ def test_stacked_target_parameters_bf16(tmp_path):
     # a handful of bf16 roundings of each quantity's scale
     assert close(loss, ref_loss, eps, 4)[0], (loss, ref_loss)
     for name, grad in grads.items():
-        ok, err, scale = close(grad, ref_grads[name], eps, 16)
-        assert ok, f"{name}: {err:.3g} vs scale {scale:.3g}"
+        # A gradient summed over many tokens with cancellation can differ between two bf16 summation orders by more
+        # than a few roundings of its scale (seen on other CPUs and peft versions, and on an H100): each path must
+        # estimate the fp32 gradient of the same weights as well as the other does, within a factor 2 and a few
+        # roundings of the scale.
+        _, ours, scale = close(grad, exact_grads[name], eps, 16)
+        _, stock, _ = close(ref_grads[name], exact_grads[name], eps, 16)
+        assert ours <= 2 * stock + 4 * eps * scale, f"{name}: bf16 error {ours:.3g} vs PEFT's {stock:.3g}"
     leantrain.unpatch_trainer(trainer)
 
 
