@@ -77,14 +77,15 @@ def quantize_layer(layer: torch.nn.Module, experts_4bit: bool, dtype: torch.dtyp
         quantize_experts_4bit(layer)
 
 
-def lora_config(s: Settings, model: torch.nn.Module, experts_4bit: bool) -> Any:
+def lora_config(s: Settings, model: torch.nn.Module, leantrain_targets: bool) -> Any:
     """LoRA on attention and on both expert stacks. PEFT matches quantized stacks only by their full names:
-    ``leantrain.expert_lora_targets(model)`` gives them (the suffixes match the bf16 stacks)."""
+    ``leantrain.expert_lora_targets(model)`` gives them (the leantrain variant); the stock call's suffixes match the
+    bf16 stacks and nothing on quantized ones (the unpatched 4-bit variant then records "no expert adapters")."""
     from peft import LoraConfig
 
     from leantrain import expert_lora_targets
 
-    experts = expert_lora_targets(model) if experts_4bit else list(EXPERT_PARAMETERS)
+    experts = expert_lora_targets(model) if leantrain_targets else list(EXPERT_PARAMETERS)
     return LoraConfig(
         r=s.lora_r,
         lora_alpha=2 * s.lora_r,
@@ -132,7 +133,7 @@ def recipe_moe_qlora_experts(s: Settings, budget: Budget, args: argparse.Namespa
                     checkpointing=s.cuda,
                 )
 
-                def make(layers=layers, experts_4bit=experts_4bit) -> tuple[Any, dict]:
+                def make(layers=layers, experts_4bit=experts_4bit, patched=patched) -> tuple[Any, dict]:
                     layout = "4-bit experts" if experts_4bit else "bf16 experts"
                     model, info = build_layerwise(
                         "Qwen3MoeConfig",
@@ -151,7 +152,7 @@ def recipe_moe_qlora_experts(s: Settings, budget: Budget, args: argparse.Namespa
                         tmp,
                         warmup + timed,
                         s,
-                        peft_config=lora_config(s, model, experts_4bit),
+                        peft_config=lora_config(s, model, experts_4bit and patched),
                         learning_rate=2e-4,
                         per_device_train_batch_size=s.moex_batch,
                         max_length=s.moex_seq,
