@@ -10,6 +10,7 @@ to); :func:`linear4bit_experts_from` converts a stock gpt-oss (or Qwen3-MoE / Mi
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 
 from leantrain.moe4bit._grouped import clamp_swiglu, gated_act
@@ -225,3 +226,24 @@ def patch_block_4x(block: nn.Module, undo, recompute: bool = True, strict: bool 
     )
     fallback = RuntimeFallback("moe4bit", strict=strict)
     undo.wrap_method(block, "forward", block_forward(block, plan_for, normalize, shared, fallback))
+
+
+def token_trainer(
+    model: nn.Module, tmp_path, steps: int = 2, learning_rate: float = 1e-3, vocab: int = 256, seq: int = 16
+) -> transformers.Trainer:
+    """A plain CPU ``Trainer`` on 8 seeded rows of ``seq`` tokens (labels = inputs), batch 2, logging every step."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    ids = torch.randint(3, vocab, (8, seq), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row.clone()} for row in ids]
+    return transformers.Trainer(model=model, args=args, train_dataset=data)

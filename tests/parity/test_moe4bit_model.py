@@ -25,7 +25,7 @@ import leantrain  # noqa: E402
 from leantrain.moe4bit import _grouped  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
-from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
+from tests._moe4bit_models import convert_model_to_linear4bit_experts, token_trainer  # noqa: E402
 
 
 ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
@@ -48,21 +48,7 @@ def batch(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def make_trainer(model, tmp_path, steps: int = 2) -> transformers.Trainer:
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        max_steps=steps,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    ids = batch(8, seed=1)["input_ids"]
-    data = [{"input_ids": row, "labels": row.clone()} for row in ids]
-    return transformers.Trainer(model=model, args=args, train_dataset=data)
+    return token_trainer(model, tmp_path, steps, learning_rate=1e-3, vocab=VOCAB, seq=SEQ)
 
 
 def step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:

@@ -35,7 +35,7 @@ from leantrain.moe4bit.patch import block_forward, experts_forward, fixed  # noq
 from leantrain.moe4bit.plan import build_plan  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
-from tests._moe4bit_models import load_in_4bit_like  # noqa: E402
+from tests._moe4bit_models import load_in_4bit_like, token_trainer  # noqa: E402
 
 
 HIDDEN, INTER, EXPERTS = 128, 64, 6
@@ -345,21 +345,7 @@ def tiny_4bit(family: str) -> transformers.PreTrainedModel:
 
 
 def make_trainer(model, tmp_path, steps: int = 2) -> transformers.Trainer:
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        max_steps=steps,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    ids = torch.randint(3, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(1))
-    data = [{"input_ids": row, "labels": row.clone()} for row in ids]
-    return transformers.Trainer(model=model, args=args, train_dataset=data)
+    return token_trainer(model, tmp_path, steps, learning_rate=1e-2, vocab=VOCAB, seq=SEQ)
 
 
 def batch() -> dict[str, torch.Tensor]:
