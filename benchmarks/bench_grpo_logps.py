@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
-from leantrain.grpo_logps import ops  # noqa: E402
+from leantrain.lm_head import ops  # noqa: E402
 
 
 BENCH = "grpo_logps"

@@ -33,8 +33,8 @@ import bench_grpo_logps as bench  # noqa: E402
 from _harness import RESULTS, Row, markdown_table, peak_memory, read_rows, time_fn, write_results  # noqa: E402
 
 from leantrain.config import LeantrainConfig  # noqa: E402
-from leantrain.grpo_logps import ops
 from leantrain.grpo_logps import patch as glue  # noqa: E402
+from leantrain.lm_head import ops  # noqa: E402
 
 
 BENCH = "grpo_logps_nograd"

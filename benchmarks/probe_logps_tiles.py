@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import time_fn  # noqa: E402
 
-from leantrain.grpo_logps import ops
+from leantrain.lm_head import ops
 
 
 dev = torch.device("cuda")

@@ -3,6 +3,7 @@ PEFT, DDP/FSDP and torch.compile wrappers."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,3 +120,40 @@ def head_weight(head: nn.Module) -> torch.Tensor:
     if hasattr(weight, "full_tensor"):
         weight = weight.full_tensor()
     return weight
+
+
+def head_weight_reasons(weight: Any) -> list[str]:
+    """What the fused LM-head op cannot take as a head weight, before any call (per call: ``lm_head._checks``)."""
+    if not isinstance(weight, torch.Tensor):
+        return [f"the LM head has no weight tensor (got {type(weight).__name__})"]
+    reasons = []
+    shape = getattr(weight, "ds_shape", weight.shape)  # ZeRO-3 partitioned: empty here, gathered around the op
+    if len(shape) != 2:
+        reasons.append(f"the LM head weight is {len(shape)}-D, expected [vocab, hidden]")
+    if not weight.dtype.is_floating_point:
+        reasons.append(f"the LM head weight is {weight.dtype} (a quantized head)")
+    if weight.device.type == "meta":
+        reasons.append("the LM head weight is on the meta device (offloaded by a device map)")
+    return reasons
+
+
+def zero3_gather(*params: torch.Tensor | None) -> Any:
+    """A context in which DeepSpeed ZeRO-3 partitioned ``params`` hold their full tensors (nothing to do elsewhere).
+
+    Like TRL's own fused head, it gathers only what is not available yet: inside the engine's forward, reading
+    ``lm_head.weight`` already gathers it for the running module (DeepSpeed >= 0.15 parameter access), and gathering
+    an available parameter again would release it under that module. The op's backward recomputes the logits tiles
+    with the weight (trainable head), so it enters the same context; the full-shape weight gradient it returns is
+    reduced and partitioned by ZeRO's own gradient hooks."""
+    pending = [p for p in params if p is not None and hasattr(p, "ds_id") and not _available(p)]
+    if not pending:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(pending, modifier_rank=None)
+
+
+def _available(param: torch.Tensor) -> bool:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return param.ds_status == ZeroParamStatus.AVAILABLE

@@ -411,7 +411,7 @@ def grpo_stock(engine: str, out: Path, batch: int) -> dict[str, Any]:
 
 
 def grpo_fused(engine: str, out: Path, batch: int) -> dict[str, Any]:
-    from leantrain.grpo_logps import ops
+    from leantrain.lm_head import ops
 
     completions: list = []
     trainer = grpo_trainer(engine, out, batch, completions)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from leantrain.grpo_logps import ops
+from leantrain.lm_head import ops
 
 
 trl_kernels = pytest.importorskip("trl.kernels.chunked_logprob")
@@ -322,7 +322,7 @@ def test_triton_and_torch_backends_agree(cuda):
 
 def test_declines_before_launch(cuda):
     """Inputs the kernels cannot take raise UnsupportedInput on the host: never an illegal memory access."""
-    from leantrain.grpo_logps._checks import UnsupportedInput
+    from leantrain.lm_head._checks import UnsupportedInput
 
     hidden, weight, targets, _, _ = make_inputs(Case(64, 1000, 128, torch.bfloat16), cuda)
     with pytest.raises(UnsupportedInput, match="one device"):

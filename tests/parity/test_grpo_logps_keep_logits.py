@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from leantrain.grpo_logps import ops
+from leantrain.lm_head import ops
 from tests._interpreter import run_interpreted
 from tests.parity.test_grpo_logps_op import make_inputs
 
@@ -188,7 +188,7 @@ _TRITON_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    from leantrain.grpo_logps import ops
+    from leantrain.lm_head import ops
     torch.manual_seed(0)
     ops.MAX_TILE_ROWS, ops.MAX_TILE_COLS = 16, 160  # 3 x 3 tiles, ragged last ones
     n, h, v = 37, 32, 403

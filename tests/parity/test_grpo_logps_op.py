@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from leantrain.grpo_logps import ops
+from leantrain.lm_head import ops
 
 
 N, H, V = 123, 48, 1001
@@ -183,7 +183,7 @@ def test_plan_tiles_respects_budget():
 _TRITON_SCRIPT = textwrap.dedent(
     """
     import torch
-    from leantrain.grpo_logps import ops
+    from leantrain.lm_head import ops
     torch.manual_seed(0)
     ops.MAX_TILE_COLS = 160  # several vocab tiles and a ragged last one
     n, h, v = 37, 32, 403
@@ -232,7 +232,7 @@ def test_triton_kernels_in_interpreter_match_torch():
     ],
 )
 def test_malformed_inputs_raise_before_launch(make, match):
-    from leantrain.grpo_logps._checks import UnsupportedInput
+    from leantrain.lm_head._checks import UnsupportedInput
 
     hidden, weight, targets = make(*make_inputs(n=9, v=31, h=8))
     with pytest.raises(UnsupportedInput, match=match):
@@ -241,7 +241,7 @@ def test_malformed_inputs_raise_before_launch(make, match):
 
 def test_triton_backend_declines_unsupported_inputs(monkeypatch):
     """CPU tensors and fp64 are declined for Triton up front (a launch on them would not be a clean error)."""
-    from leantrain.grpo_logps._checks import UnsupportedInput, input_reasons
+    from leantrain.lm_head._checks import UnsupportedInput, input_reasons
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter is the one CPU place Triton may run
     hidden, weight, targets = make_inputs(n=9, v=31, h=8)
@@ -273,7 +273,7 @@ def test_unsupported_input_falls_back_to_torch(monkeypatch):
 
 
 def test_probe_declines_unusable_head_weights():
-    from leantrain.grpo_logps.patch import weight_reasons
+    from leantrain.models import head_weight_reasons as weight_reasons
 
     assert weight_reasons(torch.zeros(4, 3)) == []
     assert "quantized head" in weight_reasons(torch.zeros(4, 3, dtype=torch.uint8))[0]

@@ -17,8 +17,9 @@ import transformers  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._compat import TRL_FUSED_LM_HEAD  # noqa: E402
-from leantrain.grpo_logps import GrpoLogps, ops  # noqa: E402
+from leantrain.grpo_logps import GrpoLogps  # noqa: E402
 from leantrain.grpo_logps import patch as glue  # noqa: E402
+from leantrain.lm_head import ops  # noqa: E402
 from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """The package's shape, checked from the source: which module may import which (ARCHITECTURE.md says why).
 
 Layers, top to bottom: the entry point (``leantrain``, ``entry``, ``launch``, ``__main__``, ``demo``), the
-optimizations (one package each), the framework (interface, undo, options, report, model adapters, versions). An
-import may only run down; the math of an optimization takes plain values and imports no framework module."""
+optimizations (one package each), the framework (interface, undo, options, report, model adapters, versions) and
+the shared math (``lm_head``). An import may only run down; math takes plain values and imports no framework module."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit")
 # Math: plain values in, plain values out (no option table, undo, trainer or entry point).
 MATH = {
     "cggr": ("ops",),
-    "grpo_logps": ("ops", "_triton"),
+    "grpo_logps": (),
     "osft": ("ops", "linear", "_triton"),
     "moe4bit": ("_grouped", "_stacks", "_qstate", "_triton", "lora"),
 }
+# Math that several optimizations share: plain values, and no optimization, framework or entry point above it.
+SHARED_MATH = ("lm_head",)
 FRAMEWORK_FOR_MATH = {
     "leantrain.config",
     "leantrain.fallback",
@@ -74,16 +76,23 @@ def test_no_optimization_imports_the_entry_point(package):
 
 
 @pytest.mark.parametrize("package", OPTIMIZATIONS)
-def test_optimizations_do_not_import_each_other_except_named_ops(package):
-    """An optimization may reuse a sibling's math (CGGR scores tokens with grpo_logps' kernel), nothing else."""
+def test_optimizations_do_not_import_each_other(package):
+    """Math two optimizations need lives in a shared math package (CGGR and GRPO score tokens with ``lm_head``)."""
     prefix = f"leantrain.{package}"
     for module, deps in GRAPH.items():
-        if not module.startswith(prefix):
-            continue
-        for dep in deps:
-            other = next((o for o in OPTIMIZATIONS if dep.startswith(f"leantrain.{o}") and o != package), None)
-            if other:
-                assert dep.rpartition(".")[2] in MATH[other], f"{module} imports {dep}, not {other}'s math"
+        if module.startswith(prefix):
+            others = [d for d in deps if any(d.startswith(f"leantrain.{o}") for o in OPTIMIZATIONS if o != package)]
+            assert not others, f"{module} imports {others}: move shared math to {SHARED_MATH}"
+
+
+@pytest.mark.parametrize("package", SHARED_MATH)
+def test_shared_math_takes_plain_values(package):
+    prefix = f"leantrain.{package}"
+    modules = [m for m in GRAPH if m.startswith(prefix)]
+    assert modules, f"{prefix} does not exist"
+    for module in modules:
+        bad = {d for d in GRAPH[module] if d.startswith("leantrain") and not d.startswith(prefix)}
+        assert not bad, f"{module} (shared math) imports {sorted(bad)}"
 
 
 def test_framework_imports_no_optimization_or_entry_point():

@@ -34,7 +34,9 @@ def test_2_package_and_file_roles(name):
     package = ROOT / "src" / "leantrain" / name
     for role in ("__init__.py", "probe.py", "patch.py"):
         assert (package / role).exists(), f"{name}: no {role}"
-    assert any((package / m).exists() for m in ("ops.py", "_grouped.py")), f"{name}: no math module"
+    own_math = any((package / m).exists() for m in ("ops.py", "_grouped.py"))
+    shared_math = any("..lm_head" in f.read_text() for f in package.glob("*.py"))
+    assert own_math or shared_math, f"{name}: no math module (its own ops.py, or the shared leantrain.lm_head)"
     opt = registry()[name]
     assert type(opt).__module__ == f"leantrain.{name}", f"{name}: the Optimization is not in its __init__.py"
     assert isinstance(opt, Optimization) and opt.name == name and opt.trainer_kinds

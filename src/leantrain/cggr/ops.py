@@ -20,7 +20,7 @@ whose length is the valid count. That count is a host integer, so the gathered s
 it to host memory without blocking before the forward starts (``patch.HostCount``) and the router only waits for that
 copy, never for the forward itself. Padding and prompt positions cost no LM-head GEMM.
 
-``entropy`` and ``loss`` go through leantrain's fused no-grad log-prob/entropy kernel (``grpo_logps.ops``: Triton fold
+``entropy`` and ``loss`` go through leantrain's fused no-grad log-prob/entropy kernel (``lm_head.ops``: Triton fold
 over cuBLAS tiles on CUDA, torch tiles elsewhere; a sibling package, imported here on purpose) when the head is a plain
 bias-free ``nn.Linear``. ``margin`` needs the second-largest probability, which that kernel does not track, and heads
 wrapped by PEFT or quantization (or with a bias) use a torch path that calls the head module itself in row chunks.
@@ -147,7 +147,7 @@ def fused_ok(parts: DecoderParts, scoring: str) -> bool:
 
 
 def _fused_scores(parts: DecoderParts, hidden: torch.Tensor, targets: torch.Tensor, scoring: str) -> torch.Tensor:
-    from ..grpo_logps.ops import logp_entropy  # sibling optimization's kernel (no upward import)
+    from ..lm_head.ops import logp_entropy  # the shared LM-head math
 
     log_probs, entropy = logp_entropy(
         _norm(parts, hidden),

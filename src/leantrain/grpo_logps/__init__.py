@@ -1,8 +1,8 @@
 """Fused GRPO/RLOO log-probs and entropies: no [B, T, V] logits, 2 GEMMs instead of 3 with a frozen LM head.
 
 ``probe.py`` finds the TRL path and the models (the plan), ``patch.py`` is the trainer glue (TRL's head settings,
-the wrapped forwards, the no-grad dispatch to TRL's own head where it measured faster), ``ops.py`` the op,
-``_triton.py`` its kernels, ``_checks.py`` the op's input checks before any launch."""
+the wrapped forwards, the no-grad dispatch to TRL's own head where it measured faster). The op is the shared LM-head
+math in ``leantrain.lm_head``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import functools
 from typing import Any
 
 from ..fallback import RuntimeFallback
+from ..lm_head.ops import logp_entropy
 from ..optimization import Applied, Optimization, PatchContext, Readiness, register
 from . import patch as glue
-from .ops import logp_entropy
 from .probe import LogpsPlan, detail, probe
 
 

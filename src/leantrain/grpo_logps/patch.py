@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ..fallback import RuntimeFallback
-from ..models import head_weight, logit_transform
-from . import ops
+from ..lm_head import ops
+from ..models import head_weight, head_weight_reasons, logit_transform, zero3_gather
 
 
 FUSED_OUTPUTS = ("log_probs", "entropy")
@@ -118,44 +118,7 @@ def head_reasons(model: nn.Module) -> list[str]:
     if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
         reasons.append("the LM head carries a PEFT adapter: remove 'lm_head' from target_modules")
         return reasons
-    return reasons + weight_reasons(getattr(head, "weight", None))
-
-
-def weight_reasons(weight: Any) -> list[str]:
-    """What the fused op cannot take as an LM head weight, known before any call (see ``_checks`` for per-call)."""
-    if not isinstance(weight, torch.Tensor):
-        return [f"the LM head has no weight tensor (got {type(weight).__name__}): TRL's head runs"]
-    reasons = []
-    shape = getattr(weight, "ds_shape", weight.shape)  # ZeRO-3 partitioned: empty here, gathered around the op
-    if len(shape) != 2:
-        reasons.append(f"the LM head weight is {len(shape)}-D, expected [vocab, hidden]: TRL's head runs")
-    if not weight.dtype.is_floating_point:
-        reasons.append(f"the LM head weight is {weight.dtype} (a quantized head): TRL's head runs")
-    if weight.device.type == "meta":
-        reasons.append("the LM head weight is on the meta device (offloaded by a device map): TRL's head runs")
-    return reasons
-
-
-def zero3_gather(*params: torch.Tensor | None) -> Any:
-    """A context in which DeepSpeed ZeRO-3 partitioned ``params`` hold their full tensors (nothing to do elsewhere).
-
-    Like TRL's own fused head, it gathers only what is not available yet: inside the engine's forward, reading
-    ``lm_head.weight`` already gathers it for the running module (DeepSpeed >= 0.15 parameter access), and gathering
-    an available parameter again would release it under that module. The op's backward recomputes the logits tiles
-    with the weight (trainable head), so it enters the same context; the full-shape weight gradient it returns is
-    reduced and partitioned by ZeRO's own gradient hooks."""
-    pending = [p for p in params if p is not None and hasattr(p, "ds_id") and not _available(p)]
-    if not pending:
-        return nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(pending, modifier_rank=None)
-
-
-def _available(param: torch.Tensor) -> bool:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return param.ds_status == ZeroParamStatus.AVAILABLE
+    return reasons + [f"{r}: TRL's head runs" for r in head_weight_reasons(getattr(head, "weight", None))]
 
 
 @dataclass

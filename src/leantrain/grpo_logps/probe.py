@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..lm_head import ops
 from ..models import is_peft_model, unwrap_model
 from ..optimization import PatchContext, Readiness
-from . import ops
 from . import patch as glue
 
 
