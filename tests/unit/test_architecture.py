@@ -13,7 +13,15 @@ import pytest
 
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "leantrain"
-ENTRY = {"leantrain", "leantrain.entry", "leantrain.launch", "leantrain.__main__", "leantrain.demo"}
+ENTRY = {
+    "leantrain",
+    "leantrain.entry",
+    "leantrain.launch",
+    "leantrain.__main__",
+    "leantrain.demo",
+    "leantrain.compare",
+    "leantrain._measure",
+}
 OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit")
 # Math: plain values in, plain values out (no option table, undo, trainer or entry point).
 MATH = {
