@@ -104,12 +104,6 @@ class Measurement:
 # --- peak memory ------------------------------------------------------------------------------------------------
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
 def _rss_high_water() -> int | None:
     """This process's peak resident memory since the last reset (Linux VmHWM), in bytes; None elsewhere."""
     try:
@@ -120,12 +114,12 @@ def _rss_high_water() -> int | None:
     return int(found.group(1)) * 1024 if found else None
 
 
-def reset_peak_memory() -> str:
+def reset_peak_memory(cuda: bool) -> str:
     """Start a peak-memory window; returns what will be read: CUDA's max allocated, or the process's peak RSS
     (reset through /proc/self/clear_refs; where that is refused, the peak since the process started)."""
     import torch
 
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
         return "CUDA max allocated"
     try:
@@ -136,10 +130,10 @@ def reset_peak_memory() -> str:
         return "peak RSS since start"
 
 
-def peak_memory() -> int | None:
+def peak_memory(cuda: bool) -> int | None:
     import torch
 
-    if torch.cuda.is_available():
+    if cuda:
         return int(torch.cuda.max_memory_allocated())
     found = _rss_high_water()
     if found is not None:
@@ -147,6 +141,11 @@ def peak_memory() -> int | None:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _on_cuda(trainer: Any) -> bool:
+    device = getattr(trainer.args, "device", None)
+    return getattr(device, "type", "cpu") == "cuda"
 
 
 # --- what the run is --------------------------------------------------------------------------------------------
@@ -199,10 +198,10 @@ class StepMeter:
         self._logs: dict[int, dict[str, float]] = {}
         self._inputs_tokens: Any = None  # a device tensor summed without a host sync; read at the step's end
         self._counted: list[int] = []
-        self._trainer: Any = None
+        self.cuda = False
 
     def _now(self) -> float:
-        if _cuda():
+        if self.cuda:
             import torch
 
             torch.cuda.synchronize()
@@ -212,11 +211,11 @@ class StepMeter:
         from transformers import TrainerCallback
 
         meter = self
-        self._trainer = trainer
+        self.cuda = _on_cuda(trainer)
 
         class Begin(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
-                meter.result.peak_kind = reset_peak_memory()
+                meter.result.peak_kind = reset_peak_memory(meter.cuda)
 
             def on_step_begin(self, args, state, control, **kwargs):
                 meter._inputs_tokens = None
@@ -234,7 +233,7 @@ class StepMeter:
                     meter._logs.setdefault(state.global_step, {}).update(numeric)
 
             def on_train_end(self, args, state, control, **kwargs):
-                meter.result.peak_bytes = peak_memory()
+                meter.result.peak_bytes = peak_memory(meter.cuda)
 
         trainer.callback_handler.callbacks.insert(0, Begin())
         trainer.add_callback(End())
@@ -402,7 +401,7 @@ def measure_run(
     result.applied = list(current.applied) if current is not None else []
     result.changes_math = _math_changing(result.applied)
     result.dtype, result.layers = compute_dtype(trainer), decoder_layers(trainer)
-    result.device = "cuda" if _cuda() else "cpu"
+    result.device = "cuda" if meter.cuda else "cpu"
     result.world_size = int(getattr(trainer.args, "world_size", 1) or 1)
     result.requested_steps, result.max_steps = steps, asked
     if completions is not None:

@@ -550,7 +550,10 @@ def report_text(runs: Sequence[Measurement]) -> str:
     return str(PatchReport(data["trainer_kind"], outcomes, tuple(data.get("notes", ()))))
 
 
-def table(runs: Sequence[Measurement], result: dict[str, Any], warmup: int) -> str:
+def table(
+    runs: Sequence[Measurement], result: dict[str, Any], warmup: int, extra: Sequence[tuple[str, str, str]] = ()
+) -> str:
+    """Side by side: step time, peak memory, tokens/s, losses (and ``extra`` rows), then the ratio's spread."""
     by_mode = {m: [r for r, o in zip(runs, ORDER) if o == m] for m in MODES}
     speed = result["speed"]
     kind = runs[0].peak_kind or "peak memory"
@@ -569,6 +572,7 @@ def table(runs: Sequence[Measurement], result: dict[str, Any], warmup: int) -> s
             "loss, first / last step",
             *(f"{_fmt(by_mode[m][0].losses[0], '.4f')} / {_fmt(by_mode[m][0].losses[-1], '.4f')}" for m in MODES),
         ),
+        *extra,
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
