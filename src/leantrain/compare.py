@@ -526,6 +526,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None or not math.isfinite(value) else format(value, spec)
 
 
+def _loss(value: float | None) -> str:
+    """Six decimals, or three significant digits for a loss near 0 (GRPO's)."""
+    return _fmt(value, ".6f" if value is None or not math.isfinite(value) or abs(value) >= 1e-3 else ".3e")
+
+
 def tokens_per_s(runs: Sequence[Measurement], warmup: int) -> float | None:
     tokens = [t for r in runs for t in r.tokens[warmup:]]
     ms = [t for r in runs for t in r.step_ms[warmup:]]
@@ -570,7 +575,7 @@ def table(
         ("tokens/s", *(_fmt(tokens_per_s(by_mode[m], warmup), ",.0f") for m in MODES)),
         (
             "loss, first / last step",
-            *(f"{_fmt(by_mode[m][0].losses[0], '.4f')} / {_fmt(by_mode[m][0].losses[-1], '.4f')}" for m in MODES),
+            *(f"{_loss(by_mode[m][0].losses[0])} / {_loss(by_mode[m][0].losses[-1])}" for m in MODES),
         ),
         *extra,
     ]
@@ -595,8 +600,8 @@ def loss_table(runs: Sequence[Measurement], result: dict[str, Any]) -> str:
         rows.append(
             (
                 str(stock.steps[k] if k < len(stock.steps) else k + 1),
-                _fmt(stock.losses[k], ".6f"),
-                _fmt(lean.losses[k], ".6f"),
+                _loss(stock.losses[k]),
+                _loss(lean.losses[k]),
                 _fmt(diff, ".2e"),
                 _fmt(bound, ".2e"),
                 mark,
