@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,27 +31,50 @@ class _State:
     fallbacks: dict[str, RuntimeFallback]
 
 
-def trainer_kind(trainer: Any) -> str:
-    """'grpo' (GRPOTrainer, RLOOTrainer), 'sft' (SFTTrainer) or 'trainer' (transformers.Trainer); else TypeError."""
-    from transformers import Trainer
+# TRL trainers, recognised by class name along the trainer's MRO: deciding imports no trainer module (TRL's GRPO
+# module needs `requests` in some releases; an SFT run must not depend on it importing).
+TRL_KINDS = (("grpo", ("GRPOTrainer", "RLOOTrainer")), ("sft", ("SFTTrainer",)))
 
-    if not isinstance(trainer, Trainer):
+
+def trainer_kind(trainer: Any) -> str:
+    """'grpo' (GRPOTrainer, RLOOTrainer), 'sft' (SFTTrainer) or 'trainer' (transformers.Trainer); else TypeError.
+
+    Imports nothing: a Trainer's module is in ``sys.modules`` already, and TRL classes are read off the MRO."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None or not isinstance(trainer, trainer_module.Trainer):
         raise TypeError(f"patch_trainer() needs a transformers.Trainer or a TRL trainer, got {type(trainer).__name__}")
-    try:
-        import trl
-    except ImportError:
-        return "trainer"
-    if isinstance(trainer, tuple(getattr(trl, n) for n in ("GRPOTrainer", "RLOOTrainer") if hasattr(trl, n))):
-        return "grpo"
-    if isinstance(trainer, trl.SFTTrainer):
-        return "sft"
-    foreign = [c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl.")]
-    if foreign:
+    trl_classes = [c.__name__ for c in type(trainer).__mro__ if c.__module__.partition(".")[0] == "trl"]
+    for kind, names in TRL_KINDS:
+        if any(name in names for name in trl_classes):
+            return kind
+    if trl_classes:
         raise TypeError(
-            f"unsupported trainer {type(trainer).__name__} (a {foreign[0]}): leantrain supports SFTTrainer, "
+            f"unsupported trainer {type(trainer).__name__} (a {trl_classes[0]}): leantrain supports SFTTrainer, "
             "GRPOTrainer, RLOOTrainer and a plain transformers Trainer"
         )
     return "trainer"
+
+
+def _failed_import(error: BaseException) -> ImportError | None:
+    """The ImportError behind ``error``: transformers' and TRL's lazy modules re-raise it as a RuntimeError."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ImportError):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+def _probe(opt: Optimization, trainer: Any, ctx: PatchContext) -> Readiness:
+    """The optimization's probe; an optional import that fails inside it declines with the reason instead of
+    escaping ``patch_trainer`` (a required optimization then raises NotReadyError with it)."""
+    try:
+        return opt.probe(trainer, ctx)
+    except Exception as error:
+        missing = _failed_import(error)
+        if missing is None:
+            raise
+        return Readiness.no(f"an import it needs failed ({type(missing).__name__}: {missing})")
 
 
 def _kill_switch(opt: Optimization, cfg: ResolvedConfig) -> tuple[str, ...] | None:
@@ -87,7 +111,7 @@ def _decide(
         return Status.SKIPPED, source, ("not available in this version",), None
     if ctx.trainer_kind not in opt.trainer_kinds:
         return Status.SKIPPED, source, (f"does not apply to {ctx.trainer_kind} trainers",), None
-    readiness = opt.probe(trainer, ctx)
+    readiness = _probe(opt, trainer, ctx)
     if not readiness.ready:
         return Status.SKIPPED, source, readiness.reasons, readiness
     return None, source, (), readiness

@@ -223,3 +223,24 @@ def test_apply_failing_half_way_leaves_nothing_patched(tmp_path, fake, monkeypat
     with pytest.raises(RuntimeError, match="apply broke"):
         patch_trainer(trainer, environ=AUTO)
     assert "compute_loss" not in trainer.__dict__ and leantrain.current_report(trainer) is None
+
+
+def test_a_failing_import_in_a_probe_declines_instead_of_escaping(tmp_path, fake, monkeypatch):
+    """TRL's and transformers' lazy modules re-raise a missing dependency as a RuntimeError: the probe's import
+    failure becomes its reason (auto: skipped; required: NotReadyError naming it), never a crash."""
+
+    def probe(trainer, ctx):
+        try:
+            raise ImportError("No module named 'requests'")
+        except ImportError as missing:
+            raise RuntimeError("Failed to import trl.trainer.grpo_trainer") from missing
+
+    monkeypatch.setattr(fake, "probe", probe)
+    report = patch_trainer(tiny_trainer(tmp_path), environ=AUTO)
+    assert report["cggr"].status is Status.SKIPPED
+    assert report["cggr"].reasons == ("an import it needs failed (ImportError: No module named 'requests')",)
+    with pytest.raises(NotReadyError, match="cggr is required but not ready: an import it needs failed"):
+        patch_trainer(tiny_trainer(tmp_path), cggr=True, environ={})
+    monkeypatch.setattr(fake, "probe", lambda trainer, ctx: 1 / 0)  # any other error is a bug: it is raised
+    with pytest.raises(ZeroDivisionError):
+        patch_trainer(tiny_trainer(tmp_path), environ=AUTO)
