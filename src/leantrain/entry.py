@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ResolvedConfig, resolve_config
+from .config import ResolvedConfig, as_typed, resolve_config
 from .fallback import RuntimeFallback
 from .optimization import Applied, Optimization, PatchContext, Readiness, registry
 from .report import PatchOutcome, PatchReport, Status
@@ -77,21 +77,29 @@ def _probe(opt: Optimization, trainer: Any, ctx: PatchContext) -> Readiness:
         return Readiness.no(f"an import it needs failed ({type(missing).__name__}: {missing})")
 
 
+# Where a setting came from, lowest first: an explicit request (in code, on the command line) overrides a kill switch
+# set lower down; the switch beats every environment toggle.
+_RANK = {"default": 0, "env": 1, "cli": 2, "kwarg": 3}
+
+
 def _kill_switch(opt: Optimization, cfg: ResolvedConfig) -> tuple[str, ...] | None:
     """The kill switch (``disable`` / ``LEANTRAIN_DISABLE=1``) turns every optimization off, environment toggles
-    included; only a keyword argument in code that asks for an optimization (``cggr=True``) overrides it.
+    included; only an explicit request for an optimization (``cggr=True`` in code, ``--cggr`` on the command line)
+    from a source above the switch's overrides it (the same source twice is a contradiction, raised by the config).
     Returns the DISABLED reason, or None when the switch is off or overridden."""
     if not cfg.config.disable:
         return None
-    switch = "disable=True" if cfg.sources["disable"] == "kwarg" else "LEANTRAIN_DISABLE=1"
-    wanted = getattr(cfg.config, opt.name)
-    source = cfg.sources[opt.name]
-    if wanted is True and source == "kwarg":
+    switch_source = cfg.sources["disable"]
+    switch = as_typed("disable", True, switch_source)
+    wanted, source = getattr(cfg.config, opt.name), cfg.sources[opt.name]
+    if wanted is True and source in ("kwarg", "cli") and _RANK[source] > _RANK[switch_source]:
         return None
-    if wanted is not False and source == "env":
-        toggle = f"{cfg.config.env_name(opt.name)}={'1' if wanted else 'auto'}"
-        return (f"{switch} (the kill switch) overrides {toggle}; only {opt.name}=True in code overrides the switch",)
-    return (f"{switch} (the kill switch)",)
+    if wanted is False or source == "default":
+        return (f"{switch} (the kill switch)",)
+    explicit = {"kwarg": f"{opt.name}=True in code", "cli": f"{as_typed(opt.name, True, 'cli')} on the command line"}
+    above = [text for s, text in explicit.items() if _RANK[s] > _RANK[switch_source]]
+    only = f"; only {' or '.join(above)} overrides the switch" if above else ""
+    return (f"{switch} (the kill switch) overrides {as_typed(opt.name, wanted, source)}{only}",)
 
 
 def _decide(
@@ -117,16 +125,19 @@ def _decide(
     return None, source, (), readiness
 
 
-def _contradiction(cfg: ResolvedConfig) -> None:
-    """``disable=True`` and ``<name>=True`` both as keywords ask for opposite things: say so instead of guessing."""
-    if not (cfg.config.disable and cfg.sources["disable"] == "kwarg"):
-        return
-    asked = [n for n in registry() if getattr(cfg.config, n) is True and cfg.sources[n] == "kwarg"]
-    if asked:
-        raise ValueError(
-            f"patch_trainer(disable=True, {asked[0]}=True): the kill switch and a required optimization contradict "
-            f"each other; drop one (with LEANTRAIN_DISABLE=1 in the environment, {asked[0]}=True in code wins)"
-        )
+# The options of the innermost `leantrain run` in progress (the `cli` layer of every patch_trainer call in it).
+_COMMAND_LINE: list[dict[str, Any]] = []
+
+
+@contextlib.contextmanager
+def command_line(options: Mapping[str, Any]) -> Iterator[None]:
+    """Within the block, every ``patch_trainer`` call resolves ``options`` as the command line's (source ``cli``):
+    below its own keywords, above ``LEANTRAIN_*``. ``leantrain run`` holds it for the target's whole run."""
+    _COMMAND_LINE.append(dict(options))
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.pop()
 
 
 def patch_trainer(
@@ -143,11 +154,12 @@ def patch_trainer(
     """Apply every optimization whose probe passes; return the report (also at ``trainer.leantrain_report``).
 
     Each toggle is None (auto), True (required: raise if not ready) or False (off). ``options`` are the fields of
-    :class:`leantrain.config.LeantrainConfig`. Patching an already patched trainer changes nothing.
+    :class:`leantrain.config.LeantrainConfig`. They resolve above ``leantrain run``'s command line, which resolves
+    above ``LEANTRAIN_*`` variables, then defaults. Patching an already patched trainer changes nothing.
     """
     toggles = {"cggr": cggr, "grpo_logps": grpo_logps, "osft": osft, "moe4bit": moe4bit, "strict": strict}
-    cfg = resolve_config({**{k: v for k, v in toggles.items() if v is not None}, **options}, environ)
-    _contradiction(cfg)
+    keywords = {**{k: v for k, v in toggles.items() if v is not None}, **options}
+    cfg = resolve_config(keywords, environ, _COMMAND_LINE[-1] if _COMMAND_LINE else None)
     kind = trainer_kind(trainer)
     state: _State | None = getattr(trainer, _STATE_ATTR, None)
     if state is not None:
@@ -177,8 +189,11 @@ def patch_trainer(
 
     report = PatchReport(kind, tuple(outcomes))
     if cfg.config.disable and plan:
-        names = ", ".join(f"{opt.name}=True" for opt, *_ in plan)
-        report = report.with_note(f"the kill switch is on, but {names} in code overrides it")
+        by = [
+            f"{as_typed(opt.name, True, src)} {'in code' if src == 'kwarg' else 'on the command line'}"
+            for opt, src, *_ in plan
+        ]
+        report = report.with_note(f"the kill switch is on, but {', '.join(by)} overrides it")
     state = _State(undo, report, fallbacks)
     setattr(trainer, _STATE_ATTR, state)
     try:

@@ -45,7 +45,7 @@ def test_torchrun_patches_every_rank_and_prints_once(tmp_path):
     for rank, got in enumerate(ranks):
         assert got["world"] == 2 and got["global_step"] == 2, rank
         cggr = next(o for o in got["report"]["outcomes"] if o["name"] == "cggr")
-        assert (cggr["status"], cggr["source"]) == ("applied", "kwarg"), (rank, cggr)
+        assert (cggr["status"], cggr["source"]) == ("applied", "cli"), (rank, cggr)
         entries = [h for h in got["log_history"] if "leantrain/cggr" in h]
         assert entries == [{**entries[0], "step": 0}] and entries[0]["leantrain/cggr"] == "applied", rank
     assert ranks[0]["report"] == ranks[1]["report"]

@@ -6,6 +6,7 @@ from transformers import Trainer
 
 import leantrain
 from leantrain import NotReadyError, Status, patch_trainer, unpatch_trainer
+from leantrain.entry import command_line
 from leantrain.optimization import NotAvailable, registry
 
 from ._fakes import FakeLossOpt, tiny_trainer
@@ -120,6 +121,69 @@ def test_kill_switch_precedence(tmp_path, fake, environ, kwargs, status, why):
         assert report.notes == ("the kill switch is on, but cggr=True in code overrides it",)
     else:
         assert report.notes == ()
+
+
+CLI_ONLY = "; only cggr=True in code or --cggr on the command line overrides the switch"
+
+
+@pytest.mark.parametrize(
+    "environ, cli, kwargs, status, source, why",
+    [
+        # a flag is an explicit request, like a keyword: it overrides the switch from the environment
+        (KILL, {"cggr": True}, {}, Status.APPLIED, "cli", "the kill switch is on, but --cggr on the command line"),
+        (
+            KILL,
+            {"cggr": "auto"},
+            {},
+            Status.DISABLED,
+            "env",
+            "LEANTRAIN_DISABLE=1 (the kill switch) overrides --opt cggr=auto" + CLI_ONLY,
+        ),
+        ({**KILL, "LEANTRAIN_CGGR": "1"}, {}, {}, Status.DISABLED, "env", "overrides LEANTRAIN_CGGR=1" + CLI_ONLY),
+        # the switch on the command line: the environment's toggles lose, a keyword in code wins
+        (
+            {"LEANTRAIN_CGGR": "1"},
+            {"disable": "1"},
+            {},
+            Status.DISABLED,
+            "cli",
+            "--opt disable=1 (the kill switch) overrides LEANTRAIN_CGGR=1; only cggr=True in code overrides "
+            "the switch",
+        ),
+        (
+            {},
+            {"disable": "1"},
+            {"cggr": True},
+            Status.APPLIED,
+            "kwarg",
+            "the kill switch is on, but cggr=True in code",
+        ),
+        # the switch in code: a flag ranks below it
+        (
+            {},
+            {"cggr": True},
+            {"disable": True},
+            Status.DISABLED,
+            "kwarg",
+            "disable=True (the kill switch) overrides --cggr",
+        ),
+        # no switch: keyword > command line > environment
+        ({"LEANTRAIN_CGGR": "0"}, {"cggr": True}, {}, Status.APPLIED, "cli", ""),
+        ({"LEANTRAIN_CGGR": "1"}, {"cggr": True}, {"cggr": False}, Status.DISABLED, "kwarg", "turned off"),
+    ],
+)
+def test_kill_switch_meets_the_command_line(tmp_path, fake, environ, cli, kwargs, status, source, why):
+    with command_line(cli):
+        report = patch_trainer(tiny_trainer(tmp_path), environ=environ, **kwargs)
+    outcome = report["cggr"]
+    assert (outcome.status, outcome.source) == (status, source), outcome
+    said = outcome.reasons[0] if status is Status.DISABLED else " ".join(report.notes)
+    assert why in said if why else said == "", said
+
+
+def test_kill_switch_and_a_flag_on_the_same_command_line_contradict(tmp_path, fake):
+    with command_line({"disable": "1", "cggr": True}), pytest.raises(ValueError, match=r"--opt disable=1 and --cggr"):
+        patch_trainer(tiny_trainer(tmp_path), environ={})
 
 
 def test_kill_switch_and_required_keyword_contradict(tmp_path, fake):

@@ -150,7 +150,7 @@ def test_script_file(tmp_path, capsys):
     got = result(tmp_path)
     assert got["argv"] == ["--out", str(tmp_path), "--save", "--cggr"] and got["own_cggr_flag"]
     cggr = outcome(got["report"], "cggr")
-    assert (cggr["status"], cggr["source"]) == ("applied", "kwarg")
+    assert (cggr["status"], cggr["source"]) == ("applied", "cli")
     assert capsys.readouterr().err.count("leantrain patch report (trainer trainer)") == 1
 
     entries = leantrain_entries(got["log_history"])
@@ -163,7 +163,7 @@ def test_script_file(tmp_path, capsys):
     assert record["report"] == got["report"]
     assert record["versions"]["leantrain"] == leantrain.__version__
     assert set(record["versions"]) == {"leantrain", "torch", "transformers", "trl"}
-    assert record["options"]["cggr"] == {"value": True, "source": "kwarg"}
+    assert record["options"]["cggr"] == {"value": True, "source": "cli"}
     assert record["options"]["cggr_min_tokens_ratio"]["source"] == "default"
 
 
@@ -174,13 +174,47 @@ def test_module_precedence_cli_over_env_over_default(tmp_path, monkeypatch, caps
     argv = ["--no-osft", "--opt", "cggr_min_tokens_ratio=0.3", "-m", MODULE, "--out", str(tmp_path), "--save"]
     assert launch.main(argv) == 0
     options = json.loads((tmp_path / "model" / RECORD_NAME).read_text())["options"]
-    assert options["osft"] == {"value": False, "source": "kwarg"}
-    assert options["cggr_min_tokens_ratio"] == {"value": 0.3, "source": "kwarg"}
+    assert options["osft"] == {"value": False, "source": "cli"}
+    assert options["cggr_min_tokens_ratio"] == {"value": 0.3, "source": "cli"}
     assert options["cggr_scoring"] == {"value": "margin", "source": "env"}
     assert options["cggr_router_layers"] == {"value": 2, "source": "default"}
     osft = outcome(result(tmp_path)["report"], "osft")
-    assert (osft["status"], osft["source"], osft["reasons"]) == ("disabled", "kwarg", ["turned off"])
+    assert (osft["status"], osft["source"], osft["reasons"]) == ("disabled", "cli", ["turned off"])
     assert capsys.readouterr().err.count("leantrain patch report") == 1
+
+
+def test_a_flag_is_an_explicit_request_that_overrides_the_kill_switch(tmp_path, monkeypatch, capsys):
+    """`LEANTRAIN_DISABLE=1 leantrain run --cggr`: the flag asks for CGGR explicitly (like cggr=True in code), so it
+    applies, with source `cli` and a note that names the flag; every other optimization stays off."""
+    monkeypatch.setenv("LEANTRAIN_DISABLE", "1")
+    assert launch.main(["--cggr", TARGET, "--out", str(tmp_path), "--save"]) == 0
+    report = result(tmp_path)["report"]
+    assert (outcome(report, "cggr")["status"], outcome(report, "cggr")["source"]) == ("applied", "cli")
+    assert report["notes"][0] == "the kill switch is on, but --cggr on the command line overrides it"
+    assert all(o["status"] == "disabled" for o in report["outcomes"] if o["name"] != "cggr")
+    assert "in code" not in capsys.readouterr().err
+    options = json.loads((tmp_path / "model" / RECORD_NAME).read_text())["options"]
+    assert options["cggr"]["source"] == "cli" and options["disable"] == {"value": True, "source": "env"}
+
+
+def test_command_line_ranks_below_the_targets_own_keywords(tmp_path):
+    """A trainer the target patches itself inside `leantrain run` gets the command line as its `cli` layer: below
+    its own keywords, above the environment; `run` then leaves it alone."""
+    own = tiny_trainer(tmp_path / "run", steps=1)
+    environ = {"LEANTRAIN_CGGR_SCORING": "loss", "LEANTRAIN_CGGR_MIN_TOKENS_RATIO": "0.5"}
+    with launch.trainers_patched({"osft": True, "cggr_scoring": "margin", "cggr_warmup_steps": "3"}) as patched:
+        report = leantrain.patch_trainer(own, osft=False, cggr_warmup_steps=5, environ=environ)
+        own.train()
+    assert patched == [] and own.leantrain_report is report
+    own.save_model(str(tmp_path / "saved"))
+    options = json.loads((tmp_path / "saved" / RECORD_NAME).read_text())["options"]
+    assert options["osft"] == {"value": False, "source": "kwarg"}
+    assert options["cggr_warmup_steps"] == {"value": 5, "source": "kwarg"}
+    assert options["cggr_scoring"] == {"value": "margin", "source": "cli"}
+    assert options["cggr_min_tokens_ratio"] == {"value": 0.5, "source": "env"}
+    assert options["cggr_ratio_schedule"]["source"] == "default"
+    second = leantrain.patch_trainer(tiny_trainer(tmp_path / "after", steps=1), environ={})
+    assert second["osft"].source == "default"  # the command line ends with the run
 
 
 def test_strict_fails_the_run_before_training(tmp_path, capsys):
@@ -189,7 +223,7 @@ def test_strict_fails_the_run_before_training(tmp_path, capsys):
     argv = ["--opt", "cggr=auto", TARGET, "--out", str(tmp_path), "--layers", "2"]
     assert launch.main(argv) == 0
     cggr = outcome(result(tmp_path)["report"], "cggr")
-    assert (cggr["status"], cggr["source"]) == ("skipped", "kwarg") and cggr["reasons"]
+    assert (cggr["status"], cggr["source"]) == ("skipped", "cli") and cggr["reasons"]
 
     strict_out = tmp_path / "strict"
     assert launch.main(["--strict", *argv[:2], TARGET, "--out", str(strict_out), "--layers", "2"]) == 1
@@ -333,7 +367,7 @@ def test_trl_sft_cli_with_a_yaml_recipe(tmp_path):
     record = json.loads((tmp_path / "out" / RECORD_NAME).read_text())
     assert record["report"]["trainer_kind"] == "sft" and record["options"]["cggr"] == {
         "value": True,
-        "source": "kwarg",
+        "source": "cli",
     }
     assert outcome(record["report"], "cggr")["status"] == "applied"
     assert (tmp_path / "out" / "model.safetensors").is_file()
