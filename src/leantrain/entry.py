@@ -206,7 +206,7 @@ def patch_trainer(
                 PatchOutcome(opt.name, Status.APPLIED, source, (), applied.targets, applied.detail)
             )
         applied_opts = [opt for opt, *_ in plan]
-        # Kept with the run: the report in log_history at train start, leantrain.json beside saved weights.
+        # Kept with the run: leantrain.json beside saved weights, the statuses in the trackers' run config.
         from . import _record  # lazy: transformers' callback stack is heavy to import
 
         _record.install_exports(trainer, applied_opts, undo)

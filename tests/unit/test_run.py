@@ -1,6 +1,6 @@
 """``leantrain run``: a script file, ``-m module`` and a console script run with their trainers patched; option
-parsing and precedence (command line > environment > default); ``--strict``; bad input; nothing patched without
-``run``; the report kept in ``log_history`` and in ``leantrain.json``; unpatch restores everything.
+parsing and precedence (keyword > command line > environment > default); ``--strict``; bad input; nothing patched
+without ``run``; the report kept in ``leantrain.json`` and out of ``log_history``; unpatch restores everything.
 
 The target is ``tests/unit/_run_target.py``, a plain Trainer script that knows nothing of leantrain. Runs in this
 process where they can (seconds each); the console-script form runs in a real subprocess.
@@ -21,7 +21,7 @@ from transformers.trainer_utils import SaveStrategy
 
 import leantrain
 from leantrain import launch
-from leantrain._record import RECORD_NAME, ReportLogCallback, log_entry
+from leantrain._record import RECORD_NAME, TrackerConfigCallback
 from leantrain.entry import NotReadyError
 from tests.unit._fakes import tiny_trainer
 
@@ -46,7 +46,8 @@ def outcome(report: dict, name: str) -> dict:
 
 
 def leantrain_entries(log_history: list[dict]) -> list[dict]:
-    return [h for h in log_history if any(k.startswith("leantrain/") for k in h)]
+    """Entries that name leantrain: none, ever (the report stays out of the metric stream)."""
+    return [h for h in log_history if any(k.startswith("leantrain") for k in h)]
 
 
 # --- parsing -------------------------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def test_importing_leantrain_patches_nothing():
 
 def test_script_file(tmp_path, capsys):
     """The file runs as __main__ with its own argv (a --cggr of its own included); its Trainer is patched at
-    train(), the report is printed once, kept in log_history once and written beside the saved weights."""
+    train(), the report is printed once, kept out of log_history and written beside the saved weights."""
     code = launch.main(["--cggr", TARGET, "--out", str(tmp_path), "--save", "--cggr"])
     assert code == 0
     assert Trainer.__dict__["train"] is STOCK_TRAIN  # restored by identity
@@ -153,10 +154,8 @@ def test_script_file(tmp_path, capsys):
     assert (cggr["status"], cggr["source"]) == ("applied", "cli")
     assert capsys.readouterr().err.count("leantrain patch report (trainer trainer)") == 1
 
-    entries = leantrain_entries(got["log_history"])
-    assert len(entries) == 1 and entries[0]["step"] == 0
-    assert entries[0] == {f"leantrain/{o['name']}": o["status"] for o in got["report"]["outcomes"]} | {"step": 0}
-    assert got["global_step"] == 2 and got["log_history"].index(entries[0]) == 0  # before the first loss
+    assert leantrain_entries(got["log_history"]) == [] and "loss" in got["log_history"][0]
+    assert got["global_step"] == 2
 
     record = json.loads((tmp_path / "model" / RECORD_NAME).read_text())
     assert (tmp_path / "model" / "model.safetensors").is_file()
@@ -251,7 +250,7 @@ def test_each_trainer_patched_once_and_a_self_patched_one_left_alone(tmp_path):
             trainer.train()
     assert patched == [first, second] and len(printed) == 2
     assert own.leantrain_report is own_report
-    assert len(leantrain_entries(first.state.log_history)) == 1  # its second train() made a new state: one again
+    assert leantrain_entries(first.state.log_history) == []
     assert Trainer.__dict__["train"] is STOCK_TRAIN
 
 
@@ -277,7 +276,7 @@ def test_console_script_in_a_subprocess(tmp_path):
 # --- what patch_trainer keeps with the run (with or without `run`) -------------------------------------------------
 
 
-def test_record_and_log_entry_compose_with_osft_and_unpatch_restores(tmp_path):
+def test_record_composes_with_osft_and_unpatch_restores(tmp_path):
     """OSFT wraps save_model for its dense export; the record wraps it again. Checkpoints and the export both get
     leantrain.json, the export stays dense, and unpatch restores methods and callbacks by identity."""
     trainer = tiny_trainer(tmp_path / "run", steps=2)
@@ -288,10 +287,9 @@ def test_record_and_log_entry_compose_with_osft_and_unpatch_restores(tmp_path):
     assert report["osft"].status is leantrain.Status.APPLIED
     osft_save = trainer.save_model.__leantrain_original__
     assert osft_save.__leantrain_original__ == stock_save  # record wraps OSFT's wrapper, which wraps the stock one
-    assert sum(isinstance(c, ReportLogCallback) for c in trainer.callback_handler.callbacks) == 1
+    assert sum(isinstance(c, TrackerConfigCallback) for c in trainer.callback_handler.callbacks) == 1
     trainer.train()
-    entry = {**log_entry(report), "step": 0}
-    assert leantrain_entries(trainer.state.log_history) == [entry] and entry["leantrain/osft"] == "applied"
+    assert leantrain_entries(trainer.state.log_history) == []
     checkpoint = json.loads((tmp_path / "run" / "checkpoint-2" / RECORD_NAME).read_text())
     assert checkpoint["report"] == report.to_dict() and checkpoint["options"]["osft"]["source"] == "kwarg"
 
@@ -308,14 +306,10 @@ def test_record_and_log_entry_compose_with_osft_and_unpatch_restores(tmp_path):
     assert trainer.save_model == stock_save and trainer.callback_handler.callbacks == callbacks
 
 
-def test_log_entry_once_per_state_and_not_on_other_processes(tmp_path, monkeypatch):
+def test_record_only_where_the_weights_are_written(tmp_path, monkeypatch):
     trainer = tiny_trainer(tmp_path, steps=1)
     with leantrain.patched(trainer, osft=False):
         trainer.train()
-        history = trainer.state.log_history
-        callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ReportLogCallback))
-        callback.on_train_begin(trainer.args, trainer.state, trainer.control)  # e.g. resumed history: no second
-        assert len(leantrain_entries(history)) == 1
         monkeypatch.setattr(type(trainer.args), "should_save", property(lambda self: False))
         trainer.save_model(str(tmp_path / "not_main"))
         assert not (tmp_path / "not_main" / RECORD_NAME).exists()
