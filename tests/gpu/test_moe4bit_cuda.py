@@ -45,6 +45,7 @@ from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
+from tests._optimizations import others_off  # noqa: E402
 from tests.parity import test_moe4bit as parity  # noqa: E402
 
 
@@ -52,7 +53,7 @@ HIDDEN = parity.HIDDEN  # the experts' sizes (parity.stock_experts): multiples o
 T, VOCAB = 40, 256
 FP32_REL = 256 * torch.finfo(torch.float32).eps
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = others_off("moe4bit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -26,9 +26,10 @@ from leantrain.moe4bit import _grouped  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts, token_trainer  # noqa: E402
+from tests._optimizations import others_off  # noqa: E402
 
 
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = others_off("moe4bit")
 VOCAB, SEQ = 256, 16
 
 

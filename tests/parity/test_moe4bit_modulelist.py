@@ -36,11 +36,12 @@ from leantrain.moe4bit.plan import build_plan  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import load_in_4bit_like, token_trainer  # noqa: E402
+from tests._optimizations import others_off  # noqa: E402
 
 
 HIDDEN, INTER, EXPERTS = 128, 64, 6
 FP32_EPS, BF16_EPS = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = others_off("moe4bit")
 VOCAB, SEQ = 256, 16
 
 

@@ -6,12 +6,13 @@ import sys
 import pytest
 
 from leantrain.__main__ import main
+from leantrain.config import OPTIMIZATIONS
 from leantrain.demo import LOSS_RTOL, NO_VALUE, RunResult, _table, loss_agreement
 
 
 def test_env_command_runs():
     out = subprocess.run([sys.executable, "-m", "leantrain", "env"], capture_output=True, text=True, check=True).stdout
-    for name in ("torch", "transformers", "trl", "moe4bit", "osft", "cggr", "grpo_logps"):
+    for name in ("torch", "transformers", "trl", *OPTIMIZATIONS):
         assert name in out
 
 
