@@ -118,7 +118,7 @@ def test_subclass_counts_trackers_not_set_up_and_other_ranks_are_left_alone(tmp_
 
     calls: list = []
     dagshub = object.__new__(integration_utils.DagsHubCallback)  # an MLflowCallback subclass
-    dagshub._ml_flow, dagshub._initialized = _Recorder(calls), True
+    dagshub._ml_flow, dagshub._initialized, dagshub._auto_end_run = _Recorder(calls), True, False
     idle = _integration_callback("WandbCallback", _Recorder(calls), initialized=False)
     _begin(tmp_path, [dagshub, idle, object()])
     assert [c[0] for c in calls] == ["log_params"]
