@@ -18,7 +18,7 @@ OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit")
 # Math: plain values in, plain values out (no option table, undo, trainer or entry point).
 MATH = {
     "cggr": ("ops",),
-    "grpo_logps": (),
+    "grpo_logps": ("nograd",),
     "osft": ("ops", "linear", "_triton"),
     "moe4bit": ("_grouped", "_stacks", "_qstate", "_triton", "lora"),
 }

@@ -43,7 +43,8 @@ class GrpoLogps(Optimization):
         names = []
         for label, model, settings in plan.targets:
             is_policy = label == "model"
-            call = glue.FusedCall(settings, op, glue.entropy_grad(trainer) if is_policy else (lambda: False))
+            entropy_grad = glue.entropy_grad(trainer) if is_policy else (lambda: False)
+            call = glue.FusedCall(settings, op, entropy_grad, trl_head=plan.path == "fused")
             # On the legacy path the model's own forward knows no `fused_lm_head`: the fallback sits one level up,
             # around the whole replaced method, whose stock version computes full logits.
             guard = ctx.fallback if plan.path == "fused" else None

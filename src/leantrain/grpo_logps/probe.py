@@ -94,8 +94,6 @@ def detail(trainer: Any, path: str) -> str:
     else:
         n = glue.legacy_method_kind(trainer)
         how = f"TRL <= 1.14 {glue.legacy_method_name(trainer)} ({n}-tuple) replaced"
-    # >>> issue #28: name the no-grad dispatch to TRL's own head (fused path only: it compares with that head)
-    heads = targets_of(trainer) if path == "fused" else []
-    nograd = glue.nograd_detail(heads, getattr(trainer, "args", None))
+    # the no-grad dispatch to TRL's own head: fused path only (the rule compares with that head)
+    nograd = glue.nograd_detail(targets_of(trainer)) if path == "fused" else ""
     return f"{how} on {where}; kernel: {kernel_name()}" + (f"; {nograd}" if nograd else "")
-    # <<< issue #28
