@@ -24,6 +24,7 @@ pytest.importorskip("trl.kernels.chunked_logprob")
 import leantrain  # noqa: E402
 from leantrain.grpo_logps import nograd  # noqa: E402
 from leantrain.grpo_logps import patch as glue  # noqa: E402
+from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from tests.gpu import _grpo_helpers as H  # noqa: E402
@@ -114,7 +115,7 @@ def test_real_rule_dispatches_a_measured_regime(dev):
     with torch.device(dev):
         model = tiny_model("llama", vocab_size=v, hidden=h, layers=1, dtype=torch.bfloat16)
     add_fused_lm_head(model, TEMPERATURE, outputs=("log_probs", "entropy"))
-    settings = glue.trl_head_settings(model)
+    settings = logps_probe.trl_head_settings(model)
     assert not isinstance(settings, str), settings
 
     def op(*args):

@@ -16,6 +16,7 @@ trl = pytest.importorskip("trl")
 import leantrain  # noqa: E402
 from leantrain.grpo_logps import nograd  # noqa: E402
 from leantrain.grpo_logps import patch as glue  # noqa: E402
+from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
 from leantrain.tiny import tiny_model, train_tokenizer  # noqa: E402
 from tests.parity.test_grpo_logps_trainer import count_op_calls, make_trainer, needs_fused_head  # noqa: E402
@@ -162,10 +163,10 @@ def test_report_names_the_dispatch(model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(model_dir, tmp_path, beta=0.1, bf16=False)
     v, h = trainer.model.lm_head.weight.shape
     heads = [("model", trainer.model), ("ref_model", trainer.ref_model)]
-    assert glue.nograd_detail(heads) == ""  # CPU: the rule covers Triton only
+    assert logps_probe.nograd_detail(heads) == ""  # CPU: the rule covers Triton only
     monkeypatch.setattr(ops, "default_backend", lambda device: "triton")
     monkeypatch.setattr(nograd, "MEASURED_V", (v, v))
-    detail = glue.nograd_detail(heads)
+    detail = logps_probe.nograd_detail(heads)
     report = leantrain.patch_trainer(trainer)
     assert report["grpo_logps"].detail.endswith("kernel: torch chunked; " + detail)
     assert detail == (

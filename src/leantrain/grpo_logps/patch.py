@@ -1,4 +1,4 @@
-"""How leantrain hooks TRL's log-prob scoring.
+"""The wrappers ``apply`` installs: leantrain's op in TRL's fused-head forward protocol.
 
 TRL >= 1.15: ``add_fused_lm_head`` rebinds ``forward`` on the (PEFT base) model instance; with ``fused_lm_head=True``
 it runs the backbone and ``ChunkedLogProbFunction``. We wrap that same instance attribute: fused calls run the
@@ -15,7 +15,6 @@ calls the wrapped model with ``fused_lm_head=True``.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,12 +25,11 @@ from torch import nn
 
 from ..fallback import RuntimeFallback
 from ..lm_head import ops
-from ..models import head_weight, head_weight_reasons, logit_transform, zero3_gather
+from ..models import head_weight, zero3_gather
 from . import nograd
 
 
-FUSED_OUTPUTS = ("log_probs", "entropy")
-_TRL_CLOSURE = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs", "text_config")
+FUSED_OUTPUTS = ("log_probs", "entropy")  # what the fused forward computes
 
 
 @dataclass
@@ -45,80 +43,6 @@ class HeadSettings:
     softcap: float | None
     backbone_attr: str
     text_config: Any
-
-
-def trl_fused_forward(model: nn.Module) -> Callable[..., Any] | None:
-    """TRL's ``_fused_forward`` function under this instance's ``forward`` (possibly inside accelerate's autocast /
-    fp32-output wrappers, as on a prepared reference model), or None."""
-    return _find_fused(model.__dict__.get("forward"))
-
-
-def _find_fused(obj: Any) -> Callable[..., Any] | None:
-    """TRL's ``_fused_forward`` under the callable ``obj`` (through bound methods and wrappers), or None."""
-    for _ in range(12):
-        if obj is None:
-            return None
-        code = getattr(obj, "__code__", None)
-        if code is not None and code.co_name == "_fused_forward":
-            return obj
-        obj = next(
-            (
-                getattr(obj, a)
-                for a in ("__func__", "__wrapped__", "model_forward")
-                if getattr(obj, a, None) is not None
-            ),
-            None,
-        )
-    return None
-
-
-def trl_head_settings(model: nn.Module) -> HeadSettings | str:
-    """Read TRL's fused-head settings from its forward closure; a reason string when not recognised."""
-    fwd = trl_fused_forward(model)
-    if fwd is None:
-        return f"{type(model).__name__}.forward is not TRL's fused LM head (add_fused_lm_head)"
-    names = inspect.getclosurevars(fwd).nonlocals
-    missing = [n for n in _TRL_CLOSURE if n not in names]
-    if missing:
-        return f"TRL's fused forward closure changed (missing {', '.join(missing)}): TRL version not recognised"
-    scale = names.get("logit_scale", 1.0)
-    softcap = names.get("final_logit_softcapping")
-    return HeadSettings(
-        temperature=float(names["temperature"]),
-        outputs=tuple(names["outputs"]),
-        cast_lm_head_to_fp32=bool(names["cast_lm_head_to_fp32"]),
-        logit_scale=float(1.0 if scale is None else scale),
-        softcap=float(softcap) if softcap else None,
-        backbone_attr=names.get("backbone_attr", "base_model"),
-        text_config=names["text_config"],
-    )
-
-
-def scaling_reason(settings: HeadSettings, config: Any) -> str | None:
-    """Decline when TRL's scaling and leantrain's model adapter disagree (unknown output scaling)."""
-    try:
-        scale, softcap = logit_transform(config)
-    except ValueError as error:
-        return f"unknown output scaling: {error}"
-    if not (abs(scale - settings.logit_scale) <= 1e-12 * max(1.0, abs(scale)) and softcap == settings.softcap):
-        return (
-            f"unknown output scaling: TRL uses logit_scale={settings.logit_scale}, softcap={settings.softcap}, "
-            f"leantrain reads logit_scale={scale}, softcap={softcap}; leaving TRL's head in place"
-        )
-    return None
-
-
-def head_reasons(model: nn.Module) -> list[str]:
-    head = model.get_output_embeddings()
-    reasons = []
-    if head is None:
-        return [f"{type(model).__name__} has no output embeddings (LM head)"]
-    if getattr(head, "bias", None) is not None:
-        reasons.append("the LM head has a bias: leantrain's fused op has no bias term; TRL's head runs")
-    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
-        reasons.append("the LM head carries a PEFT adapter: remove 'lm_head' from target_modules")
-        return reasons
-    return reasons + [f"{r}: TRL's head runs" for r in head_weight_reasons(getattr(head, "weight", None))]
 
 
 @dataclass
@@ -168,20 +92,6 @@ def uses_trl_head(model: nn.Module, call: FusedCall) -> bool:
         return False
     found = head_shape(model)
     return found is not None and nograd.trl_head_serves(found[1], ops.default_backend(found[0].device))
-
-
-def nograd_detail(heads: list[tuple[str, nn.Module]]) -> str:
-    """The report's words for the no-grad dispatch: which (label, model) heads' no-grad calls use TRL's own head."""
-    parts = []
-    for label, model in heads:
-        found = head_shape(model)
-        if found is None or not nograd.trl_head_serves(found[1], ops.default_backend(found[0].device)):
-            continue
-        _, v, h = found
-        parts.append(f"{'policy' if label == 'model' else label.replace('_', ' ')} H={h} V={v} (any N)")
-    if not parts:
-        return ""
-    return f"no-grad calls at {', '.join(parts)} use TRL's own head (measured faster: {nograd.SOURCE})"
 
 
 def fused_forward(model: nn.Module, call: FusedCall, *args: Any, **kwargs: Any):
@@ -239,52 +149,6 @@ def _aux_loss(text_config: Any, backbone_out: Any, attention_mask: torch.Tensor 
 
 
 # ----------------------------------------------------------------------------------------------- TRL <= 1.14
-_TEXT_ONLY = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
-
-
-def legacy_method_name(trainer: Any) -> str:
-    """The full-logits method to replace: GRPO 1.14 dispatches ``_get_per_token_logps_and_entropies`` (a
-    ``*args`` wrapper) to ``_full_logits_logps``; earlier TRL and RLOO compute in the method itself."""
-    return "_full_logits_logps" if hasattr(trainer, "_full_logits_logps") else "_get_per_token_logps_and_entropies"
-
-
-def legacy_method_kind(trainer: Any) -> int | str:
-    """2 or 3 (values returned by the old full-logits method), or a reason string."""
-    name = legacy_method_name(trainer)
-    method = getattr(trainer, name, None)
-    if method is None:
-        return "the trainer has neither TRL's fused LM head nor _get_per_token_logps_and_entropies: TRL not recognised"
-    params = inspect.signature(method).parameters
-    if not all(n in params for n in _TEXT_ONLY[1:]):
-        return f"{name} has an unknown signature: TRL version not recognised"
-    return 3 if "compute_aux_loss" in params else 2
-
-
-def legacy_reason(trainer: Any) -> str | None:
-    """Why the TRL <= 1.14 path cannot serve this trainer, or None."""
-    if getattr(trainer, "use_liger_kernel", False):
-        return (
-            "use_liger_kernel=True: this TRL computes the GRPO loss (and in 1.14 the log-probs) with Liger's own "
-            "fused kernel, not the full-logits method leantrain replaces; set use_liger_kernel=False or upgrade "
-            "to trl >= 1.15"
-        )
-    return None
-
-
-def legacy_settings(trainer: Any, base: nn.Module) -> HeadSettings:
-    text = base.config.get_text_config()
-    scale, softcap = logit_transform(base.config)
-    return HeadSettings(
-        temperature=float(trainer.temperature),
-        outputs=FUSED_OUTPUTS,
-        cast_lm_head_to_fp32=bool(getattr(getattr(trainer, "args", None), "cast_lm_head_to_fp32", False)),
-        logit_scale=scale,
-        softcap=softcap,
-        backbone_attr="base_model",
-        text_config=text,
-    )
-
-
 def legacy_method(trainer: Any, original: Callable[..., Any], n_values: int) -> Callable[..., Any]:
     """The replacement for TRL <= 1.14's ``_get_per_token_logps_and_entropies`` (text-only calls)."""
 
@@ -309,7 +173,7 @@ def legacy_method(trainer: Any, original: Callable[..., Any], n_values: int) -> 
     return method
 
 
-# ------------------------------------------------------------------ the wrappers apply() installs
+# ------------------------------------------------------------------------------- what apply() binds
 def entropy_grad(trainer: Any) -> Callable[[], bool]:
     # TRL's entropy bonus needs the entropy's gradient; otherwise it is only logged/masked
     return lambda: bool(getattr(trainer, "_entropy_bonus_enabled", False))
