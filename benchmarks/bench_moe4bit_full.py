@@ -22,7 +22,8 @@ Batch 1 x 2048 and 1 x 4096 tokens; 2 warm-up + 3 timed optimizer steps. The "Un
 configuration of Unsloth's published gpt-oss-20b figure (see ``UNSLOTH``).
 
 Each run is its own process (an OOM cannot poison the next) under ``torch.cuda.set_per_process_memory_fraction``
-emulating a card of ``cap_gib`` (the CUDA context is not counted, as on a card it would be). Memory: weights at
+emulating a card of ``cap_gib`` (it caps what PyTorch's allocator reserves; a real card also holds the CUDA context,
+~0.5 GiB, outside it). Memory: weights at
 rest = allocated after the build; adapters + optimizer state = allocated at the end of the first optimizer step
 (gradients freed) minus the weights; transient = peak allocated during the steps minus both (gradients included).
 A smaller card is judged from the run: it fits if the run never reserved more than it (the cap then never acts),
@@ -81,6 +82,7 @@ SHAPES = {  # shape -> (transformers config class, full fields, smoke fields)
 # trains in gpt-oss: on quantize_experts_4bit stacks "down_proj" would also match the stack's parametrization module
 # (``experts.parametrizations.down_proj``), which PEFT rejects ("Target module ParametrizationList ... not supported").
 UNSLOTH = dict(
+    source="unslothai/notebooks nb/gpt-oss-(20B)-Fine-tuning.ipynb at 03b0cdad",
     rank=8,
     alpha=16,
     listed=(*ATTENTION, "gate_proj", "up_proj", "down_proj"),
@@ -129,10 +131,10 @@ def plan(shape: str, smoke: bool = False) -> list[Run]:
         run("attn+experts r<=16 adamw_8bit", "leantrain", short, 24.0, "attention+experts", "adamw_8bit", **experts),
         run("attn r16 adamw", "leantrain", short, 24.0, "attention", "adamw_torch"),
         run("attn+experts r<=16 adamw", "leantrain", short, 24.0, "attention+experts", "adamw_torch", **experts),
-        run("attn r16 adamw_8bit", "leantrain", long, 24.0, "attention", "adamw_8bit"),
-        run("attn+experts r<=16 adamw_8bit", "leantrain", long, 24.0, "attention+experts", "adamw_8bit", **experts),
         run("stock attn r16 adamw_8bit", "stock", short, 24.0, "attention", "adamw_8bit"),  # recorded: over the cap
         run("stock attn r16 adamw_8bit", "stock", short, None, "attention", "adamw_8bit"),
+        run("attn r16 adamw_8bit", "leantrain", long, 24.0, "attention", "adamw_8bit"),
+        run("attn+experts r<=16 adamw_8bit", "leantrain", long, 24.0, "attention+experts", "adamw_8bit", **experts),
         run("stock attn+experts r16 adamw_8bit", "stock", short, None, "attention+experts", "adamw_8bit"),
     ]
     if shape == "gpt-oss-20b":
@@ -450,6 +452,8 @@ def summarize(out: dict[str, Any], clock: StepMemory, cuda: bool) -> None:
     resting = clock.steps[0]["end_gib"]  # weights + adapters + optimizer state (gradients freed by zero_grad)
     out["adapters_opt_gib"] = resting - out["weights_gib"]
     out["transient_gib"] = out["peak_gib"] - resting
+    if "after_patch_gib" in out:  # of adapters + optimizer: what patch_trainer keeps (the grouped path's plan)
+        out["plan_gib"] = out["after_patch_gib"] - out["after_lora_gib"]
 
 
 # -- the parent: runs, rows, table, plot ----------------------------------------------------------------------------
@@ -608,6 +612,14 @@ def notes(rows: list[Row]) -> str:
     layouts = sorted({(r.config["shape"], r.config.get("experts"), r.config.get("experts_implementation"),
                        r.config.get("attention")) for r in memory if r.config.get("experts")})  # fmt: skip
     lines += [f"- {s}: experts {e} (experts implementation {i}), attention {a}" for s, e, i, a in layouts]
+    u = UNSLOTH
+    lines.append(
+        f"- Unsloth notebook config ({u['source']}): r{u['rank']}, alpha {u['alpha']}, target_modules "
+        f"{list(u['listed'])} (gate/up/down_proj match nothing in gpt-oss: run as q/k/v/o), {u['optim']}, batch 1 x "
+        f"{u['grad_accum']} accumulated, max_seq_length {u['seq']} (rows here all {u['seq']} tokens), weight decay "
+        f"{u['weight_decay']}; its log: {u['trainable']:,} trainable, {u['reserved_gib']} GB reserved before "
+        f"training, peak {u['peak_reserved_gib']} GB (torch max_memory_reserved / 1024**3, Tesla T4)"
+    )
     lines += targets(memory)
     return "\n".join(lines)
 
@@ -688,7 +700,7 @@ def plot(path: Path, rows: list[Row]) -> None:
 
 
 def write(rows: list[Row], out_dir: Path) -> None:
-    text = table(rows) + "\n\n" + notes(rows) + "\n\n" + __doc__.split("\n\n")[1]
+    text = "\n\n".join([table(rows), notes(rows), *__doc__.split("\n\n")[1:5]])
     write_results(NAME, rows, text, out_dir)
     plot(out_dir / f"{NAME}.png", rows)
 

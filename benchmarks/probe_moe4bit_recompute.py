@@ -25,6 +25,7 @@ Rule: recompute off where its peak is within the budget and it is at least 3% fa
 
     python benchmarks/probe_moe4bit_recompute.py            # CUDA (about 1-2 minutes on an H100)
     python benchmarks/probe_moe4bit_recompute.py --smoke    # CPU, tiny shapes
+    python benchmarks/probe_moe4bit_recompute.py --report a.json b.json   # merge runs, decide again (CPU)
 
 Writes ``moe4bit_recompute.json`` (rows; rows of other layouts already there are kept, so a run under transformers
 4.x adds the 4.x blocks), ``.md`` (the verdict table) and ``moe4bit_recompute_verdict.json`` (per layout, shape and
@@ -273,7 +274,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     parser.add_argument("--shapes", default="gpt-oss-20b,qwen3-30b-a3b")
+    parser.add_argument("--report", nargs="+", metavar="JSON", help="merge these row files and decide again (CPU)")
     args = parser.parse_args()
+    out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    if args.report:
+        rows: list[Row] = []
+        for path in args.report:
+            rows = merge(rows, read_rows(Path(path)))
+        write(rows, out_dir)
+        return
     if args.smoke:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     tokens = (32, 64) if args.smoke or not torch.cuda.is_available() else (2048, 4096)
@@ -283,9 +292,11 @@ def main() -> None:
             measure(layout, shape.strip(), args.smoke, tokens, rows)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
     old = next((read_rows(p) for p in (out_dir / f"{NAME}.json", RESULTS / f"{NAME}.json") if p.exists()), [])
-    rows = merge(old, rows)
+    write(merge(old, rows), out_dir)
+
+
+def write(rows: list[Row], out_dir: Path) -> None:
     found = verdicts(rows)
     text = summary(found) + "\n\n" + __doc__.split("\n\n")[3]
     write_results(NAME, rows, text, out_dir)
