@@ -689,7 +689,8 @@ def plot(path: Path, rows: list[Row]) -> None:
                 ax.text(i, 0.5, c["status"], rotation=90, ha="center", va="bottom", fontsize=7)
         for cap in (16, 24):
             ax.axhline(cap, color="grey", linestyle="--", linewidth=1)
-            ax.text(len(mine) - 0.5, cap, f"{cap} GiB", fontsize=7, va="bottom", ha="right")
+            ax.text(-0.4, cap, f"{cap} GiB card", fontsize=7, va="bottom", ha="left", color="grey")
+        ax.set_ylim(bottom=0)
         ax.set_xticks(range(len(mine)), labels, rotation=60, ha="right", fontsize=6)
         ax.set_title(shape, fontsize=9)
         ax.set_ylabel("GiB (peak allocated, split)")
