@@ -23,17 +23,27 @@ class UnsupportedInput(ValueError):
 
 
 def check_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, backend: str, compute_dtype: torch.dtype
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    backend: str,
+    compute_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Raise ``UnsupportedInput`` with the reason when the op cannot run these inputs on ``backend``."""
-    for reason in input_reasons(hidden, weight, targets, backend, compute_dtype):
+    for reason in input_reasons(hidden, weight, targets, backend, compute_dtype, bias):
         raise UnsupportedInput(reason)
 
 
 def input_reasons(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, backend: str, compute_dtype: torch.dtype
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    backend: str,
+    compute_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
 ) -> list[str]:
-    reasons = _common_reasons(hidden, weight, targets)
+    reasons = _common_reasons(hidden, weight, targets) + _bias_reasons(weight, bias)
     if reasons or backend == "torch":
         return reasons
     if backend != "triton":
@@ -58,6 +68,20 @@ def _common_reasons(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         reasons.append(f"hidden, weight and targets must be on one device: {names}")
     if weight.shape[0] > _INT32_MAX:
         reasons.append(f"vocabulary of {weight.shape[0]} rows exceeds int32 column indexing")
+    return reasons
+
+
+def _bias_reasons(weight: torch.Tensor, bias: torch.Tensor | None) -> list[str]:
+    """A head bias is read per vocab tile next to the weight: one value per vocabulary row, on its device."""
+    if bias is None:
+        return []
+    reasons = []
+    if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+        reasons.append(f"bias must be [V] with V = {weight.shape[0]} rows of weight, got {tuple(bias.shape)}")
+    if not bias.dtype.is_floating_point:
+        reasons.append(f"bias must be floating point, got {bias.dtype}")
+    if bias.device != weight.device:
+        reasons.append(f"bias on {bias.device} but weight on {weight.device}: they must be on one device")
     return reasons
 
 

@@ -14,9 +14,27 @@ def _z(x, scale, cap, inv_t, HAS_CAP: tl.constexpr):
 
 
 @triton.jit
+def _top1_update(kbest, kidx, x, offs, mask, sign):
+    # per lane: the first column (lanes see increasing columns) of the greatest sign·x so far
+    key = tl.where(mask, x * sign, -float("inf"))
+    better = key > kbest
+    return tl.where(better, key, kbest), tl.where(better, offs, kidx)
+
+
+@triton.jit
+def _top1_store(kbest, kidx, best_ptr, idx_ptr, row, col0, n_cols):
+    # the tile's first maximum replaces the running one only if greater: earlier tiles win ties, as argmax does
+    tb = tl.max(kbest, axis=0)
+    ti = tl.min(tl.where(kbest == tb, kidx, n_cols), axis=0)
+    if tb > tl.load(best_ptr + row):
+        tl.store(best_ptr + row, tb)
+        tl.store(idx_ptr + row, (col0 + ti).to(tl.int64))
+
+
+@triton.jit
 def stats_kernel(
-    tile_ptr, stride, local_ptr, m_ptr, so_ptr, u_ptr, zy_ptr, r_ptr, n_cols, scale, cap, inv_t,
-    HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    tile_ptr, stride, local_ptr, m_ptr, so_ptr, u_ptr, zy_ptr, r_ptr, n_cols, best_ptr, idx_ptr, col0, sign,
+    scale, cap, inv_t, HAS_CAP: tl.constexpr, HAS_TOP1: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # One program per row: online max over blocks; r is the first block's max
     row = tl.program_id(0).to(tl.int64)
@@ -26,10 +44,14 @@ def stats_kernel(
     so = tl.load(so_ptr + row)
     u = tl.load(u_ptr + row)
     r = tl.load(r_ptr + row)
+    kbest = tl.full((BLOCK,), -float("inf"), tl.float32)
+    kidx = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, n_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n_cols
         x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_TOP1:
+            kbest, kidx = _top1_update(kbest, kidx, x, offs, mask, sign)
         z, f = _z(x, scale, cap, inv_t, HAS_CAP)
         z = tl.where(mask, z, -float("inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
@@ -43,6 +65,8 @@ def stats_kernel(
     tl.store(so_ptr + row, so)
     tl.store(u_ptr + row, u)
     tl.store(r_ptr + row, r)
+    if HAS_TOP1:
+        _top1_store(kbest, kidx, best_ptr, idx_ptr, row, col0, n_cols)
     if (local >= 0) & (local < n_cols):
         zt, ft = _z(tl.load(base + local).to(tl.float32), scale, cap, inv_t, HAS_CAP)
         tl.store(zy_ptr + row, zt)
@@ -50,8 +74,9 @@ def stats_kernel(
 
 @triton.jit
 def jacobian_kernel(
-    tile_ptr, stride, e2_ptr, local_ptr, m_ptr, so_ptr, u_ptr, zy_ptr, r_ptr, resc_ptr, n_cols, scale, cap,
-    inv_t, HAS_CAP: tl.constexpr, HAS_E2: tl.constexpr, BLOCK: tl.constexpr,
+    tile_ptr, stride, e2_ptr, local_ptr, m_ptr, so_ptr, u_ptr, zy_ptr, r_ptr, resc_ptr, n_cols, best_ptr, idx_ptr,
+    col0, sign, scale, cap, inv_t, HAS_CAP: tl.constexpr, HAS_E2: tl.constexpr, HAS_TOP1: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     # One program per row: pass 1 finds the tile max, pass 2 folds the statistics and writes e·f in place
     row = tl.program_id(0).to(tl.int64)
@@ -59,12 +84,18 @@ def jacobian_kernel(
     local = tl.load(local_ptr + row)
     m = tl.load(m_ptr + row)
     tmax = -float("inf")
+    kbest = tl.full((BLOCK,), -float("inf"), tl.float32)
+    kidx = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, n_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n_cols
         x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_TOP1:
+            kbest, kidx = _top1_update(kbest, kidx, x, offs, mask, sign)
         z, f = _z(x, scale, cap, inv_t, HAS_CAP)
         tmax = tl.maximum(tmax, tl.max(tl.where(mask, z, -float("inf")), axis=0))
+    if HAS_TOP1:
+        _top1_store(kbest, kidx, best_ptr, idx_ptr, row, col0, n_cols)
     m_new = tl.maximum(m, tmax)
     resc = tl.exp(m - m_new)
     r = tl.load(r_ptr + row)
