@@ -212,7 +212,7 @@ def _start_rows(st: _Stats, h, weight, bias, targets, cfg: OpConfig) -> None:
     """Each row's reference before its first tile: its target logit, from one dot product per row (any value within
     ``cfg.overflow`` below the row's largest logit would do; the target's makes e_y ≈ 1). Ignored rows: 0, unused."""
     y = targets.clamp(0, weight.shape[0] - 1)  # never an out-of-range gather on CUDA
-    x_y = torch.linalg.vecdot(h.float(), weight[y].to(h.dtype).float())
+    x_y = torch.linalg.vecdot(h, weight[y].to(h.dtype)).float()  # in the tile dtype: a shift needs no precision
     if bias is not None:
         x_y += bias[y].to(h.dtype).float()
     z_y, _ = _transform(x_y, cfg)
@@ -484,7 +484,7 @@ def _finish_jacobians(jac_logp, jac_ent, weight, targets, st: _Stats, final: _Fi
         c = jac_logp + (final.e_y * f_y)[:, None] * w_y
         jac_ent.sub_((final.mu - st.r)[:, None] * c).mul_((-cfg.k * inv_s)[:, None])
     coef_y = torch.where(valid, st.s_other * inv_s * f_y, 0.0) * cfg.k
-    jac_logp.mul_((-cfg.k * inv_s)[:, None]).add_(coef_y[:, None] * w_y)
+    jac_logp.mul_((-cfg.k * inv_s)[:, None]).addcmul_(coef_y[:, None], w_y)
 
 
 def _backward_recompute(
@@ -563,11 +563,12 @@ class LogpEntropyFunction(torch.autograd.Function):
         hidden, weight, bias, targets, log_z, mu, *jacs = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
         if ctx.jacobian and (g_ent is None or len(jacs) == 2):
+            if g_ent is None:  # one pass: scale in fp32, round once to hidden's dtype
+                return _scaled(jacs[0], g_logp.float()[:, None], hidden.dtype), None, None, None, None
             grad = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32)
             if g_logp is not None:
                 grad.addcmul_(g_logp.float()[:, None], jacs[0])
-            if g_ent is not None:
-                grad.addcmul_(g_ent.float()[:, None], jacs[1])
+            grad.addcmul_(g_ent.float()[:, None], jacs[1])
             return grad.to(hidden.dtype), None, None, None, None
         # Trainable head, or an entropy gradient that the forward was not asked to prepare: recompute the tiles
         gather = ctx.cfg.weight_context
