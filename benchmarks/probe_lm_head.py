@@ -5,7 +5,8 @@ head at three chunk budgets. Only torch + leantrain: nothing to install on the G
 Rows (JSON lines, and ``$OUT/probe_lm_head.json``), per (H, V):
 - ``floor2`` / ``floor3``: the 2 / 3 N x H x V GEMMs alone (logits materialized), the frozen / trainable floors.
 - ``tiled_gemms``: the frozen path's own GEMM sequence (tile GEMM + fp32-accumulating GEMM per tile), no fold.
-- ``fold``: the Triton fold + combine alone on one tile, as many times as the op has tiles (its whole fold cost).
+- ``fold``: the Triton fold + combine alone on one tile, as many times as the op has tiles (its whole fold cost; the
+  tile is restored from a copy before each call, and the copies' time, ``copy_ms``, is subtracted).
 - ``frozen``: ``token_stats`` fwd+bwd into hidden (entropy, top-1); ``frozen_fwd``: its forward with a graph;
   ``nograd_fwd``: its forward under no_grad; ``host_ms``: the CPU time to issue one fwd+bwd (no sync; above the GPU
   time means the GPU waits for Python).
@@ -119,12 +120,19 @@ def fold_only(p: Probe, shape, hidden, weight, targets, label="fold") -> None:
     ops._start_rows(st, hidden[:rows], weight, None, targets[:rows], cfg)
     acc = torch.zeros(rows, hidden.shape[1], device=hidden.device, dtype=torch.float32)
     fold = ops._fold_fn(cfg)
+    logits = tile.clone()
 
-    def run():  # the tile holds e·f after the first call: the same work (no reference moves)
+    def copies():
         for _ in range(tiles):
+            tile.copy_(logits)
+
+    def run():  # the fold overwrites its tile: each call gets the logits back first (timed alone as tile_copy)
+        for _ in range(tiles):
+            tile.copy_(logits)
             fold(tile, targets[:rows], 0, st, cfg, True, None, (acc,))
 
-    p.record(shape, label, ms=p.ms(run), tiles=tiles, fold=[ops.FOLD_BLOCK, ops.FOLD_WARPS])
+    copy_ms = p.ms(copies)
+    p.record(shape, label, ms=p.ms(run) - copy_ms, tiles=tiles, fold=[ops.FOLD_BLOCK, ops.FOLD_WARPS], copy_ms=copy_ms)
 
 
 def frozen(p: Probe, shape, hidden, weight, targets, label="frozen", phases=True) -> None:
