@@ -252,7 +252,10 @@ def test_declines_when_liger_kernel_is_not_installed(tmp_path, monkeypatch):
     assert outcome.reasons == (
         "liger_kernel is not installed: pip install 'leantrain[kernels]' (Liger-Kernel >= 0.8.5)",
     )
-    assert LayerKernels().check_environment() == ("liger_kernel is not installed: pip install 'leantrain[kernels]'",)
+    assert LayerKernels().check_environment()[0] == "liger_kernel is not installed: pip install 'leantrain[kernels]'"
+    assert (
+        "needs CUDA (Liger-Kernel's kernels are Triton kernels for CUDA)" in LayerKernels().check_environment()
+    ) == (not torch.cuda.is_available())
 
 
 def test_declines_under_use_liger_kernel(tmp_path):

@@ -25,9 +25,14 @@ class LayerKernels(Optimization):
     def check_environment(self) -> tuple[str, ...]:
         import importlib.util
 
+        import torch
+
+        reasons = []
         if importlib.util.find_spec("liger_kernel") is None:
-            return ("liger_kernel is not installed: pip install 'leantrain[kernels]'",)
-        return ()
+            reasons.append("liger_kernel is not installed: pip install 'leantrain[kernels]'")
+        if not torch.cuda.is_available():
+            reasons.append("needs CUDA (Liger-Kernel's kernels are Triton kernels for CUDA)")
+        return tuple(reasons)
 
     def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
         return probe_trainer(trainer, ctx)
