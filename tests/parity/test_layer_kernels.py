@@ -207,7 +207,7 @@ def test_regional_compile_traces_the_bound_forwards(tmp_path):
         for layer in model.model.layers:
             layer.compile(backend="eager")
         out, grads = loss_and_grads(model)
-        assert calls["geglu"] and calls["rope"]  # traced through the stand-ins (counted while tracing)
+        assert calls["geglu"] and (calls["rope"] or not ROPE_SERVED)  # traced through the stand-ins (counted then)
     torch._dynamo.reset()
     assert torch.equal(out, ref_out) and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
 
