@@ -27,6 +27,7 @@ RECIPES = (
     "grpo",
     "grpo_lora",
     "sft",
+    "dense_sft",
     "moe_qlora",
     "moe_qlora_experts",
     "osft",
@@ -46,7 +47,7 @@ TOKENS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)  # leantrain.tiny'
 
 
 # Every leantrain option explicit (CGGR is opt-in, the others auto): a variant turns exactly one on.
-ONLY = dict(cggr=False, grpo_logps=False, osft=False, moe4bit=False)
+ONLY = dict(cggr=False, grpo_logps=False, osft=False, moe4bit=False, layer_kernels=False)
 LOG_KEYS = ("cggr/kept_fraction", "cggr/score_ms", "completions/mean_length", "reward", "kl", "entropy", "grad_norm")
 START = time.perf_counter()
 
