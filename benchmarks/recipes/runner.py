@@ -29,6 +29,7 @@ RECIPES = (
     "grpo",
     "grpo_lora",
     "sft",
+    "dense_sft",
     "moe_qlora",
     "moe_qlora_experts",
     "osft",

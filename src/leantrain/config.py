@@ -22,7 +22,7 @@ _TRUE = {"1", "on", "yes", "true"}
 _FALSE = {"0", "off", "no", "false"}
 
 # Optimizations in the order they are applied: model surgery first, then forward/loss patches.
-OPTIMIZATIONS = ("moe4bit", "osft", "cggr", "grpo_logps")
+OPTIMIZATIONS = ("moe4bit", "osft", "layer_kernels", "cggr", "grpo_logps")
 CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
 
@@ -59,6 +59,12 @@ class LeantrainConfig:
     grpo_logps: bool | None = _opt(None, "tristate", "fused GRPO/RLOO log-probs and entropies, no [B,T,V] logits")
     osft: bool | None = _opt(False, "tristate", "orthogonal subspace fine-tuning (changes the model: opt-in)")
     moe4bit: bool | None = _opt(None, "tristate", "grouped 4-bit MoE experts instead of the per-expert loop")
+    layer_kernels: bool | None = _opt(
+        None,
+        "tristate",
+        "Liger-Kernel's RMSNorm, SwiGLU/GeGLU and RoPE kernels on this model's modules (auto: the model families "
+        "where they measured faster; needs leantrain[kernels] and CUDA)",
+    )
     disable: bool = _opt(
         False,
         "bool",
