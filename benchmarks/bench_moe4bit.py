@@ -174,7 +174,7 @@ def lora_providers(s: Setup, stock: torch.nn.Module) -> dict[str, object]:
     _bf16_lora(lists, s.dtype)
     plan, _ = build_plan(Found("experts", lists, "linear4bit"), Undo().push, recompute=True)
     wrapped = _adapters.wrapped_map(lists)
-    plan.adapters = _adapters.adapters_for("linear4bit", lists, wrapped)
+    plan.adapters = _adapters.adapters_for("linear4bit", lists, wrapped, Undo().push)
 
     stacked = copy.deepcopy(stock)
     leantrain.quantize_experts_4bit(stacked, compress_statistics=True)
@@ -187,12 +187,28 @@ def lora_providers(s: Setup, stock: torch.nn.Module) -> dict[str, object]:
     peft.inject_adapter_in_model(config, holder)
     _bf16_lora(holder, s.dtype)
     stacked_plan, _ = build_plan(Found("experts", stacked, "stacked"), Undo().push, recompute=True)
-    stacked_plan.adapters = _adapters.adapters_for("stacked", stacked, _adapters.wrapped_map(holder))
+    stacked_plan.adapters = _adapters.adapters_for("stacked", stacked, _adapters.wrapped_map(holder), Undo().push)
+
+    def fresh_grads(fn, module):
+        """A training micro-step as a trainer runs it after ``zero_grad()``: the adapters start without gradients
+        (accumulating into existing ones would add one kernel per parameter, E of them per projection)."""
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def call(x, idx, w):
+            for p in params:
+                p.grad = None
+            return fn(x, idx, w)
+
+        return call
 
     def grouped(p):
         return lambda x, idx, w: _grouped.grouped_forward(p, x, idx, w)
 
-    return {LORA_LOOP: lists, LORA_GROUPED: grouped(plan), LORA_STACKED: grouped(stacked_plan)}
+    return {
+        LORA_LOOP: fresh_grads(lists, lists),
+        LORA_GROUPED: fresh_grads(grouped(plan), lists),
+        LORA_STACKED: fresh_grads(grouped(stacked_plan), holder),
+    }
 
 
 def providers(s: Setup, lora_only: bool = False) -> dict[str, object]:

@@ -125,6 +125,7 @@ def convert_model_to_linear4bit_experts(model: nn.Module, **quant) -> list[str]:
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, linear4bit_experts_from(module, **quant))
+    model.is_loaded_in_4bit = True  # as a 4-bit checkpoint loads: PEFT then wraps Linear4bit in its lora.Linear4bit
     return [name for name, _ in targets]
 
 
@@ -155,6 +156,7 @@ def load_in_4bit_like(
         layer = _linear4bit(module.weight.detach(), module.bias, compute_dtype=compute_dtype, **quant)
         layer.source_cls = type(module)
         setattr(model.get_submodule(parent) if parent else model, child, layer.requires_grad_(False))
+    model.is_loaded_in_4bit = True  # what from_pretrained sets: PEFT then wraps Linear4bit in its lora.Linear4bit
     return [name for name, _ in targets]
 
 
@@ -215,11 +217,14 @@ def patch_block_4x(block: nn.Module, undo, recompute: bool = True, strict: bool 
     """Install the grouped forward on a 4.x-style block (stock class or :class:`SparseMoeBlock4x`) as
     ``Moe4bit.apply`` does, recording on ``undo``; ``strict``: an error in the grouped path raises."""
     from leantrain.fallback import RuntimeFallback
+    from leantrain.moe4bit import _adapters
     from leantrain.moe4bit.layouts import Found, block_recipe
     from leantrain.moe4bit.patch import block_forward, fixed
     from leantrain.moe4bit.plan import build_plan
 
     plan_for = fixed(*build_plan(Found("mlp", block, "expert_mlps"), undo.push, recompute))
+    adapters = _adapters.adapters_for("expert_mlps", block, _adapters.wrapped_map(block), undo.push)
+    plan_for = _adapters.with_adapters(plan_for, adapters)  # PEFT LoRA on the expert projections, if any
     recipe = block_recipe(block)
     normalize, shared = (
         (recipe.normalize, recipe.shared) if recipe else ("norm_topk_prob", hasattr(block, "shared_expert"))

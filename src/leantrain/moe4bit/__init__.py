@@ -21,6 +21,7 @@ from ..optimization import Applied, Optimization, PatchContext, Readiness, regis
 from ._adapters import expert_lora_targets
 from .probe import bnb_reason, fsdp_reason, readiness
 from .quantize import QuantizeReport, quantize_experts_4bit
+from .saved import DECLARATION
 
 
 __all__ = ["Moe4bit", "expert_lora_targets", "QuantizeReport", "quantize_experts_4bit", "readiness"]
@@ -31,11 +32,7 @@ class Moe4bit(Optimization):
     """Grouped 4-bit MoE experts (see the module docstring); ``moe_recompute`` re-dequantizes in backward."""
 
     name = "moe4bit"
-    saved_weights = (
-        "unchanged keys: quantize_experts_4bit's stacks save packed with their quantization state (load_state_dict "
-        "into a model quantized the same way); per-expert Linear4bit weights the grouped path consolidates stay each "
-        "expert's own parameter (views of one buffer); expert LoRA adapters save with PEFT's save_pretrained"
-    )
+    saved_weights = DECLARATION
 
     def check_environment(self) -> tuple[str, ...]:
         reason = bnb_reason()
@@ -78,6 +75,10 @@ class Moe4bit(Optimization):
                 plan_for = live_stacked_plan(found.module, recompute)
             else:
                 plan_for = fixed(*build_plan(found, ctx.undo.push, recompute))
+            # PEFT LoRA on the experts: the plan carries the adapters
+            adapters = _adapters.adapters_for(found.layout, found.module, wrapped, ctx.undo.push)
+            lora += [adapters] if adapters is not None else []
+            plan_for = _adapters.with_adapters(plan_for, adapters)
             recipe = block_recipe(found.module) if found.layout == "expert_mlps" else None
             if recipe is not None and recipe.hook == "forward":  # 4.x block: router, routing, experts, shared expert
                 make = block_forward(found.module, plan_for, recipe.normalize, recipe.shared, ctx.fallback)
@@ -85,11 +86,7 @@ class Moe4bit(Optimization):
             elif recipe is not None:  # DeepSeek-V2's experts step moe(hidden, topk_ids, topk_weight)
                 ctx.undo.wrap_method(found.module, recipe.hook, experts_forward(plan_for, ctx.fallback))
             else:
-                # PEFT LoRA on the experts: the plan carries the adapters; target_parameters LoRA is called through
-                # its outermost ParamWrapper, whose forward is the one replaced
-                adapters = _adapters.adapters_for(found.layout, found.module, wrapped)
-                lora += [adapters] if adapters is not None else []
-                plan_for = _adapters.with_adapters(plan_for, adapters)
+                # target_parameters LoRA is called through its outermost ParamWrapper, whose forward is replaced
                 owner = _adapters.forward_owner(wrapped, found.module)
                 make = _adapters.owner_forward(experts_forward(plan_for, ctx.fallback), owner, found.module, wrapped)
                 ctx.undo.wrap_method(owner, "forward", make)

@@ -267,14 +267,14 @@ def grouped_forward(
 def _with_lora(
     base: torch.Tensor, inp: torch.Tensor, factors, routing: Routing, adapters, source=None
 ) -> torch.Tensor:
-    """``base + sum over active adapters of split LoRA(inp)``, each cast to the base's dtype first (PEFT's order);
-    the same group ends as the base GEMM. ``source = (tokens, index)``: backward re-gathers ``inp`` from the
-    tokens instead of keeping the top-k times larger sorted rows."""
+    """``base`` plus each active adapter's split LoRA of ``inp`` (``lora.add_lora``: PEFT's order and casts), with
+    the same group ends as the base GEMM. ``source = (tokens, index)``: backward re-gathers ``inp`` from the tokens
+    instead of keeping the top-k times larger sorted rows."""
     if not factors:
         return base
-    from .lora import lora_sum
+    from .lora import add_lora
 
-    return base + lora_sum(inp, factors, routing.offs, base.dtype, adapters.training, source)
+    return add_lora(base, inp, factors, routing.offs, adapters.training, source)
 
 
 def clamp_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -168,5 +168,15 @@ def block_recipe(block: nn.Module) -> BlockRecipe | None:
     return None
 
 
+def replaced(module: nn.Module, name: str) -> bool:
+    """Whether the instance holds its own ``name`` method, other than the class's own bound to it (transformers 4.x's
+    output recording binds ``module.forward`` on the instance around a call and leaves the class's method there)."""
+    method = module.__dict__.get(name)
+    if method is None:
+        return False
+    own = getattr(type(module), name, None)
+    return not (getattr(method, "__func__", None) is own and getattr(method, "__self__", None) is module)
+
+
 def is_stock_expert_mlp(expert: nn.Module) -> bool:
     return _method_key(expert, "forward") in STOCK_EXPERT_MLPS

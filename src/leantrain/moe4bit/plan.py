@@ -16,6 +16,7 @@ from ._stacks import Record, consolidate_linear4bit, stack_from_quant_state, sta
 from .layouts import Found, _bnb_parametrization, expert_mlp_names, expert_projections
 from .probe import _state_key, device_mix_reason, tensor_key
 from .quantize import BIAS_NAMES, STACK_NAMES
+from .saved import clone_shared_on_save
 
 
 Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -112,7 +113,9 @@ def expert_mlps_plan(block: nn.Module, record: Record, recompute: bool) -> tuple
     gate_up stack (expert e's gate rows, then its up rows: ``chunk(2)`` halves), the down projections as
     ``[E, H, I]``; ``F.linear`` orientation, no biases, the experts' ``act_fn``. The per-expert modules keep their
     weights as views of the stacks (state dict and save unchanged)."""
-    gates, ups, downs = expert_projections(block)
+    from ._adapters import base
+
+    gates, ups, downs = ([base(m) for m in group] for group in expert_projections(block))  # under any LoRA
     pairs = [layer for pair in zip(gates, ups) for layer in pair]  # g0, u0, g1, u1, ...: the [E, 2I, H] byte order
     experts, (inter, hidden) = len(gates), (int(s) for s in gates[0].weight.quant_state.shape)
     gate_up = dataclasses.replace(consolidate_linear4bit(pairs, record), shape=(experts, 2 * inter, hidden))
@@ -132,30 +135,23 @@ def expert_mlps_plan(block: nn.Module, record: Record, recompute: bool) -> tuple
     def snapshot() -> tuple:
         parts = []
         for layer in sampled():
+            parts.append(id(layer))  # a PEFT wrapper added or removed after patching
+            layer = base(layer)
             weight = layer.weight
             parts += [id(layer), tensor_key(weight), _state_key(weight.quant_state), layer.compute_dtype]
         return tuple(parts)
 
     def frozen() -> bool:
-        return not any(layer.weight.requires_grad for layer in sampled())
+        return not any(base(layer).weight.requires_grad for layer in sampled())
 
     return plan, _make_check(plan, snapshot, frozen, "expert weights")
 
 
 def _clone_shared_on_save(module: nn.Module, stacks: list, record: Record) -> None:
-    """Consolidated experts share storage, which safetensors and ``save_pretrained`` refuse: hand out private
-    copies of those tensors in this module's state dict (loading still copies into the shared buffers)."""
+    """Consolidated experts share storage: ``saved.clone_shared_on_save`` over every buffer of the stacks."""
     buffers = [t for s in stacks for t in (s.data, s.absmax) if t is not None]
     buffers += [t for s in stacks if s.nested is not None for t in (s.nested.codes, s.nested.absmax2)]
-    shared = {t.untyped_storage().data_ptr() for t in buffers}
-
-    def hook(mod: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        for key, value in list(state_dict.items()):
-            if key.startswith(prefix) and isinstance(value, torch.Tensor):
-                if value.untyped_storage().data_ptr() in shared:
-                    state_dict[key] = value.detach().clone()
-
-    record(module.register_state_dict_post_hook(hook).remove)
+    clone_shared_on_save(module, buffers, record)
 
 
 def _is_stock_gpt_oss_gate(module: nn.Module) -> bool:

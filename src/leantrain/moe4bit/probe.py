@@ -20,17 +20,20 @@ from .layouts import (
     _is_lora,
     _wrapped_ids,
     block_recipe,
+    expert_mlp_names,
     expert_projections,
     find_experts,
     is_4bit,
     is_stock_expert_mlp,
+    replaced,
 )
 from .quantize import BIAS_NAMES, STACK_NAMES
 
 
 LORA_REASON = (
-    "experts carry LoRA adapters: the grouped 4-bit path serves LoRA on gpt-oss-style Linear4bit expert lists and "
-    "on quantize_experts_4bit stacks, not on per-expert MLP modules yet"
+    "a PEFT tuner wraps an experts module or an expert MLP as a whole: the grouped 4-bit path serves LoRA on the "
+    'expert projections (PEFT target_modules naming them, or "all-linear") and target_parameters LoRA on '
+    "quantize_experts_4bit stacks"
 )
 NOT_4BIT_REASON = "MoE experts are not 4-bit: run leantrain.quantize_experts_4bit(model) first"
 NOT_4BIT_MLPS_REASON = (
@@ -39,19 +42,25 @@ NOT_4BIT_MLPS_REASON = (
 
 
 def lora_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
-    """Why PEFT adapters on this expert (or experts module) keep it off the grouped path; None: no adapters (the
-    layouts whose adapters are not served: per-expert MLP modules)."""
+    """Why a PEFT tuner wrapping this whole module (an MoE block or an expert MLP) keeps it off the grouped path;
+    None: not wrapped."""
     return LORA_REASON if _is_lora(module, wrapped) else None
 
 
 def expert_lora_reason(found: Found, wrapped: dict[int, nn.Module]) -> str | None:
     """Why PEFT adapters on a served layout keep it off the grouped path (``_adapters``: LoRA on every expert
-    ``Linear4bit`` of the lists, ``target_parameters`` LoRA on 4-bit stacks); None: no adapters, or servable."""
+    projection of the per-expert layouts, ``target_parameters`` LoRA on 4-bit stacks); None: no adapters, or
+    servable."""
     from . import _adapters
 
     if found.layout == "stacked":
         return _adapters.stacked_reason(found.module, wrapped)
-    return _adapters.lists_reason(list(found.module.gate_up_projs), list(found.module.down_projs))
+    if found.layout == "expert_mlps":
+        names = expert_mlp_names(found.module.experts[0])
+        return _adapters.per_expert_reason(dict(zip(names, expert_projections(found.module))))
+    return _adapters.per_expert_reason(
+        {"gate_up_projs": list(found.module.gate_up_projs), "down_projs": list(found.module.down_projs)}
+    )
 
 
 def device_mix_reason(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -226,7 +235,7 @@ def _expert_mlps_reason(block: nn.Module, wrapped: dict[int, nn.Module]) -> str 
             f"{type(block).__name__}'s forward ({module}.{qualname}) is not a stock transformers 4.x MoE block "
             "forward whose routing leantrain reproduces (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2)"
         )
-    if recipe.hook in block.__dict__:
+    if replaced(block, recipe.hook):
         return f"the MoE block's {recipe.hook} is already replaced on the instance (another library patched it)"
     reason = lora_reason(block, wrapped) or _routing_reason(block, recipe)
     if reason:
@@ -235,12 +244,17 @@ def _expert_mlps_reason(block: nn.Module, wrapped: dict[int, nn.Module]) -> str 
         reason = lora_reason(expert, wrapped)
         if reason:
             return reason
-        if not is_stock_expert_mlp(expert) or "forward" in expert.__dict__:
+        if not is_stock_expert_mlp(expert) or replaced(expert, "forward"):
             return f"an expert is a {type(expert).__name__} whose forward is not a stock gated MLP"
         if not callable(getattr(expert, "act_fn", None)) or type(expert.act_fn) is not type(block.experts[0].act_fn):
             return "experts have no act_fn or different activations"
-    gates, ups, downs = expert_projections(block)
-    reason = _layers_reason({"gate": gates, "up": ups, "down": downs}, wrapped)
+    reason = expert_lora_reason(Found("", block, "expert_mlps"), wrapped)  # served LoRA: checked here
+    if reason:
+        return reason
+    from ._adapters import base
+
+    gates, ups, downs = ([base(m) for m in group] for group in expert_projections(block))  # under any LoRA
+    reason = _layers_reason({"gate": gates, "up": ups, "down": downs}, None)
     if reason:
         return reason
     if any(layer.bias is not None for layer in gates + ups + downs):
@@ -332,22 +346,27 @@ def _signature(found: Found, wrapped: dict[int, nn.Module]) -> tuple:
             *(getattr(module, n, None) for n in ("top_k", "norm_topk_prob", "jitter_noise", "ep_rank")),
             id(getattr(module, "gate", None)),
             type(module),
-            tuple(sorted(k for k in ("forward", "moe") if k in module.__dict__)),
-            tuple(id(m) in wrapped or "forward" in m.__dict__ for m in (module, *module.experts)),
+            tuple(replaced(module, k) for k in ("forward", "moe")),
+            tuple(id(m) in wrapped or replaced(m, "forward") for m in (module, *module.experts)),
         ]
         layers = [m for group in expert_projections(module) for m in group]
     else:
         parts, layers = [], list(module.gate_up_projs) + list(module.down_projs)
+    from ._adapters import adapter_key, base
+
     for layer in layers:
-        weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+        inner = base(layer)
+        weight, bias = getattr(inner, "weight", None), getattr(inner, "bias", None)
         parts.append(
             (
                 id(layer),
+                id(inner),
                 id(layer) in wrapped,
+                adapter_key(layer),
                 tensor_key(weight) if isinstance(weight, torch.Tensor) else id(weight),
                 _state_key(getattr(weight, "quant_state", None)),
                 tensor_key(bias) if isinstance(bias, torch.Tensor) else id(bias),
-                getattr(layer, "compute_dtype", None),
+                getattr(inner, "compute_dtype", None),
             )
         )
     return tuple(parts)
