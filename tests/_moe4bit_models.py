@@ -13,7 +13,7 @@ import torch
 import transformers
 from torch import nn
 
-from leantrain.moe4bit._grouped import clamp_swiglu, gated_act
+from leantrain.moe4bit.ops import clamp_swiglu, gated_act
 
 
 class Linear4bitExperts(nn.Module):
@@ -214,23 +214,21 @@ class SparseMoeBlock4x(nn.Module):
 
 
 def patch_block_4x(block: nn.Module, undo, recompute: bool = True, strict: bool = True) -> None:
-    """Install the grouped forward on a 4.x-style block (stock class or :class:`SparseMoeBlock4x`) as
-    ``Moe4bit.apply`` does, recording on ``undo``; ``strict``: an error in the grouped path raises."""
-    from leantrain.fallback import RuntimeFallback
-    from leantrain.moe4bit import _adapters
-    from leantrain.moe4bit.layouts import Found, block_recipe
-    from leantrain.moe4bit.patch import block_forward, fixed
-    from leantrain.moe4bit.plan import build_plan
+    """Install the grouped forward on a 4.x-style block (stock class or :class:`SparseMoeBlock4x`, with or without
+    PEFT LoRA on its experts) through ``Moe4bit.apply``'s own ``patch.install``, recording on ``undo``; ``strict``:
+    an error in the grouped path raises. :class:`SparseMoeBlock4x` gets the recipe of the 4.57 Qwen blocks."""
+    import dataclasses
 
-    plan_for = fixed(*build_plan(Found("mlp", block, "expert_mlps"), undo.push, recompute))
-    adapters = _adapters.adapters_for("expert_mlps", block, _adapters.wrapped_map(block), undo.push)
-    plan_for = _adapters.with_adapters(plan_for, adapters)  # PEFT LoRA on the expert projections, if any
-    recipe = block_recipe(block)
-    normalize, shared = (
-        (recipe.normalize, recipe.shared) if recipe else ("norm_topk_prob", hasattr(block, "shared_expert"))
-    )
-    fallback = RuntimeFallback("moe4bit", strict=strict)
-    undo.wrap_method(block, "forward", block_forward(block, plan_for, normalize, shared, fallback))
+    from leantrain.fallback import RuntimeFallback
+    from leantrain.moe4bit import _adapters, probe
+    from leantrain.moe4bit.layouts import BlockRecipe, Found
+    from leantrain.moe4bit.patch import install
+
+    target = probe.target(Found("mlp", block, "expert_mlps"), _adapters.wrapped_map(block), recompute)
+    if target.recipe is None:  # the test-local mirror of the 4.57 Qwen2/Qwen3-MoE blocks
+        recipe = BlockRecipe("forward", "norm_topk_prob", hasattr(block, "shared_expert"))
+        target = dataclasses.replace(target, owner=block, hook="forward", recipe=recipe)
+    install(target, False, undo, RuntimeFallback("moe4bit", strict=strict))
 
 
 def token_trainer(

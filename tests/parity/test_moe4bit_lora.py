@@ -28,7 +28,7 @@ pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 
 import leantrain  # noqa: E402
-from leantrain.moe4bit import _adapters, _grouped, lora  # noqa: E402
+from leantrain.moe4bit import _adapters, lora, ops  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
@@ -348,7 +348,7 @@ def test_expert_lora_targets_full_names():
     assert "model.layers.1.mlp.experts.down_proj" in names and len(names) == 2 * 2 * 3  # layers x stacks x depths
     assert "model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj" in names
     assert _adapters.expert_lora_targets(base_model("qwen3_moe")) == []  # not quantized: PEFT's suffixes work there
-    assert _grouped.ExpertsPlan.__dataclass_fields__["adapters"].default is None
+    assert ops.ExpertsPlan.__dataclass_fields__["adapters"].default is None
 
 
 def test_forward_hooks_on_expert_lora_fall_back(tmp_path):

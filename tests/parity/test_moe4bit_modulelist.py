@@ -28,11 +28,13 @@ pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
 from leantrain.fallback import RuntimeFallback  # noqa: E402
+from leantrain.moe4bit import (
+    _adapters,  # noqa: E402
+    readiness,  # noqa: E402
+)
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
-from leantrain.moe4bit import readiness  # noqa: E402
-from leantrain.moe4bit.layouts import Found, block_recipe, find_experts  # noqa: E402
-from leantrain.moe4bit.patch import block_forward, experts_forward, fixed  # noqa: E402
-from leantrain.moe4bit.plan import build_plan  # noqa: E402
+from leantrain.moe4bit.layouts import Found, find_experts  # noqa: E402
+from leantrain.moe4bit.patch import install  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import load_in_4bit_like, token_trainer  # noqa: E402
@@ -106,18 +108,11 @@ ALL_FAMILIES = [*BLOCK_FAMILIES, "deepseek_v2"]  # DeepSeek-V2: its experts step
 
 
 def patch_block(block: torch.nn.Module, undo: Undo, recompute: bool = True) -> None:
-    """What ``Moe4bit.apply`` installs on one block, with a strict fallback (an error fails the test)."""
-    from leantrain.moe4bit import _adapters
-
+    """What ``Moe4bit.apply`` installs on one block (its own ``patch.install``), with a strict fallback (an error
+    fails the test)."""
     found, wrapped = Found("mlp", block, "expert_mlps"), _adapters.wrapped_map(block)
     assert moe_probe.module_reason(found, wrapped) is None
-    plan_for = fixed(*build_plan(found, undo.push, recompute))
-    plan_for = _adapters.with_adapters(plan_for, _adapters.adapters_for("expert_mlps", block, wrapped, undo.push))
-    recipe, fallback = block_recipe(block), RuntimeFallback("moe4bit", strict=True)
-    if recipe.hook == "forward":
-        undo.wrap_method(block, "forward", block_forward(block, plan_for, recipe.normalize, recipe.shared, fallback))
-    else:
-        undo.wrap_method(block, "moe", experts_forward(plan_for, fallback))
+    install(moe_probe.target(found, wrapped, recompute), False, undo, RuntimeFallback("moe4bit", strict=True))
 
 
 def run(block: torch.nn.Module, dtype: torch.dtype, seed: int = 1):
@@ -288,7 +283,7 @@ def test_consolidation_keeps_state_dict_and_undo_restores():
 
 
 def reason_of(block: torch.nn.Module) -> str | None:
-    return moe_probe.module_reason(Found("mlp", block, "expert_mlps"), moe_probe._wrapped_ids(block))
+    return moe_probe.module_reason(Found("mlp", block, "expert_mlps"), _adapters.wrapped_map(block))
 
 
 def test_declines_jitter_noise():
@@ -424,7 +419,7 @@ def test_trainer_train_runs_patched(tmp_path):
 def test_runtime_fallback_and_unpatch_identity(tmp_path, monkeypatch):
     """An error inside the grouped path warns once and serves the stock forward (same loss); unpatch restores the
     original forwards by identity."""
-    from leantrain.moe4bit import _grouped
+    from leantrain.moe4bit import ops
 
     stock = tiny_4bit("qwen2_moe")
     batch = {"input_ids": torch.arange(3, 3 + SEQ).view(1, -1), "labels": torch.arange(3, 3 + SEQ).view(1, -1)}
@@ -438,7 +433,7 @@ def test_runtime_fallback_and_unpatch_identity(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected grouped_mm failure")
 
-    monkeypatch.setattr(_grouped, "grouped_mm", broken)
+    monkeypatch.setattr(ops, "grouped_mm", broken)
     with pytest.warns(RuntimeWarning, match="moe4bit failed at run time"):
         loss = model(**batch).loss
     assert torch.equal(loss, stock_loss)

@@ -20,7 +20,7 @@ MATH = {
     "cggr": ("ops",),
     "grpo_logps": (),
     "osft": ("ops", "linear", "_triton"),
-    "moe4bit": ("_grouped", "_stacks", "_qstate", "_triton", "lora"),
+    "moe4bit": ("ops", "_stacks", "_qstate", "lora"),
 }
 # Math that several optimizations share: plain values, and no optimization, framework or entry point above it.
 SHARED_MATH = ("lm_head",)

@@ -391,9 +391,9 @@ def _wrapper_factors(wrapper: nn.Module, dtype: torch.dtype) -> list[tuple[LoraF
     return out
 
 
-def stacked_adapters(wrapped: dict[int, nn.Module], experts: nn.Module) -> AdaptersFor:
+def chain_adapters(chain: tuple[nn.Module, ...], experts: nn.Module) -> AdaptersFor:
     """Per call: the active adapters of the ParamWrapper chain around a 4-bit stacked experts module."""
-    by_name = {w.parameter_name: w for w in param_wrappers(wrapped, experts)}
+    by_name = {w.parameter_name: w for w in chain}
 
     def factors(name: str) -> list[tuple[LoraFactors, ...]]:
         wrapper = by_name.get(name)
@@ -416,29 +416,41 @@ def base(layer: nn.Module) -> nn.Module:
     return layer.base_layer if _is_tuner(layer) else layer
 
 
-def pieces(layout: str, experts: nn.Module) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
-    """The per-expert layers carrying adapters, per projection (gate_up, down), for the per-expert layouts."""
+@dataclass(frozen=True)
+class AdapterSpec:
+    """Where a ready experts module's PEFT adapters are (found by the probe): per-expert layers per projection
+    (``gate_up`` / ``down`` pieces), or the ``target_parameters`` ParamWrapper chain around a 4-bit stack."""
+
+    gate_up: tuple[Piece, ...] = ()
+    down: tuple[Piece, ...] = ()
+    chain: tuple[nn.Module, ...] = ()  # outermost first
+
+
+def find(layout: str, experts: nn.Module, wrapped: dict[int, nn.Module]) -> AdapterSpec | None:
+    """The adapters of a ready experts module (None: it carries none)."""
     from .layouts import expert_projections
 
+    if layout == "stacked":
+        chain = tuple(param_wrappers(wrapped, experts))
+        return AdapterSpec(chain=chain) if chain else None
     if layout == "expert_mlps":
         gates, ups, downs = expert_projections(experts)
         inter = int(base(gates[0]).weight.quant_state.shape[0])
-        gate_up = (Piece(tuple(gates), 0), Piece(tuple(ups), inter))
+        gate_up = (Piece(tuple(gates), 0), Piece(tuple(ups), inter))  # the halves of the [E, 2I, H] stack
     else:
         gate_up, downs = (Piece(tuple(experts.gate_up_projs), 0),), list(experts.down_projs)
     tuned = [tuple(p for p in group if is_tuned(p.layers[0])) for group in (gate_up, (Piece(tuple(downs), 0),))]
-    return tuned[0], tuned[1]
+    return AdapterSpec(tuned[0], tuned[1]) if tuned[0] or tuned[1] else None
 
 
-def adapters_for(
-    found_layout: str, experts: nn.Module, wrapped: dict[int, nn.Module], record: Record
-) -> AdaptersFor | None:
-    """The per-call adapters provider of a ready experts module, or None when it carries no adapters (per-expert
-    layouts: their factors are re-homed as stacks now, each restore step going to ``record``)."""
-    if found_layout == "stacked":
-        return stacked_adapters(wrapped, experts) if param_wrappers(wrapped, experts) else None
-    gate_up, down = pieces(found_layout, experts)
-    return per_expert_adapters(experts, gate_up, down, record) if gate_up or down else None
+def provider(spec: AdapterSpec | None, experts: nn.Module, record: Record) -> AdaptersFor | None:
+    """The per-call adapters provider of ``spec`` (per-expert layers: their factors are re-homed as stacks now, each
+    restore step going to ``record``); None without adapters."""
+    if spec is None:
+        return None
+    if spec.chain:
+        return chain_adapters(spec.chain, experts)
+    return per_expert_adapters(experts, spec.gate_up, spec.down, record)
 
 
 def with_adapters(plan_for: Callable, adapters: AdaptersFor | None) -> Callable:
@@ -450,15 +462,6 @@ def with_adapters(plan_for: Callable, adapters: AdaptersFor | None) -> Callable:
         return dataclasses.replace(plan_for(hidden_states, indices, weights), adapters=adapters)
 
     return planned
-
-
-def owner_forward(make: Callable, owner: nn.Module, experts: nn.Module, wrapped: dict[int, nn.Module]) -> Callable:
-    """``Undo.wrap_method`` factory for the owner's forward. Under a ParamWrapper chain the fallback is
-    :func:`stock_forward` instead of PEFT's forward (see there)."""
-    if owner is experts:
-        return make
-    chain = param_wrappers(wrapped, experts)
-    return lambda original: make(stock_forward(experts, chain))
 
 
 def lora_detail(providers: list[AdaptersFor]) -> str:
