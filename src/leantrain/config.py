@@ -102,7 +102,7 @@ class LeantrainConfig:
     moe_recompute: bool | None = _opt(
         None,
         "tristate",
-        "re-dequantize expert stacks in backward instead of saving them (auto: per layout and shape, from measurements)",
+        "re-dequantize expert stacks in backward instead of saving them (auto: per layout, from measurements)",
     )
 
     @classmethod
