@@ -393,3 +393,19 @@ def test_gradient_checkpointing_matches_plain(family, reentrant, tmp_path):
         assert torch.equal(grad, ref_grads[name]), f"{name}: {(grad - ref_grads[name]).abs().max():.3g}"
     for trainer in trainers:
         leantrain.unpatch_trainer(trainer)
+
+
+def test_step_bench_smoke_transformers4(tmp_path, monkeypatch):
+    """benchmarks/bench_moe4bit_step.py --smoke --transformers4 (the 4.x per-expert blocks with LoRA on every expert
+    projection) runs every provider on CPU, patched (it stops if moe4bit declines), and records the first step."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_moe4bit_step as step
+
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    out = step.main(["--smoke", "--transformers4", "--providers", "stock,leantrain"])
+    rows = json.loads((out / "moe4bit_step_4x.json").read_text())
+    assert {(r["provider"], r["mode"]) for r in rows} >= {("stock", "first step"), ("leantrain", "train step")}
