@@ -14,7 +14,8 @@ Providers, in one run (transformers 5.x, 3-D experts):
 
 ``--transformers4`` (needs transformers 4.x: each expert a ``Qwen3MoeMLP`` whose projections ``BitsAndBytesConfig``
 makes ``Linear4bit``, router included; writes ``moe4bit_step_4x.*``): LoRA r16 through PEFT
-``target_modules=[q, k, v, o, gate_proj, up_proj, down_proj]`` (every expert's three projections):
+``target_modules=[q, k, v, o, gate_proj, up_proj, down_proj]`` (every expert's three projections), forward under
+bf16 autocast as ``Trainer(bf16=True)`` runs it:
 - ``stock``: PEFT's per-expert loop; ``leantrain``: the same model patched; ``leantrain_attn_only``: LoRA on
   q/k/v/o only, patched. Each provider also records its first step: seconds from ``patch_trainer`` (stock: from the
   model being ready) to the end of the first training step.
@@ -169,13 +170,19 @@ def bench(provider: str, s: Setup, path: str, rows: list[Row]) -> tuple[float, f
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-5)
 
+    # --transformers4: the forward under bf16 autocast, as Trainer(bf16=True) runs it: PEFT's fp32 adapters on
+    # Linear4bit compute in bf16 there (without autocast they compute in fp32, which CUDA's grouped GEMM serves with a
+    # per-expert loop; the report says so)
+    autocast = torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.transformers4)
+
     def step(_i: int = 0) -> None:
-        loss = model(input_ids=ids, labels=ids).loss
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    config = {**s.config, "tokens": s.tokens, "lora_rank": 16, "lora_alpha": 32}
+    config = {**s.config, "tokens": s.tokens, "lora_rank": 16, "lora_alpha": 32, "autocast_bf16": s.transformers4}
     config |= {"trainable": sum(p.numel() for p in params), "transformers4": s.transformers4}
     first = None
     if started is not None:  # the first training step after patch_trainer (stock: after the model is ready)

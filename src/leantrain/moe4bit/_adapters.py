@@ -1,25 +1,25 @@
 """PEFT LoRA adapters on 4-bit experts: which placements the grouped path serves (with precise reasons for the
-others) and, per call, the active adapters' per-expert factors for ``lora.split_lora``.
+others), where a ready module's adapters are (:func:`find`, for the probe's plan) and, per call, the active adapters'
+per-expert factors for ``lora.add_lora`` (:func:`provider`, built by ``apply``).
 
-Three placements:
-- per-expert layers, ``lists``: PEFT ``lora.Linear4bit`` wrapping each expert's ``bnb.nn.Linear4bit`` in
-  ``gate_up_projs`` / ``down_projs`` (``target_modules="all-linear"`` or the list names);
-- per-expert layers, ``expert_mlps``: the same on each expert MLP's ``gate_proj`` / ``up_proj`` / ``down_proj``
-  (Mixtral: ``w1`` / ``w3`` / ``w2``) of a transformers 4.x sparse MoE block; gate and up are two adapters whose
-  outputs are the two halves of the block's consolidated gate_up stack (:class:`Piece`).
-  At patch time each adapter's E ``lora_A`` (and E ``lora_B``) weights of a projection are re-homed as slices of one
-  ``[E, r, in]`` (``[E, out, r]``) buffer (:class:`FactorStack`): the grouped GEMMs read the buffer with no copy per
-  call, the parameters stay PEFT's objects (optimizer updates land in the buffer; saving and loading are
-  unchanged) and each gets its slice of the gradient. Parameters re-homed after patching (an adapter added later,
-  DeepSpeed's flat buffers, a move) are stacked per call instead.
-- ``stacked``: PEFT ``target_parameters`` LoRA (``ParamWrapper``, nested once per targeted stack) on 3-D stacks
-  quantized by :func:`leantrain.quantize_experts_4bit`. PEFT matches an already-parametrized parameter only by its
-  full name: :func:`expert_lora_targets` lists those names. ``lora_A`` ``[r*E, in]`` and ``lora_B`` ``[out, r*E]``
-  are viewed per expert (B needs one small copy per call: its expert index is the fastest one).
+Per-expert layers, in two layouts:
+- ``linear4bit`` lists: PEFT ``lora.Linear4bit`` wrapping each expert's ``bnb.nn.Linear4bit`` in ``gate_up_projs`` /
+  ``down_projs`` (``target_modules="all-linear"`` or the list names);
+- ``expert_mlps``: the same on each expert MLP's ``gate_proj`` / ``up_proj`` / ``down_proj`` (Mixtral: ``w1`` /
+  ``w3`` / ``w2``) of a transformers 4.x sparse MoE block; gate and up are two adapters whose outputs are the two
+  halves of the block's consolidated gate_up stack (:class:`Piece`).
+At patch time each adapter's E ``lora_A`` (and E ``lora_B``) weights of a projection are re-homed as slices of one
+``[E, r, in]`` (``[E, out, r]``) buffer (:class:`FactorStack`): the grouped GEMMs read the buffer with no copy per
+call, the parameters stay PEFT's objects (optimizer updates land in the buffer; saving and loading are unchanged) and
+each gets its slice of the gradient. Parameters re-homed after patching (an adapter added later, DeepSpeed's flat
+buffers, a move) are stacked per call instead.
 
-PEFT's own forward on such a stack is wrong (peft 0.21.2, see :func:`stock_forward`, the fallback that replaces it):
-with leantrain patched, the grouped path or that fallback serves every call.
-"""
+Stacks: PEFT ``target_parameters`` LoRA (``ParamWrapper``, nested once per targeted stack) on 3-D stacks quantized by
+:func:`leantrain.quantize_experts_4bit`. PEFT matches an already-parametrized parameter only by its full name:
+:func:`expert_lora_targets` lists those names. ``lora_A`` ``[r*E, in]`` and ``lora_B`` ``[out, r*E]`` are viewed
+per expert (B needs one small copy per call: its expert index is the fastest one). PEFT's own forward on such a
+stack is wrong (peft 0.21.2, see :func:`stock_forward`, the fallback that replaces it): with leantrain patched, the
+grouped path or that fallback serves every call."""
 
 from __future__ import annotations
 
@@ -473,7 +473,7 @@ def lora_detail(providers: list[AdaptersFor]) -> str:
     factors = [lora for pieces in sample.gate_up + sample.down for lora in pieces]
     if factors and factors[0].a.dtype == torch.float32 and factors[0].a.device.type == "cuda":
         text += (
-            " (in float32, the adapters' dtype: torch's grouped_mm runs one GEMM per expert there; train under bf16 "
-            "autocast or cast the adapters to bf16 for the fast path)"
+            " (adapters in float32: outside bf16 autocast they compute in float32, where torch's grouped_mm runs one "
+            "GEMM per expert; Trainer(bf16=True) autocasts, or cast the adapters to bf16)"
         )
     return text
