@@ -10,6 +10,10 @@ leave those groups unwritten, pytorch#172439).
 grouped_mm wants 16-byte aligned strides: a rank whose row is not a multiple of 16 bytes (rank 4 in bf16 is 8 B)
 is padded with zero rows of A / zero columns of B, which changes no result (the padding contributes exact zeros
 and its gradient is dropped by ``F.pad``'s backward).
+
+:func:`add_lora` adds every active adapter's output to a projection's output in PEFT's order, an adapter's column
+pieces side by side (a 4.x expert's gate and up adapters fill the two halves of one gate_up stack). :func:`stacked`
+hands E per-expert parameters that are slices of one buffer to the GEMMs as that buffer, without a copy.
 """
 
 from __future__ import annotations

@@ -155,17 +155,13 @@ def _layers_reason(named: dict[str, list[nn.Module]], wrapped: dict[int, nn.Modu
 
 
 def _lists_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
-
     ups, downs = list(module.gate_up_projs), list(module.down_projs)
     if not ups or len(ups) != len(downs):
         return f"gate_up_projs ({len(ups)}) and down_projs ({len(downs)}) differ in length"
     reason = expert_lora_reason(Found("", module, "linear4bit"), wrapped)  # served LoRA: checked here
     if reason:
         return reason
-    ups, downs = (
-        [_adapters.base(m) for m in ups],
-        [_adapters.base(m) for m in downs],
-    )  # the Linear4bit under any served LoRA
+    ups, downs = ([_adapters.base(m) for m in group] for group in (ups, downs))  # the Linear4bit under any LoRA
     reason = _layers_reason({"gate_up_projs": ups, "down_projs": downs}, None)
     if reason:
         return reason
@@ -235,7 +231,6 @@ def _expert_mlps_reason(block: nn.Module, wrapped: dict[int, nn.Module]) -> str 
     reason = expert_lora_reason(Found("", block, "expert_mlps"), wrapped)  # served LoRA: checked here
     if reason:
         return reason
-
     gates, ups, downs = ([_adapters.base(m) for m in group] for group in expert_projections(block))  # under any LoRA
     reason = _layers_reason({"gate": gates, "up": ups, "down": downs}, None)
     if reason:
@@ -385,7 +380,6 @@ def compute_dtype(found: Found) -> tuple[torch.device, torch.dtype]:
     if found.layout == "stacked":
         plist = bnb_parametrization(found.module, STACK_NAMES[0])
         return plist.original.device, plist[0].quant_state.dtype
-
     layer = expert_projections(found.module)[0][0] if found.layout == "expert_mlps" else found.module.gate_up_projs[0]
     layer = _adapters.base(layer)
     return layer.weight.device, layer.compute_dtype or layer.weight.quant_state.dtype
