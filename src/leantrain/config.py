@@ -108,7 +108,11 @@ class LeantrainConfig:
         "full V_high on every rank)",
     )
     # MoE 4-bit
-    moe_recompute: bool = _opt(True, "bool", "re-dequantize expert stacks in backward instead of saving them")
+    moe_recompute: bool | None = _opt(
+        None,
+        "tristate",
+        "re-dequantize expert stacks in backward instead of saving them (auto: per layout, from measurements)",
+    )
 
     @classmethod
     def options(cls) -> tuple[dataclasses.Field, ...]:

@@ -36,7 +36,7 @@ bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as bnbf  # noqa: E402
 
 import leantrain  # noqa: E402
-from leantrain.moe4bit import _grouped, readiness  # noqa: E402
+from leantrain.moe4bit import ops, readiness  # noqa: E402
 from leantrain.moe4bit._stacks import state_tensors  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.plan import build_plan, live_stacked_plan  # noqa: E402
@@ -124,7 +124,7 @@ def grouped(layout: str, module: torch.nn.Module):
 
     def fn(x, idx, w):
         check(x, idx, w)
-        return _grouped.grouped_forward(plan, x, idx, w)
+        return ops.grouped_forward(plan, x, idx, w)
 
     return fn
 
@@ -159,7 +159,7 @@ def test_per_call_plan_matches_the_stock_path(family, dtype, dev):
     plan_for = live_stacked_plan(module, recompute=True)
     x, logits, idx = inputs(dev, dtype)
     loop = run(module, x, logits, idx)
-    live = run(lambda x, idx, w: _grouped.grouped_forward(plan_for(x, idx, w), x, idx, w), x, logits, idx)
+    live = run(lambda x, idx, w: ops.grouped_forward(plan_for(x, idx, w), x, idx, w), x, logits, idx)
     fixed = run(grouped("stacked", module), x, logits, idx)
     for name, a, b, c in zip(("output", "hidden grad", "router grad"), live, loop, fixed):
         assert_close(a, b, rel(dtype, grads=name != "output"), name)
