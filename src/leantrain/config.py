@@ -20,8 +20,9 @@ Source = Literal["kwarg", "env", "default"]
 _TRUE = {"1", "on", "yes", "true"}
 _FALSE = {"0", "off", "no", "false"}
 
-# Optimizations in the order they are applied: model surgery first, then forward/loss patches.
-OPTIMIZATIONS = ("moe4bit", "osft", "cggr", "grpo_logps")
+# Optimizations in the order they are applied: model surgery first, then forward/loss patches. fused_ce comes before
+# cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss.
+OPTIMIZATIONS = ("moe4bit", "osft", "fused_ce", "cggr", "grpo_logps")
 CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
 
@@ -58,6 +59,9 @@ class LeantrainConfig:
     grpo_logps: bool | None = _opt(None, "tristate", "fused GRPO/RLOO log-probs and entropies, no [B,T,V] logits")
     osft: bool | None = _opt(False, "tristate", "orthogonal subspace fine-tuning (changes the model: opt-in)")
     moe4bit: bool | None = _opt(None, "tristate", "grouped 4-bit MoE experts instead of the per-expert loop")
+    fused_ce: bool | None = _opt(
+        None, "tristate", "SFT / Trainer causal-LM loss from hidden states and the LM head, no [B,T,V] logits"
+    )
     disable: bool = _opt(
         False, "bool", "kill switch: every optimization off, env toggles included (only <name>=True in code wins)"
     )

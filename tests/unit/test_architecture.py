@@ -14,13 +14,14 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "leantrain"
 ENTRY = {"leantrain", "leantrain.entry", "leantrain.launch", "leantrain.__main__", "leantrain.demo"}
-OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit")
+OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit", "fused_ce")
 # Math: plain values in, plain values out (no option table, undo, trainer or entry point).
 MATH = {
     "cggr": ("ops",),
     "grpo_logps": (),
     "osft": ("ops", "linear", "_triton"),
     "moe4bit": ("_grouped", "_stacks", "_qstate", "_triton", "lora"),
+    "fused_ce": ("dispatch",),
 }
 # Math that several optimizations share: plain values, and no optimization, framework or entry point above it.
 SHARED_MATH = ("lm_head",)

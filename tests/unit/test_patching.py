@@ -30,7 +30,7 @@ def fake(monkeypatch):
 
 
 def test_real_registry_lists_every_optimization():
-    assert list(registry()) == ["moe4bit", "osft", "cggr", "grpo_logps"]
+    assert list(registry()) == ["moe4bit", "osft", "fused_ce", "cggr", "grpo_logps"]
 
 
 def test_patch_then_unpatch_restores_by_identity(tmp_path, fake):

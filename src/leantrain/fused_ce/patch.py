@@ -1,0 +1,437 @@
+"""The fused loss's trainer glue: the forwards and loss wrappers ``apply`` installs.
+
+Every path runs the model's decoder trunk as the stock forward does, then leantrain's op on the last hidden states
+and the head weight (``leantrain.lm_head``): per-token log-probs, entropies and whether the label is the argmax,
+never the ``[B, T, V]`` logits. Whatever reads labels (the shift, the mask) reads them after the trunk ran, so labels
+that CGGR masks inside the forward feed the loss.
+
+- TRL's own forwards (``trl_fused``: ``fused_lm_head=True`` calls; ``chunked_nll``: calls with labels) are wrapped on
+  the model instance and return TRL's own output class, so TRL's ``compute_loss`` runs unchanged. A run-time failure
+  falls back to TRL's forward.
+- The full-logits paths install a forward that answers a ``REQUEST_KEY`` keyword (a :class:`Request`) and leaves
+  every other call to the model's own forward; the trainer's ``compute_loss`` passes that keyword (plain Trainer) or
+  is replaced by the same loss and metrics from its outputs (``legacy.py``, TRL <= 1.14). A run-time failure falls
+  back to the stock ``compute_loss``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from ..fallback import RuntimeFallback
+from ..lm_head import ops
+from ..models import head_weight, zero3_gather
+
+
+PATHS = ("trl_fused", "chunked_nll", "full_logits", "dft", "trainer")
+# The loss each path replaces, as the dispatch rule names it
+DISPATCH_PATH = {
+    "trl_fused": "trl_fused",
+    "chunked_nll": "chunked_nll",
+    "full_logits": "full_logits",
+    "dft": "full_logits",
+    "trainer": "full_logits",
+}
+REQUEST_KEY = "leantrain_fused_ce"
+IGNORE_INDEX = -100
+TILE_MIB = 512  # one logits tile's memory bound (the op's default, as the GRPO path uses)
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """What the head computes: ``softcap(logit_scale * h·Wᵀ) / temperature``, and for TRL's heads their settings."""
+
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+    cast_lm_head_to_fp32: bool = False
+    backbone_attr: str = "base_model"
+    text_config: Any = None
+    outputs: tuple[str, ...] = ("log_probs", "entropy", "is_top1")
+
+
+@dataclass(frozen=True)
+class SftVariant:
+    """How a TRL <= 1.14 SFTTrainer computes its loss and metrics from the full logits (read by the probe)."""
+
+    entropy_scope: str  # "attention": every attended position (TRL 0.x); "labels": the labelled positions (1.x)
+    router_input: bool  # compute_loss passes output_router_logits=True when the aux loss is on
+    dft: bool  # loss_type="dft" (TRL's dft_loss) rather than the model's own loss
+    dft_clamp: bool  # dft_loss clamps its normalizer to >= 1
+
+
+@dataclass
+class Request:
+    """What one fused forward call computes (the ``REQUEST_KEY`` keyword)."""
+
+    entropy: str | None = None  # None, "labels" (labelled positions) or "attention" (every attended position)
+    top1: bool = False
+    loss: bool = True  # the model's own loss (sum / num_items_in_batch, else the mean) plus its MoE aux loss
+    labels: torch.Tensor | None = None  # labels the caller kept out of the model's inputs (dft)
+
+
+@dataclass
+class ModelParts:
+    """The model-side settings a request forward needs (from the probe)."""
+
+    settings: HeadSettings
+    moe: bool  # the forward takes output_router_logits
+    aux_loss: Callable[..., torch.Tensor] | None  # the model module's load_balancing_loss_func
+
+
+@dataclass
+class FusedCeOutput(ModelOutput):
+    """The model's outputs on the fused path: no logits; per-token values aligned with the input positions (the
+    last position, which predicts nothing, is masked)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    router_logits: Any = None
+    hidden_states: Any = None
+    attentions: Any = None
+
+
+@dataclass
+class TokenStats:
+    log_probs: torch.Tensor  # fp32, 0 where the label is ignored
+    entropy: torch.Tensor | None  # fp32, 0 outside the scored rows
+    is_top1: torch.Tensor | None  # bool, False where the label is ignored
+    label_mask: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------------- the op
+def run_op(
+    guard: RuntimeFallback,
+    tile_mib: int,
+    st: HeadSettings,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    need_entropy: bool,
+    need_top1: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(logp, entropy, is_top1) of each row on the best backend; a Triton failure falls back to the torch path."""
+    if bias is not None:
+        raise RuntimeError("the LM head has a bias")  # the probe declines these; reaching here means the model changed
+
+    def run(backend: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        logp, entropy = ops.logp_entropy(
+            hidden,
+            weight,
+            targets,
+            temperature=st.temperature,
+            logit_scale=st.logit_scale,
+            softcap=st.softcap,
+            need_entropy=need_entropy,
+            tile_mib=tile_mib,
+            backend=backend,
+            weight_context=functools.partial(zero3_gather, weight) if hasattr(weight, "ds_id") else None,
+        )
+        return logp, entropy, (_is_top1(hidden, weight, targets, st, tile_mib) if need_top1 else None)
+
+    if ops.default_backend(hidden.device) == "triton":
+        # Triton launches on the current device: make it the tensors' one (models placed on cuda:1, device maps)
+        with torch.cuda.device(hidden.device):
+            return guard.call(run, lambda _backend: run("torch"), "triton")
+    return run("torch")
+
+
+@torch.no_grad()
+def _is_top1(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, st: HeadSettings, tile_mib: int):
+    """Whether each row's target is the (first) argmax of its logits, from tiles in the op's compute dtype.
+
+    Interim: one more head GEMM, no gradient, until ``lm_head.ops`` returns the argmax test from its own pass."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    vocab = weight.shape[0]
+    rows = max(1, min(hidden.shape[0], tile_mib * 2**20 // (vocab * 4 * 3)))
+    out = torch.zeros(targets.shape, dtype=torch.bool, device=hidden.device)
+    with torch.autocast(device, enabled=False):
+        w = weight.to(dtype)
+        for r0 in range(0, hidden.shape[0], rows):
+            z = (hidden[r0 : r0 + rows].to(dtype) @ w.t()).float() * st.logit_scale
+            if st.softcap is not None:
+                z = st.softcap * torch.tanh(z / st.softcap)
+            out[r0 : r0 + rows] = z.argmax(-1) == targets[r0 : r0 + rows]
+    return out
+
+
+def score(
+    model: nn.Module,
+    st: HeadSettings,
+    op: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    entropy_rows: torch.Tensor | None = None,
+    need_entropy: bool = True,
+    need_top1: bool = True,
+) -> TokenStats:
+    """Per-position log-probs (and entropies, argmax tests) of ``targets`` [B, T] from ``hidden`` [B, T, H].
+
+    The op sees the labelled rows only (``hidden[mask]``, as TRL's head on CUDA), plus ``entropy_rows`` when the
+    entropy is wanted at unlabelled positions too (TRL 0.x logs it over every attended position)."""
+    head = model.get_output_embeddings()
+    weight = head_weight(head)  # FSDP2 DTensor: gathered once, as TRL does
+    bias = getattr(head, "bias", None)
+    hidden = hidden.to(weight.device)
+    targets = targets.to(weight.device)
+    mask = targets != IGNORE_INDEX
+    rows = mask if entropy_rows is None else mask | entropy_rows.to(mask.device)
+    op_targets = targets if entropy_rows is None else targets.masked_fill(~mask, 0)  # entropy-only rows: any label
+    autocast = nullcontext()
+    if st.cast_lm_head_to_fp32:
+        hidden = hidden.float()
+        autocast = torch.autocast(hidden.device.type, enabled=False)
+    with autocast, zero3_gather(weight, bias):
+        logp, entropy, top1 = op(st, hidden[rows], weight, bias, op_targets[rows], need_entropy, need_top1)
+    if entropy_rows is not None:
+        labelled = mask[rows]
+        logp = torch.where(labelled, logp, 0.0)
+        top1 = None if top1 is None else top1 & labelled
+    # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero), like TRL
+    log_probs = logp.new_zeros(mask.shape).masked_scatter(rows, logp)
+    entropy = None if entropy is None else entropy.new_zeros(mask.shape).masked_scatter(rows, entropy)
+    top1 = None if top1 is None else torch.zeros_like(mask).masked_scatter(rows, top1)
+    return TokenStats(log_probs, entropy, top1, mask)
+
+
+# ------------------------------------------------------------------------------------------------ aux losses
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def trl_aux_terms(model: nn.Module, text_config: Any) -> tuple[int, int, float]:
+    """(experts, experts per token, coefficient) as TRL's fused and chunked heads read them: from the model on
+    transformers 4, from the text config on 5 (gpt-oss configs before transformers 5.6 lack ``num_experts``)."""
+    if _transformers_major() < 5:
+        return model.num_experts, model.num_experts_per_tok, model.router_aux_loss_coef
+    experts = getattr(text_config, "num_experts", None) or model.num_experts
+    return experts, text_config.num_experts_per_tok, getattr(text_config, "router_aux_loss_coef", 0.0)
+
+
+def trl_aux_loss(model: nn.Module, text_config: Any, router_logits: Any, attention_mask: Any) -> torch.Tensor:
+    # Mixtral's load-balancing loss: the one every MoE family pulls in through the modular system (as TRL does)
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    experts, top_k, _ = trl_aux_terms(model, text_config)
+    return load_balancing_loss_func(router_logits, experts, top_k, attention_mask)
+
+
+# ------------------------------------------------------------------------------------- TRL >= 1.15 fused head
+def trl_fused_forward(model: nn.Module, st: HeadSettings, op, output_class, *args: Any, **kwargs: Any):
+    """TRL's ``fused_lm_head=True`` forward with leantrain's op in place of TRL's kernel."""
+    kwargs.pop("fused_lm_head", None)
+    labels = kwargs.pop("labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    kwargs["use_cache"] = False
+    if getattr(st.text_config, "output_router_logits", False):
+        kwargs.setdefault("output_router_logits", True)
+    out = getattr(model, st.backbone_attr)(*args, **kwargs)
+    if shift_labels is None:
+        hidden, targets = out.last_hidden_state[:, :-1], labels[:, 1:]
+    else:
+        hidden, targets = out.last_hidden_state, shift_labels
+    stats = score(model, st, op, hidden, targets, None, "entropy" in st.outputs, "is_top1" in st.outputs)
+    mask = stats.label_mask
+    loss = -stats.log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+    aux_loss = None
+    if kwargs.get("output_router_logits"):
+        aux_loss = trl_aux_loss(model, st.text_config, out.router_logits, kwargs.get("attention_mask"))
+        loss = loss + trl_aux_terms(model, st.text_config)[2] * aux_loss
+    return output_class(
+        loss=loss,
+        log_probs=stats.log_probs,
+        entropy=stats.entropy,
+        is_top1=stats.is_top1,
+        label_mask=mask,
+        aux_loss=aux_loss,
+    )
+
+
+def make_trl_fused_forward(fast: Callable[..., Any], fallback: RuntimeFallback, original: Callable[..., Any]):
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("fused_lm_head", False):
+            return original(*args, **kwargs)
+        return fallback.call(fast, original, *args, **kwargs)
+
+    return forward
+
+
+# ------------------------------------------------------------------------------ TRL 1.4 - 1.14 chunked_nll
+def chunked_forward(model: nn.Module, st: HeadSettings, op, output_class, **kwargs: Any):
+    """TRL's ``_chunked_ce_forward`` (a call with labels) with leantrain's op: the loss, the valid-label count, the
+    correct-argmax count and the entropy sum over the labelled positions, as TRL's output class carries them."""
+    labels = kwargs.pop("labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    router = kwargs.pop("output_router_logits", None)
+    if router is None:
+        router = getattr(st.text_config, "output_router_logits", False)
+    kwargs.pop("use_cache", None)
+    if router:
+        kwargs["output_router_logits"] = True
+    out = model.base_model(use_cache=False, **kwargs)
+    hidden = out.last_hidden_state
+    if shift_labels is not None:
+        targets = shift_labels
+    else:
+        hidden, targets = hidden[..., :-1, :], labels[..., 1:]
+    stats = score(model, st, op, hidden, targets)
+    mask = stats.label_mask
+    n_valid = mask.sum()
+    nll = -stats.log_probs.sum()
+    if num_items_in_batch is None:
+        loss = nll / n_valid.clamp(min=1)
+    else:
+        loss = nll / (num_items_in_batch.to(nll.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+    aux_loss = None
+    if router:
+        aux_loss = trl_aux_loss(model, st.text_config, out.router_logits, kwargs.get("attention_mask"))
+        loss = loss + trl_aux_terms(model, st.text_config)[2] * aux_loss.to(loss.device)
+    return output_class(
+        loss=loss,
+        logits=None,
+        hidden_states=out.hidden_states,
+        past_key_values=None,
+        attentions=None,
+        num_correct_tokens=stats.is_top1.sum().float(),
+        entropy_sum=stats.entropy.detach().sum(),
+        num_valid_tokens=n_valid,
+        aux_loss=aux_loss,
+    )
+
+
+def make_chunked_forward(fast: Callable[..., Any], fallback: RuntimeFallback, original: Callable[..., Any]):
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        # TRL's chunked forward serves calls with labels; keyword calls only (the trainer's), the rest is stock
+        if args or (kwargs.get("labels") is None and kwargs.get("shift_labels") is None):
+            return original(*args, **kwargs)
+        return fallback.call(fast, original, **kwargs)
+
+    return forward
+
+
+# ------------------------------------------------------------------------------- full logits: the request
+def request_forward(model: nn.Module, parts: ModelParts, op, request: Request, *args: Any, **kwargs: Any):
+    """The model's own forward with labels, from the fused op: its loss (``ForCausalLMLoss``: the sum over labelled
+    positions / ``num_items_in_batch``, else their mean) plus its MoE aux loss, and the per-position values the
+    request asks for."""
+    st = parts.settings
+    labels = kwargs.pop("labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    if request.labels is not None:
+        labels = request.labels
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    if kwargs.pop("logits_to_keep", 0) not in (0, None):
+        raise ValueError("logits_to_keep on a training call with labels")
+    kwargs["use_cache"] = False
+    router = False
+    if parts.moe:
+        router = kwargs.get("output_router_logits")
+        router = bool(model.config.output_router_logits if router is None else router)
+        kwargs["output_router_logits"] = router
+    out = getattr(model, st.backbone_attr)(*args, **kwargs)
+    hidden = out.last_hidden_state
+    if shift_labels is not None:
+        targets = shift_labels
+    else:  # position t predicts label t+1; the last position predicts nothing
+        targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    entropy_rows = None
+    if request.entropy == "attention":
+        attention = kwargs.get("attention_mask")
+        if attention is not None and attention.dim() == 2:
+            entropy_rows = attention.bool()
+        else:  # padding-free: every position is a token
+            entropy_rows = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
+    stats = score(model, st, op, hidden, targets, entropy_rows, request.entropy is not None, request.top1)
+    loss = None
+    if request.loss:
+        nll = -stats.log_probs.sum()
+        if num_items_in_batch is None:
+            loss = nll / stats.label_mask.sum()  # the mean over labelled positions, as the stock loss (0/0 too)
+        elif torch.is_tensor(num_items_in_batch):
+            loss = nll / num_items_in_batch.to(nll.device)
+        else:
+            loss = nll / num_items_in_batch
+    aux_loss = None
+    if router:
+        aux_loss = parts.aux_loss(
+            out.router_logits, model.num_experts, model.num_experts_per_tok, kwargs.get("attention_mask")
+        )
+        if loss is not None:
+            loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
+    return FusedCeOutput(
+        loss=loss,
+        log_probs=stats.log_probs,
+        entropy=stats.entropy,
+        is_top1=stats.is_top1,
+        label_mask=stats.label_mask,
+        aux_loss=aux_loss,
+        router_logits=getattr(out, "router_logits", None) if router else None,
+        hidden_states=getattr(out, "hidden_states", None),
+        attentions=getattr(out, "attentions", None),
+    )
+
+
+def make_request_forward(fast: Callable[..., Any], original: Callable[..., Any]):
+    """Calls carrying a request run ``fast`` (its failure reaches the caller's fallback); all others are stock."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        request = kwargs.pop(REQUEST_KEY, None)
+        if request is None:
+            return original(*args, **kwargs)
+        return fast(request, *args, **kwargs)
+
+    return forward
+
+
+def has_labels(inputs: Any) -> bool:
+    return isinstance(inputs, dict) and (inputs.get("labels") is not None or inputs.get("shift_labels") is not None)
+
+
+class TrainerLoss:
+    """A plain Trainer's glue: ``compute_loss`` asks the model for the fused loss; ``prediction_step`` says whether
+    the evaluation loop reads logits (then the stock forward runs)."""
+
+    def __init__(self, fallback: RuntimeFallback) -> None:
+        self.fallback = fallback
+        self.loss_only = False
+
+    def wrap_compute_loss(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def fast(model, inputs, *args, **kwargs):
+            return original(model, {**inputs, REQUEST_KEY: Request()}, *args, **kwargs)
+
+        def compute_loss(model, inputs, *args, **kwargs):
+            return_outputs = kwargs.get("return_outputs", args[0] if args else False)
+            if (return_outputs and not self.loss_only) or not has_labels(inputs):
+                return original(model, inputs, *args, **kwargs)
+            return self.fallback.call(fast, original, model, inputs, *args, **kwargs)
+
+        return compute_loss
+
+    def wrap_prediction_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prediction_step(model, inputs, prediction_loss_only, *args, **kwargs):
+            self.loss_only = bool(prediction_loss_only)
+            try:
+                return original(model, inputs, prediction_loss_only, *args, **kwargs)
+            finally:
+                self.loss_only = False
+
+        return prediction_step
