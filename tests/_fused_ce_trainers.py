@@ -74,8 +74,9 @@ def extra_config(family: str, **overrides: Any) -> transformers.PretrainedConfig
     return config
 
 
-def tiny(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
-    """A tiny seeded causal LM in train mode (2 layers, hidden 64, vocabulary 512)."""
+def tiny(family: str = "llama", seed: int = 0, dtype=torch.float32, head_bias: bool = False, **overrides):
+    """A tiny seeded causal LM in train mode (2 layers, hidden 64, vocabulary 512); ``head_bias`` gives its LM head a
+    random bias (as a model whose head has one)."""
     if family in ("cohere", "granite"):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(
@@ -83,6 +84,10 @@ def tiny(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float3
         )
     else:
         model = tiny_model(family, seed=seed, dtype=dtype, vocab_size=VOCAB, hidden=64, layers=2, **overrides)
+    if head_bias:
+        head = model.get_output_embeddings()
+        g = torch.Generator().manual_seed(seed + 1)
+        head.bias = torch.nn.Parameter((torch.randn(head.out_features, generator=g) * 0.5).to(dtype))
     return model.train()
 
 
@@ -108,7 +113,9 @@ def greedy_rows(model: torch.nn.Module | None = None, n: int = 8, seed: int = 1)
 
 
 def sft_dataset(rows: list[list[int]], masks: str | None = None):
-    """Pre-tokenized rows; ``masks="completion"`` adds a completion mask (the first third is the prompt)."""
+    """Pre-tokenized rows; ``masks="completion"`` adds a completion mask (the first third is the prompt),
+    ``masks="assistant"`` an assistant mask (the first half is not the assistant's); the collator turns either into
+    -100 labels."""
     from datasets import Dataset
 
     records = []
@@ -117,6 +124,9 @@ def sft_dataset(rows: list[list[int]], masks: str | None = None):
         if masks == "completion":
             cut = max(1, len(ids) // 3)
             record["completion_mask"] = [0] * cut + [1] * (len(ids) - cut)
+        elif masks == "assistant":
+            cut = len(ids) // 2
+            record["assistant_masks"] = [0] * cut + [1] * (len(ids) - cut)
         records.append(record)
     return Dataset.from_list(records)
 
@@ -231,6 +241,23 @@ def window(trainer, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     metrics = {k: list(v) for k, v in getattr(trainer, "_metrics", {}).get("train", {}).items()}
     return {"losses": torch.stack(losses), "grads": grads, "hidden": hidden, "metrics": metrics, "count": count}
+
+
+def spy_op(monkeypatch, replace: Any = None) -> list[str]:
+    """Record the backend of every call of the fused op (``lm_head.ops.token_stats`` / ``head_loss``), or run
+    ``replace`` instead of it."""
+    from leantrain.lm_head import ops
+
+    seen: list[str] = []
+    for name in ("token_stats", "head_loss"):
+        real = getattr(ops, name)
+
+        def spy(*args, _real=real, **kwargs):
+            seen.append(kwargs.get("backend"))
+            return (replace or _real)(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
+    return seen
 
 
 # ------------------------------------------------------------------------------------------------ checks

@@ -16,7 +16,6 @@ import torch
 
 import leantrain
 from leantrain.fused_ce import dispatch
-from leantrain.lm_head import ops
 from leantrain.report import Status
 from tests._fused_ce_trainers import (
     OFF,
@@ -29,6 +28,7 @@ from tests._fused_ce_trainers import (
     plain_trainer,
     sft_paths,
     sft_trainer,
+    spy_op,
     tiny,
     window,
 )
@@ -52,18 +52,6 @@ def serve_trl_head(monkeypatch):
     monkeypatch.setattr(dispatch, "MEASURED", ())
 
 
-def spy_backends(monkeypatch) -> list[str]:
-    seen = []
-    real = ops.logp_entropy
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("backend"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "logp_entropy", spy)
-    return seen
-
-
 def sft_pair(dev, tmp_path, model, loss_type, **args):
     rows = greedy_rows()
     model = model.to(dev)
@@ -75,7 +63,7 @@ def sft_pair(dev, tmp_path, model, loss_type, **args):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("loss_type", "path"), sft_paths())
 def test_sft_window(dev, tmp_path, monkeypatch, loss_type, path, bf16):
-    backends = spy_backends(monkeypatch)
+    backends = spy_op(monkeypatch)
     patched, stock, report = sft_pair(dev, tmp_path, tiny(), loss_type, bf16=bf16, gradient_accumulation_steps=2)
     assert report["fused_ce"].status is Status.APPLIED, report["fused_ce"].reasons
     assert f"kernel: {KERNEL if ON_CUDA else 'torch chunked'}" in report["fused_ce"].detail
@@ -92,7 +80,7 @@ def test_sft_window(dev, tmp_path, monkeypatch, loss_type, path, bf16):
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_trainer_window(dev, tmp_path, monkeypatch, bf16):
-    backends = spy_backends(monkeypatch)
+    backends = spy_op(monkeypatch)
     model = tiny().to(dev)
     rows = greedy_rows()
     patched = plain_trainer(model, tmp_path / "p", rows, bf16=bf16, gradient_accumulation_steps=2)

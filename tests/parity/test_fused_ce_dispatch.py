@@ -79,3 +79,29 @@ def test_unknown_path_or_head_raises():
 def test_the_module_table_is_well_formed():
     for m in dispatch.MEASURED:
         assert m.path in dispatch.PATHS and m.head in dispatch.HEADS and m.stock_ms > 0 and m.leantrain_ms > 0
+
+
+def test_the_kernel_benchmark_rows_give_the_rule(tmp_path, monkeypatch):
+    """benchmarks/bench_fused_ce.py --smoke (CPU) writes rows this module reads: the GPU run's table can be pasted."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import bench_fused_ce
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    bench_fused_ce.main(["--smoke"])
+    path = tmp_path / "fused_ce.json"
+    cells = measured_from_rows(json.loads(path.read_text()))
+    assert {(c.path, c.head) for c in cells} >= {("full_logits", "frozen"), ("full_logits", "trainable")}
+    printed = subprocess.run(
+        [sys.executable, "-m", "leantrain.fused_ce.dispatch", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    namespace = {"Measured": Measured}
+    exec(printed, namespace)
+    assert sorted(namespace["MEASURED"]) == sorted(cells)

@@ -28,7 +28,6 @@ pytest.importorskip("datasets")
 
 import leantrain  # noqa: E402
 from leantrain.fused_ce import dispatch  # noqa: E402
-from leantrain.fused_ce import patch as glue  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from tests._fused_ce_trainers import (  # noqa: E402
     OFF,
@@ -42,6 +41,7 @@ from tests._fused_ce_trainers import (  # noqa: E402
     lora,
     sft_paths,
     sft_trainer,
+    spy_op,
     tiny,
     window,
 )
@@ -128,8 +128,14 @@ def test_window_bf16(tmp_path, loss_type, path):
 
 @pytest.mark.parametrize(
     ("family", "overrides"),
-    [("gemma2", {}), ("llama", {"tie_word_embeddings": True}), ("cohere", {}), ("granite", {})],
-    ids=["gemma2-softcap", "llama-tied", "cohere-logit_scale", "granite-logits_scaling"],
+    [
+        ("gemma2", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"head_bias": True}),
+        ("cohere", {}),
+        ("granite", {}),
+    ],
+    ids=["gemma2-softcap", "llama-tied", "llama-bias", "cohere-logit_scale", "granite-logits_scaling"],
 )
 def test_heads(tmp_path, family, overrides):
     loss_type, path = PATHS[0]
@@ -148,9 +154,11 @@ def test_heads(tmp_path, family, overrides):
     assert_accuracy(ours, ref)
 
 
+@pytest.mark.parametrize("masks", ["completion", "assistant"])
 @pytest.mark.parametrize(("loss_type", "path"), PATHS)
-def test_completion_only(tmp_path, loss_type, path):
-    patched, stock, report = pair(tmp_path, tiny(), loss_type, masks="completion")
+def test_label_masks(tmp_path, loss_type, path, masks):
+    """Completion-only and assistant-only losses: the collator's -100 labels."""
+    patched, stock, report = pair(tmp_path, tiny(), loss_type, masks=masks)
     assert_served(report, path)
     batches = batches_of(stock, 1)
     assert (batches[0]["labels"] == -100).sum() > (batches[0]["attention_mask"] == 0).sum() + 4  # prompts masked
@@ -159,9 +167,12 @@ def test_completion_only(tmp_path, loss_type, path):
     assert_accuracy(ours, ref)
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padding_free", "packed"])
 @pytest.mark.parametrize(("loss_type", "path"), PATHS)
-def test_padding_free(tmp_path, loss_type, path):
-    patched, stock, report = pair(tmp_path, tiny(), loss_type, padding_free=True, max_length=None)
+def test_padding_free(tmp_path, loss_type, path, packing):
+    """One row of concatenated sequences with position_ids (no attention mask); packed: TRL's bfd packing."""
+    args = dict(packing=True, packing_strategy="bfd", max_length=64) if packing else dict(max_length=None)
+    patched, stock, report = pair(tmp_path, tiny(), loss_type, padding_free=True, **args)
     assert_served(report, path)
     batches = batches_of(stock, 1)
     assert "position_ids" in batches[0] and batches[0]["input_ids"].shape[0] == 1
@@ -259,15 +270,10 @@ def test_declines_with_reasons(tmp_path):
     assert "overrides compute_loss" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
 
 
-def test_declines_head_bias_and_quantized(tmp_path, monkeypatch):
+def test_declines_quantized_head(tmp_path):
     loss_type, _ = PATHS[0]
     model = tiny()
     rows = greedy_rows(model)
-    biased = copy.deepcopy(model)
-    head = biased.lm_head
-    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
-    trainer = sft_trainer(biased, tmp_path / "bias", rows, loss_type=loss_type)
-    assert "bias" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
     quantized = copy.deepcopy(model)
     quantized.lm_head.weight = torch.nn.Parameter(
         torch.zeros_like(quantized.lm_head.weight, dtype=torch.int8), requires_grad=False
@@ -330,7 +336,7 @@ def test_runtime_fallback(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(glue.ops, "logp_entropy", boom)
+    spy_op(monkeypatch, boom)
     batches = batches_of(stock, 2)
     with pytest.warns(RuntimeWarning, match="fused_ce failed at run time"):
         ours = window(patched, batches[:1])
@@ -366,9 +372,7 @@ def test_eval_loss_only_is_served(tmp_path, monkeypatch):
     patched = sft_trainer(model, tmp_path / "p", rows, loss_type=loss_type)
     stock = sft_trainer(copy.deepcopy(model), tmp_path / "s", rows, loss_type=loss_type)
     leantrain.patch_trainer(patched, **OFF)
-    calls = []
-    real = glue.ops.logp_entropy
-    monkeypatch.setattr(glue.ops, "logp_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy_op(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         patched.evaluate(stock.train_dataset)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import leantrain
-from leantrain.fused_ce import patch as glue
 from leantrain.report import Status
 from tests._fused_ce_trainers import (
     OFF,
@@ -23,6 +22,7 @@ from tests._fused_ce_trainers import (
     greedy_rows,
     lora,
     plain_trainer,
+    spy_op,
     tiny,
     window,
 )
@@ -77,12 +77,13 @@ def test_window_without_num_items(tmp_path):
     [
         ("gemma2", {}),
         ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"head_bias": True}),
         ("cohere", {}),
         ("granite", {}),
         ("qwen3_moe", {"output_router_logits": True, "router_aux_loss_coef": 0.02}),
         ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
     ],
-    ids=["gemma2-softcap", "llama-tied", "cohere-logit_scale", "granite-logits_scaling", "qwen3_moe-aux", "gpt2"],
+    ids=["gemma2-softcap", "llama-tied", "llama-bias", "cohere-scale", "granite-scaling", "qwen3_moe-aux", "gpt2"],
 )
 def test_heads(tmp_path, family, overrides):
     model = tiny(family, **overrides)
@@ -172,7 +173,7 @@ def test_runtime_fallback(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(glue.ops, "logp_entropy", boom)
+    spy_op(monkeypatch, boom)
     batches = batches_of(stock, 2)
     with pytest.warns(RuntimeWarning, match="fused_ce failed at run time"):
         ours = window(patched, batches[:1])

@@ -28,7 +28,7 @@ class FusedCE(Optimization):
 
     def apply(self, trainer: Any, plan: CePlan, ctx: PatchContext) -> Applied:
         kernel_guard = RuntimeFallback("fused_ce triton kernel", ctx.fallback.strict)
-        op = functools.partial(glue.run_op, kernel_guard, glue.TILE_MIB)
+        op = functools.partial(glue.run_op, kernel_guard)
         model, st, undo = plan.model, plan.settings, ctx.undo
         model_name = f"{type(model).__name__}.forward"
         if plan.path == "trl_fused":

@@ -1,16 +1,19 @@
 """Which head computes the loss on each TRL path: leantrain's fused op or the loss it would replace, from measurement.
 
 Plain values only. A measured cell (the loss head alone, forward + backward, median CUDA ms) is one
-:class:`Measured` row; ``benchmarks/bench_fused_ce.py`` prints the table below from its GPU run
-(``emit_rule(measured_from_rows(rows), source)``). leantrain's op serves a path at a head shape only where every
-measured N of the nearest measured cell was faster than what it replaces beyond the timing noise; without a
-measured cell the path's unmeasured default holds (:data:`UNMEASURED`).
+:class:`Measured` row; the kernel benchmark's results give the table below:
+``python -m leantrain.fused_ce.dispatch benchmarks/results/fused_ce.json`` prints it
+(``emit_rule(measured_from_rows(rows), source)``) to paste here. leantrain's op serves a path at a head shape only
+where every measured N of the nearest measured cell was faster than what it replaces beyond the timing noise; without
+a measured cell the path's unmeasured default holds (:data:`UNMEASURED`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -87,15 +90,18 @@ STOCK_PROVIDERS = {"trl_fused": "trl_fused", "chunked_nll": "trl_chunked", "full
 def measured_from_rows(rows: Iterable[Mapping]) -> list[Measured]:
     """The rule's cells from the kernel benchmark's speed rows (dicts of ``benchmarks._harness.Row`` fields).
 
-    A row counts when ``metric == "speed"`` and its ``config`` holds ``N``, ``H``, ``V``, ``dtype`` and ``head``;
-    its ``provider`` is ``"leantrain"`` or the stock provider of a path (:data:`STOCK_PROVIDERS`). Each stock
-    provider's cell pairs with leantrain's cell of the same (N, H, V, dtype, head)."""
+    A row counts when ``metric == "speed"`` and its ``config`` holds ``N``, ``H``, ``V``, ``dtype`` (``"bfloat16"`` or
+    ``"torch.bfloat16"``) and the head (``head``: "frozen" / "trainable", or ``trainable_head``: a bool); its
+    ``provider`` is ``"leantrain"`` or the stock provider of a path (:data:`STOCK_PROVIDERS`). Each stock provider's
+    cell pairs with leantrain's cell of the same (N, H, V, dtype, head)."""
     times: dict[tuple, dict[str, float]] = {}
     for row in rows:
         config = row.get("config") or {}
-        if row.get("metric") != "speed" or not all(k in config for k in ("N", "H", "V", "dtype", "head")):
+        head = config.get("head", {True: "trainable", False: "frozen"}.get(config.get("trainable_head")))
+        if row.get("metric") != "speed" or head is None or not all(k in config for k in ("N", "H", "V", "dtype")):
             continue
-        key = (config["head"], int(config["N"]), int(config["H"]), int(config["V"]), str(config["dtype"]))
+        dtype = str(config["dtype"]).removeprefix("torch.")
+        key = (head, int(config["N"]), int(config["H"]), int(config["V"]), dtype)
         times.setdefault(key, {})[str(row["provider"])] = float(row["p50"])
     cells = []
     for (head, n, h, v, dtype), by_provider in sorted(times.items()):
@@ -117,3 +123,25 @@ def emit_rule(cells: Iterable[Measured], source: str) -> str:
         )
     lines.append(")")
     return "\n".join(lines)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m leantrain.fused_ce.dispatch RESULTS.json``: the rule's table from the kernel benchmark's rows."""
+    if len(argv) != 1:
+        print("usage: python -m leantrain.fused_ce.dispatch benchmarks/results/fused_ce.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        rows = json.load(f)
+    cells = measured_from_rows(rows)
+    if not cells:
+        print(f"no leantrain / stock speed pairs in {argv[0]}", file=sys.stderr)
+        return 1
+    first = next(r for r in rows if r.get("provider") == "leantrain")
+    name, date = os.path.basename(argv[0]), str(first.get("date"))[:10]
+    source = f"{first.get('device')}, {date}, {name} at {first.get('commit')}"
+    print(emit_rule(cells, source))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -44,15 +44,12 @@ def compute_loss(trainer: Any, variant: SftVariant, model, inputs, return_output
     kwargs = {}
     if trainer.model_accepts_loss_kwargs and num_items_in_batch is not None:
         kwargs["num_items_in_batch"] = num_items_in_batch
-    if variant.dft:  # Trainer hands the labels to compute_loss_func, not to the model
-        request = Request(entropy=variant.entropy_scope, top1=True, loss=False, labels=inputs.pop("labels"))
-        outputs = model(**inputs, **kwargs, **{REQUEST_KEY: request})
-        loss = _dft_loss(outputs, num_items_in_batch, variant.dft_clamp)
-    else:
-        request = Request(entropy=variant.entropy_scope, top1=True)
-        outputs = model(**inputs, **kwargs, **{REQUEST_KEY: request})
-        loss = outputs.loss
-    loss = _scale_like_trainer(trainer, loss, num_items_in_batch)
+    request = Request(entropy=variant.entropy_scope, top1=True)
+    if variant.dft:  # Trainer hands the labels and num_items_in_batch to compute_loss_func, not to the model
+        request.loss, request.labels, request.num_items = "dft", inputs.pop("labels"), num_items_in_batch
+        request.clamp = variant.dft_clamp
+    outputs = model(**inputs, **kwargs, **{REQUEST_KEY: request})
+    loss = _scale_like_trainer(trainer, outputs.loss, num_items_in_batch)
 
     metrics = trainer._metrics[mode]
     gather = trainer.accelerator.gather_for_metrics
@@ -77,17 +74,6 @@ def compute_loss(trainer: Any, variant: SftVariant, model, inputs, return_output
     if trainer.aux_loss_enabled:
         metrics["aux_loss"].append(gather(outputs.aux_loss).mean().item())
     return (loss, outputs) if return_outputs else loss
-
-
-def _dft_loss(outputs: Any, num_items_in_batch: Any, clamp: bool) -> torch.Tensor:
-    """TRL's ``dft_loss``: ``-p·log p`` per labelled token (p detached), summed, over ``num_items_in_batch``."""
-    log_probs, mask = outputs.log_probs, outputs.label_mask
-    per_token = -log_probs.exp().detach() * log_probs
-    total = (per_token * mask).sum()
-    count = mask.sum() if num_items_in_batch is None else num_items_in_batch
-    if clamp:
-        return total / torch.as_tensor(count).clamp(min=1)
-    return total / count
 
 
 def _scale_like_trainer(trainer: Any, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:

@@ -42,7 +42,6 @@ DISPATCH_PATH = {
 }
 REQUEST_KEY = "leantrain_fused_ce"
 IGNORE_INDEX = -100
-TILE_MIB = 512  # one logits tile's memory bound (the op's default, as the GRPO path uses)
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,12 @@ class Request:
 
     entropy: str | None = None  # None, "labels" (labelled positions) or "attention" (every attended position)
     top1: bool = False
-    loss: bool = True  # the model's own loss (sum / num_items_in_batch, else the mean) plus its MoE aux loss
+    # "nll": the model's own loss (the sum over labelled positions / num_items_in_batch, else their mean) plus its
+    # MoE aux loss; "dft": TRL's dft_loss (over ``num_items``, else the label count, clamped to >= 1 if ``clamp``)
+    loss: str = "nll"
     labels: torch.Tensor | None = None  # labels the caller kept out of the model's inputs (dft)
+    num_items: Any = None  # dft: the normalizer Trainer hands to compute_loss_func
+    clamp: bool = False
 
 
 @dataclass
@@ -110,12 +113,21 @@ class TokenStats:
     entropy: torch.Tensor | None  # fp32, 0 outside the scored rows
     is_top1: torch.Tensor | None  # bool, False where the label is ignored
     label_mask: torch.Tensor
+    loss: torch.Tensor | None = None  # the scalar loss, when asked for
 
 
 # ---------------------------------------------------------------------------------------------------- the op
+@dataclass(frozen=True)
+class LossSpec:
+    """The scalar loss the op computes with its gradient: ``Σ w_i·(-logp_i)``, ``w_i = scale`` ("nll") or
+    ``scale·p_i`` with ``p_i`` a constant ("dft"); ``scale`` is ``1 / normalizer`` (a 0-dim tensor: no host sync)."""
+
+    loss_type: str
+    scale: torch.Tensor
+
+
 def run_op(
     guard: RuntimeFallback,
-    tile_mib: int,
     st: HeadSettings,
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -123,25 +135,28 @@ def run_op(
     targets: torch.Tensor,
     need_entropy: bool,
     need_top1: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(logp, entropy, is_top1) of each row on the best backend; a Triton failure falls back to the torch path."""
-    if bias is not None:
-        raise RuntimeError("the LM head has a bias")  # the probe declines these; reaching here means the model changed
+    loss: LossSpec | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, logp, entropy, is_top1) of the rows on the best backend; a Triton failure falls back to the torch
+    path. With ``loss``, the op's scalar loss (``ops.head_loss``: 3 GEMMs for a trainable head) carries the gradient
+    and the per-token values come back detached; without, ``logp`` itself is differentiable (``ops.token_stats``)."""
+    options = dict(
+        bias=bias,
+        temperature=st.temperature,
+        logit_scale=st.logit_scale,
+        softcap=st.softcap,
+        need_entropy=need_entropy,
+        need_top1=need_top1,
+        weight_context=functools.partial(zero3_gather, weight, bias) if hasattr(weight, "ds_id") else None,
+    )
 
-    def run(backend: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        logp, entropy = ops.logp_entropy(
-            hidden,
-            weight,
-            targets,
-            temperature=st.temperature,
-            logit_scale=st.logit_scale,
-            softcap=st.softcap,
-            need_entropy=need_entropy,
-            tile_mib=tile_mib,
-            backend=backend,
-            weight_context=functools.partial(zero3_gather, weight) if hasattr(weight, "ds_id") else None,
+    def run(backend: str):
+        if loss is None:
+            return (None, *ops.token_stats(hidden, weight, targets, backend=backend, **options))
+        out = ops.head_loss(
+            hidden, weight, targets, loss_type=loss.loss_type, loss_scale=loss.scale, backend=backend, **options
         )
-        return logp, entropy, (_is_top1(hidden, weight, targets, st, tile_mib) if need_top1 else None)
+        return out.loss, out.logp, out.entropy, out.is_top1
 
     if ops.default_backend(hidden.device) == "triton":
         # Triton launches on the current device: make it the tensors' one (models placed on cuda:1, device maps)
@@ -150,63 +165,57 @@ def run_op(
     return run("torch")
 
 
-@torch.no_grad()
-def _is_top1(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, st: HeadSettings, tile_mib: int):
-    """Whether each row's target is the (first) argmax of its logits, from tiles in the op's compute dtype.
-
-    Interim: one more head GEMM, no gradient, until ``lm_head.ops`` returns the argmax test from its own pass."""
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    vocab = weight.shape[0]
-    rows = max(1, min(hidden.shape[0], tile_mib * 2**20 // (vocab * 4 * 3)))
-    out = torch.zeros(targets.shape, dtype=torch.bool, device=hidden.device)
-    with torch.autocast(device, enabled=False):
-        w = weight.to(dtype)
-        for r0 in range(0, hidden.shape[0], rows):
-            z = (hidden[r0 : r0 + rows].to(dtype) @ w.t()).float() * st.logit_scale
-            if st.softcap is not None:
-                z = st.softcap * torch.tanh(z / st.softcap)
-            out[r0 : r0 + rows] = z.argmax(-1) == targets[r0 : r0 + rows]
-    return out
+def inverse(normalizer: Any, device: torch.device) -> torch.Tensor:
+    """``1 / normalizer`` as a 0-dim fp32 tensor on ``device`` (an int, or a tensor: no host sync)."""
+    return 1.0 / torch.as_tensor(normalizer, device=device).to(torch.float32)
 
 
 def score(
     model: nn.Module,
     st: HeadSettings,
-    op: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+    op: Callable[..., Any],
     hidden: torch.Tensor,
     targets: torch.Tensor,
+    *,
+    loss: Callable[[torch.Tensor], LossSpec] | None = None,
     entropy_rows: torch.Tensor | None = None,
     need_entropy: bool = True,
     need_top1: bool = True,
 ) -> TokenStats:
-    """Per-position log-probs (and entropies, argmax tests) of ``targets`` [B, T] from ``hidden`` [B, T, H].
+    """Per-position log-probs (entropies, argmax tests) of ``targets`` [B, T] from ``hidden`` [B, T, H], and the
+    scalar loss when ``loss`` gives its spec from the label mask.
 
-    The op sees the labelled rows only (``hidden[mask]``, as TRL's head on CUDA), plus ``entropy_rows`` when the
-    entropy is wanted at unlabelled positions too (TRL 0.x logs it over every attended position)."""
+    The op sees the labelled rows only (``hidden[mask]``, as TRL's head on CUDA). ``entropy_rows``: positions whose
+    entropy is wanted without a label (TRL 0.x logs it over every attended position); a no-grad call scores those."""
     head = model.get_output_embeddings()
     weight = head_weight(head)  # FSDP2 DTensor: gathered once, as TRL does
     bias = getattr(head, "bias", None)
+    if bias is not None and hasattr(bias, "full_tensor"):
+        bias = bias.full_tensor()
     hidden = hidden.to(weight.device)
     targets = targets.to(weight.device)
     mask = targets != IGNORE_INDEX
-    rows = mask if entropy_rows is None else mask | entropy_rows.to(mask.device)
-    op_targets = targets if entropy_rows is None else targets.masked_fill(~mask, 0)  # entropy-only rows: any label
     autocast = nullcontext()
     if st.cast_lm_head_to_fp32:
         hidden = hidden.float()
         autocast = torch.autocast(hidden.device.type, enabled=False)
+    spec = None if loss is None else loss(mask)
     with autocast, zero3_gather(weight, bias):
-        logp, entropy, top1 = op(st, hidden[rows], weight, bias, op_targets[rows], need_entropy, need_top1)
-    if entropy_rows is not None:
-        labelled = mask[rows]
-        logp = torch.where(labelled, logp, 0.0)
-        top1 = None if top1 is None else top1 & labelled
+        value, logp, entropy, top1 = op(st, hidden[mask], weight, bias, targets[mask], need_entropy, need_top1, spec)
+        extra = None
+        if entropy_rows is not None:
+            extra = entropy_rows.to(mask.device) & ~mask
+            with torch.no_grad():
+                rows = hidden[extra]
+                _, _, extra_entropy, _ = op(st, rows, weight, bias, targets.new_zeros(rows.shape[0]), True, False)
     # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero), like TRL
-    log_probs = logp.new_zeros(mask.shape).masked_scatter(rows, logp)
-    entropy = None if entropy is None else entropy.new_zeros(mask.shape).masked_scatter(rows, entropy)
-    top1 = None if top1 is None else torch.zeros_like(mask).masked_scatter(rows, top1)
-    return TokenStats(log_probs, entropy, top1, mask)
+    log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
+    if entropy is not None:
+        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+        if extra is not None:
+            entropy = entropy.masked_scatter(extra, extra_entropy)
+    top1 = None if top1 is None else torch.zeros_like(mask).masked_scatter(mask, top1)
+    return TokenStats(log_probs, entropy, top1, mask, value)
 
 
 # ------------------------------------------------------------------------------------------------ aux losses
@@ -248,7 +257,9 @@ def trl_fused_forward(model: nn.Module, st: HeadSettings, op, output_class, *arg
         hidden, targets = out.last_hidden_state[:, :-1], labels[:, 1:]
     else:
         hidden, targets = out.last_hidden_state, shift_labels
-    stats = score(model, st, op, hidden, targets, None, "entropy" in st.outputs, "is_top1" in st.outputs)
+    stats = score(
+        model, st, op, hidden, targets, need_entropy="entropy" in st.outputs, need_top1="is_top1" in st.outputs
+    )
     mask = stats.label_mask
     loss = -stats.log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
     aux_loss = None
@@ -293,14 +304,13 @@ def chunked_forward(model: nn.Module, st: HeadSettings, op, output_class, **kwar
         targets = shift_labels
     else:
         hidden, targets = hidden[..., :-1, :], labels[..., 1:]
-    stats = score(model, st, op, hidden, targets)
-    mask = stats.label_mask
-    n_valid = mask.sum()
-    nll = -stats.log_probs.sum()
-    if num_items_in_batch is None:
-        loss = nll / n_valid.clamp(min=1)
-    else:
-        loss = nll / (num_items_in_batch.to(nll.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+
+    def loss_spec(mask: torch.Tensor) -> LossSpec:
+        normalizer = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return LossSpec("nll", inverse(normalizer, mask.device))
+
+    stats = score(model, st, op, hidden, targets, loss=loss_spec)
+    loss, n_valid = stats.loss, stats.label_mask.sum()
     aux_loss = None
     if router:
         aux_loss = trl_aux_loss(model, st.text_config, out.router_logits, kwargs.get("attention_mask"))
@@ -312,7 +322,7 @@ def chunked_forward(model: nn.Module, st: HeadSettings, op, output_class, **kwar
         past_key_values=None,
         attentions=None,
         num_correct_tokens=stats.is_top1.sum().float(),
-        entropy_sum=stats.entropy.detach().sum(),
+        entropy_sum=stats.entropy.sum(),
         num_valid_tokens=n_valid,
         aux_loss=aux_loss,
     )
@@ -360,22 +370,26 @@ def request_forward(model: nn.Module, parts: ModelParts, op, request: Request, *
             entropy_rows = attention.bool()
         else:  # padding-free: every position is a token
             entropy_rows = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
-    stats = score(model, st, op, hidden, targets, entropy_rows, request.entropy is not None, request.top1)
-    loss = None
-    if request.loss:
-        nll = -stats.log_probs.sum()
-        if num_items_in_batch is None:
-            loss = nll / stats.label_mask.sum()  # the mean over labelled positions, as the stock loss (0/0 too)
-        elif torch.is_tensor(num_items_in_batch):
-            loss = nll / num_items_in_batch.to(nll.device)
+
+    def loss_spec(mask: torch.Tensor) -> LossSpec:
+        if request.loss == "nll":  # (an all-ignored micro-batch without num_items gives 0 where stock's mean is nan)
+            normalizer = mask.sum() if num_items_in_batch is None else num_items_in_batch
         else:
-            loss = nll / num_items_in_batch
+            normalizer = mask.sum() if request.num_items is None else request.num_items
+            normalizer = torch.as_tensor(normalizer, device=mask.device).clamp(min=1) if request.clamp else normalizer
+        return LossSpec(request.loss, inverse(normalizer, mask.device))
+
+    stats = score(
+        model, st, op, hidden, targets, loss=loss_spec, entropy_rows=entropy_rows,
+        need_entropy=request.entropy is not None, need_top1=request.top1,
+    )  # fmt: skip
+    loss = stats.loss
     aux_loss = None
     if router:
         aux_loss = parts.aux_loss(
             out.router_logits, model.num_experts, model.num_experts_per_tok, kwargs.get("attention_mask")
         )
-        if loss is not None:
+        if request.loss == "nll":  # the model adds it to its own loss; TRL's dft_loss does not
             loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
     return FusedCeOutput(
         loss=loss,

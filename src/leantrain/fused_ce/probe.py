@@ -206,8 +206,6 @@ def model_reasons(model: nn.Module, path: str) -> list[str]:
     reasons = []
     if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
         reasons.append("the LM head carries a PEFT adapter (LoRA on lm_head): remove 'lm_head' from target_modules")
-    elif getattr(head, "bias", None) is not None:
-        reasons.append("the LM head has a bias: leantrain's fused op has no bias term yet; the stock loss runs")
     else:
         reasons += [f"{r}: the stock loss runs" for r in head_weight_reasons(getattr(head, "weight", None))]
     if path in ("full_logits", "dft", "trainer"):
