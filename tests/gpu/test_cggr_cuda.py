@@ -43,7 +43,7 @@ import leantrain
 from leantrain.tiny import tiny_model
 
 
-OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
+OFF = {"moe4bit": False, "grpo_logps": False, "osft": False, "fused_ce": False}
 ROUTER_LAYERS = 2
 
 

@@ -52,7 +52,7 @@ HIDDEN = parity.HIDDEN  # the experts' sizes (parity.stock_experts): multiples o
 T, VOCAB = 40, 256
 FP32_REL = 256 * torch.finfo(torch.float32).eps
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False, "fused_ce": False}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

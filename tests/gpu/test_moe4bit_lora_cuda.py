@@ -36,7 +36,7 @@ from tests.parity import test_moe4bit_lora as parity  # noqa: E402
 
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
 FP32_REL = 256 * torch.finfo(torch.float32).eps
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False, "fused_ce": False}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

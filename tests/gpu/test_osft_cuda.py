@@ -34,7 +34,7 @@ from leantrain.tiny import tiny_model
 
 VOCAB = 512
 LAYERS = 2
-OFF = {"moe4bit": False, "grpo_logps": False, "cggr": False}
+OFF = {"moe4bit": False, "grpo_logps": False, "cggr": False, "fused_ce": False}
 U32 = unit_roundoff(torch.float32)
 U_TF32 = 2.0**-11  # 10 stored mantissa bits
 U_BF16 = unit_roundoff(torch.bfloat16)

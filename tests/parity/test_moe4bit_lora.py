@@ -34,7 +34,7 @@ from leantrain.tiny import tiny_model  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 
 
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False, "fused_ce": False}
 VOCAB, SEQ = 256, 16
 STACK_SUFFIXES = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LIST_TARGETS = r".*experts\.(gate_up_projs|down_projs)\.\d+"

@@ -28,7 +28,7 @@ from leantrain.tiny import tiny_model  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts, token_trainer  # noqa: E402
 
 
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False, "fused_ce": False}
 VOCAB, SEQ = 256, 16
 
 

@@ -40,7 +40,7 @@ from tests._moe4bit_models import load_in_4bit_like, token_trainer  # noqa: E402
 
 HIDDEN, INTER, EXPERTS = 128, 64, 6
 FP32_EPS, BF16_EPS = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False, "fused_ce": False}
 VOCAB, SEQ = 256, 16
 
 

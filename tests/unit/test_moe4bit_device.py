@@ -251,7 +251,7 @@ def test_patched_model_cast_after_patching_falls_back_once(tmp_path):
     model = quantized("qwen3_moe").train()
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
     trainer = transformers.Trainer(model=model, args=args)
-    only = {"cggr": False, "grpo_logps": False, "osft": False}
+    only = {"cggr": False, "grpo_logps": False, "osft": False, "fused_ce": False}
     assert leantrain.patch_trainer(trainer, moe4bit=True, **only)["moe4bit"].status.value == "applied"
     reference = quantized("qwen3_moe").train().to(torch.bfloat16)
     model.to(torch.bfloat16)
