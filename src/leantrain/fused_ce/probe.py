@@ -77,7 +77,10 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         glue.DISPATCH_PATH[path], plan.head, *_head_shape(model), _dtype_name(trainer, plan.settings)
     )
     if verdict == "stock":
-        return Readiness.not_applicable(f"{_replaced(path)} stays: {plan.dispatch_why}")
+        if ctx.config.config.fused_ce is not True:  # auto: the faster head stays (nothing to gain here)
+            why = f"{_replaced(path)} stays: {plan.dispatch_why}; pass fused_ce=True to use leantrain's op anyway"
+            return Readiness.not_applicable(why)
+        plan.dispatch_why += "; leantrain's op because fused_ce=True"
     return Readiness(detail=detail(plan), plan=plan)
 
 
@@ -384,14 +387,14 @@ def detail(plan: CePlan) -> str:
         "chunked_nll": "TRL chunked_nll forward (_chunked_ce_forward) wrapped",
         "full_logits": "TRL SFTTrainer.compute_loss (nll over full logits) replaced",
         "dft": "TRL SFTTrainer.compute_loss (dft over full logits) replaced",
-        "trainer": "Trainer.compute_loss: the model's causal-LM loss from the fused op",
+        "trainer": "Trainer.compute_loss with the model's causal-LM loss",
     }[plan.path]
     what = "loss" if plan.path == "trainer" else "loss, entropy and mean_token_accuracy"
     if plan.path in ("full_logits", "dft", "trainer"):
-        what += "; evaluation that returns logits keeps the stock loss"
+        what += "; an evaluation that reads logits runs the stock forward"
     model = plan.model
     tied = model.get_output_embeddings().weight is getattr(model.get_input_embeddings(), "weight", None)
     return (
-        f"{how}: {what}; {plan.head} {'tied ' if tied else ''}head; kernel: {kernel_name()}; "
+        f"{how} ({what} from the fused op); {plan.head} {'tied ' if tied else ''}head; kernel: {kernel_name()}; "
         f"dispatch: {plan.dispatch_why}"
     )
