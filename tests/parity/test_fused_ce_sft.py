@@ -91,6 +91,7 @@ def test_window_fp32(tmp_path, loss_type, path, head):
     )
     assert_served(report, path)
     assert (head == "lora") == ("frozen" in report["fused_ce"].detail)
+    assert (path == "trl_fused") == ("scalar-loss gradient" in report["fused_ce"].detail)
     ours, ref = run_pair(patched, stock)
     assert_window_close(ours, ref, FP32, FP32)
     assert_accuracy(ours, ref)
@@ -239,6 +240,20 @@ def test_cggr_composes(tmp_path):
     assert ref["metrics"]["mean_token_accuracy"]
     assert_window_close(ours, ref, FP32, FP32)
     assert_accuracy(ours, ref)
+
+
+@pytest.mark.skipif(not has_fused_head(), reason="TRL >= 1.15's own fused head")
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_trl_head_per_token_gradient(tmp_path, monkeypatch, loss_type):
+    """Where TRL's compute_loss is not the weighted sum the probe knows, the log-probs carry their own gradient
+    (per-token path); both paths equal stock."""
+    import leantrain.fused_ce.probe as probe_module
+
+    monkeypatch.setattr(probe_module, "_TRL_LINEAR_LOSS", ("a line no TRL has",))
+    patched, stock, report = pair(tmp_path, tiny(), loss_type)
+    assert "scalar-loss gradient" not in report["fused_ce"].detail
+    ours, ref = run_pair(patched, stock, 1)
+    assert_window_close(ours, ref, FP32, FP32)
 
 
 # ----------------------------------------------------------------------------------------------- declines

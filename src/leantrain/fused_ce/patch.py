@@ -55,6 +55,8 @@ class HeadSettings:
     backbone_attr: str = "base_model"
     text_config: Any = None
     outputs: tuple[str, ...] = ("log_probs", "entropy", "is_top1")
+    # TRL >= 1.15: the loss its compute_loss sums from the log-probs ("nll" / "dft"), when the probe recognised it
+    trl_loss_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -257,23 +259,47 @@ def trl_fused_forward(model: nn.Module, st: HeadSettings, op, output_class, *arg
         hidden, targets = out.last_hidden_state[:, :-1], labels[:, 1:]
     else:
         hidden, targets = out.last_hidden_state, shift_labels
-    stats = score(
-        model, st, op, hidden, targets, need_entropy="entropy" in st.outputs, need_top1="is_top1" in st.outputs
-    )
+    need = dict(need_entropy="entropy" in st.outputs, need_top1="is_top1" in st.outputs)
+    if st.trl_loss_type is None:  # per-token log-probs with their own gradient
+        stats = score(model, st, op, hidden, targets, **need)
+        log_probs = stats.log_probs
+        total = -log_probs.sum()
+    else:  # the op's scalar loss (3 GEMMs for a trainable head); the log-probs carry its gradient
+        stats = score(model, st, op, hidden, targets, loss=lambda m: LossSpec(st.trl_loss_type, _one(m)), **need)
+        log_probs, total = carry_loss_gradient(stats, st.trl_loss_type), stats.loss
     mask = stats.label_mask
-    loss = -stats.log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+    loss = total / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
     aux_loss = None
     if kwargs.get("output_router_logits"):
         aux_loss = trl_aux_loss(model, st.text_config, out.router_logits, kwargs.get("attention_mask"))
         loss = loss + trl_aux_terms(model, st.text_config)[2] * aux_loss
     return output_class(
         loss=loss,
-        log_probs=stats.log_probs,
+        log_probs=log_probs,
         entropy=stats.entropy,
         is_top1=stats.is_top1,
         label_mask=mask,
         aux_loss=aux_loss,
     )
+
+
+def _one(mask: torch.Tensor) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=mask.device)
+
+
+def carry_loss_gradient(stats: TokenStats, loss_type: str) -> torch.Tensor:
+    """Log-probs whose values are the op's and whose gradient is the op's scalar loss ``S = Σ_i w_i·(-logp_i)``'s.
+
+    TRL >= 1.15's SFT loss is ``Σ_i -w_i·log_probs_i / D`` (``w_i`` = 1 for nll, ``exp(log_probs_i)`` detached for
+    dft, both 0 on ignored positions; ``D`` the token count or num_items_in_batch). With ``log_probs_i = logp_i +
+    κ·(S - S.detach())`` (zero in value) and ``κ = -1 / Σ_i w_i``, that loss's gradient is ``dS / D``: the gradient
+    of ``S / D``, TRL's loss, computed by the op's scalar path instead of per token. The probe checks that TRL's
+    ``compute_loss`` takes the log-probs only through that sum."""
+    mask, log_probs = stats.label_mask, stats.log_probs
+    weights = mask.float() if loss_type == "nll" else log_probs.exp() * mask
+    total = weights.sum()
+    kappa = torch.where(total > 0, -1.0 / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return log_probs + (stats.loss - stats.loss.detach()) * kappa * mask
 
 
 def make_trl_fused_forward(fast: Callable[..., Any], fallback: RuntimeFallback, original: Callable[..., Any]):

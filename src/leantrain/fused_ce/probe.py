@@ -38,6 +38,12 @@ _CHUNKED_FIELDS = ("num_correct_tokens", "entropy_sum", "num_valid_tokens", "aux
 _ENTROPY_OVER_ATTENTION = "torch.sum(per_token_entropy * attention_mask)"  # 0.x: every attended position
 _ENTROPY_OVER_LABELS = "(per_token_entropy * mask).sum()"  # 1.x: the positions with a label
 _ROUTER_LOGITS_INPUT = 'inputs["output_router_logits"] = True'
+# TRL >= 1.15's SFTTrainer.compute_loss takes the fused log-probs only through a weighted sum (nll / dft)
+_TRL_LINEAR_LOSS = (
+    "per_token_loss = -outputs.log_probs",
+    "per_token_loss = per_token_loss * outputs.log_probs.exp().detach()",
+    "loss = per_token_loss.sum() /",
+)
 
 
 @dataclass
@@ -257,7 +263,7 @@ def _plan(trainer: Any, path: str, model: nn.Module) -> CePlan:
     moe = "output_router_logits" in inspect.signature(type(model).forward).parameters
     plan = CePlan(path, model, glue.HeadSettings(), "trainable" if trainable else "frozen", "", moe=moe)
     if path == "trl_fused":
-        _read_trl_fused(plan, model)
+        _read_trl_fused(plan, model, trainer)
     elif path == "chunked_nll":
         _read_trl_chunked(plan, model)
     else:
@@ -273,7 +279,7 @@ def _plan(trainer: Any, path: str, model: nn.Module) -> CePlan:
     return plan
 
 
-def _read_trl_fused(plan: CePlan, model: nn.Module) -> None:
+def _read_trl_fused(plan: CePlan, model: nn.Module, trainer: Any) -> None:
     fwd = _find_code(model.__dict__.get("forward"), "_fused_forward")
     names = inspect.getclosurevars(fwd).nonlocals
     missing = [n for n in _TRL_FUSED_CLOSURE if n not in names]
@@ -293,6 +299,7 @@ def _read_trl_fused(plan: CePlan, model: nn.Module) -> None:
         backbone_attr=names.get("backbone_attr", "base_model"),
         text_config=names["text_config"],
         outputs=tuple(names["outputs"]),
+        trl_loss_type=_trl_linear_loss(trainer),
     )
     try:
         from trl.trainer.utils import FusedCausalLMOutput
@@ -301,6 +308,16 @@ def _read_trl_fused(plan: CePlan, model: nn.Module) -> None:
         return
     plan.output_class = FusedCausalLMOutput
     _check_scaling(plan, model)
+
+
+def _trl_linear_loss(trainer: Any) -> str | None:
+    """TRL's loss type when its compute_loss sums the log-probs linearly (the op's scalar loss can then serve it),
+    else None (per-token log-probs with their own gradient)."""
+    from trl import SFTTrainer
+
+    source = _source(SFTTrainer.compute_loss)
+    loss_type = getattr(trainer.args, "loss_type", None)
+    return loss_type if loss_type in ("nll", "dft") and all(m in source for m in _TRL_LINEAR_LOSS) else None
 
 
 def _read_trl_chunked(plan: CePlan, model: nn.Module) -> None:
@@ -390,6 +407,8 @@ def detail(plan: CePlan) -> str:
         "trainer": "Trainer.compute_loss with the model's causal-LM loss",
     }[plan.path]
     what = "loss" if plan.path == "trainer" else "loss, entropy and mean_token_accuracy"
+    if plan.path == "trl_fused":
+        what += "; the log-probs carry the op's scalar-loss gradient" if plan.settings.trl_loss_type else ""
     if plan.path in ("full_logits", "dft", "trainer"):
         what += "; an evaluation that reads logits runs the stock forward"
     model = plan.model
