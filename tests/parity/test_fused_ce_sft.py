@@ -203,16 +203,20 @@ def test_modules_to_save_head(tmp_path):
     assert_window_close(ours, ref, FP32, FP32)
 
 
-def test_trajectory(tmp_path):
-    """Three optimizer steps of 2 accumulated micro-batches through ``train()``: logged loss, grad norm, entropy and
-    token accuracy stay with stock (a dropped accumulation normalizer would drift one way)."""
+def test_trajectory(tmp_path, monkeypatch):
+    """Three optimizer steps of 2 accumulated micro-batches through ``train()``: the op serves every micro-batch;
+    logged loss, grad norm, entropy and token accuracy stay with stock (a dropped accumulation normalizer would
+    drift one way)."""
     loss_type, path = PATHS[0]
+    calls = spy_op(monkeypatch)
     patched, stock, report = pair(tmp_path, tiny(), loss_type, gradient_accumulation_steps=2, max_steps=3)
     assert_served(report, path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         patched.train()
+        n = len(calls)
         stock.train()
+    assert n >= 6 and len(calls) == n  # every micro-batch (TRL 0.x: a second, no-grad call for its entropy)
     keys = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
     ours = [h for h in patched.state.log_history if "loss" in h]
     ref = [h for h in stock.state.log_history if "loss" in h]

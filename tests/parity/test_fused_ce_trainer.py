@@ -124,6 +124,22 @@ def test_no_logits_in_training_outputs(tmp_path):
     assert seen and seen[0].logits is None and seen[0].loss is not None
 
 
+def test_train_runs_the_op(tmp_path, monkeypatch):
+    """trainer.train() (the collator's BatchEncoding batches, not the dicts the window tests pass): the op serves
+    every training step and the logged losses stay with stock."""
+    calls = spy_op(monkeypatch)
+    patched, stock, _ = pair(tmp_path, tiny(), max_steps=2, gradient_accumulation_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patched.train()
+        n = len(calls)
+        stock.train()
+    assert n == 4 and len(calls) == n  # 2 steps x 2 micro-batches, none from the stock trainer
+    ours = [h["loss"] for h in patched.state.log_history if "loss" in h]
+    ref = [h["loss"] for h in stock.state.log_history if "loss" in h]
+    assert ours == pytest.approx(ref, rel=max(FP32, 1e-4))
+
+
 def test_evaluate(tmp_path):
     """Loss-only evaluation is served; an evaluation that reads logits (compute_metrics) runs the stock forward."""
     model = tiny()

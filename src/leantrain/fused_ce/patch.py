@@ -17,7 +17,7 @@ that CGGR masks inside the forward feed the loss.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -443,7 +443,8 @@ def make_request_forward(fast: Callable[..., Any], original: Callable[..., Any])
 
 
 def has_labels(inputs: Any) -> bool:
-    return isinstance(inputs, dict) and (inputs.get("labels") is not None or inputs.get("shift_labels") is not None)
+    """A batch mapping (a dict, or the collator's BatchEncoding) with labels."""
+    return isinstance(inputs, Mapping) and (inputs.get("labels") is not None or inputs.get("shift_labels") is not None)
 
 
 class TrainerLoss:
