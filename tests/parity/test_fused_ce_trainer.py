@@ -140,13 +140,17 @@ def test_train_runs_the_op(tmp_path, monkeypatch):
     assert ours == pytest.approx(ref, rel=max(FP32, 1e-4))
 
 
-def test_evaluate(tmp_path):
+def test_evaluate(tmp_path, monkeypatch):
     """Loss-only evaluation is served; an evaluation that reads logits (compute_metrics) runs the stock forward."""
     model = tiny()
     patched, stock, _ = pair(tmp_path, model)
+    calls = spy_op(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ours, ref = patched.evaluate(), stock.evaluate()
+        ours = patched.evaluate()
+        served = len(calls)
+        ref = stock.evaluate()
+        assert served == 1 and len(calls) == served  # 8 rows, one evaluation batch
         assert ours["eval_loss"] == pytest.approx(ref["eval_loss"], rel=FP32)
         shapes = []
 
@@ -157,6 +161,7 @@ def test_evaluate(tmp_path):
         patched.compute_metrics = metrics
         patched.evaluate()
     assert shapes and shapes[0][-1] == VOCAB  # the stock forward's logits reached compute_metrics
+    assert len(calls) == served
 
 
 def test_declines(tmp_path):
