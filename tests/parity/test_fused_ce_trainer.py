@@ -176,6 +176,12 @@ def test_declines(tmp_path):
     model.forward = lambda *a, **k: None
     trainer = plain_trainer(model, tmp_path / "fwd", rows)
     assert "replaced on the instance" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
+    # a model accelerate prepared already (its autocast forward would sit outside the fused loss)
+    model = tiny()
+    model._original_forward = model.forward
+    model.forward = model.forward
+    trainer = plain_trainer(model, tmp_path / "prepared", rows)
+    assert "before the first train()" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
 
 
 def test_forced_probe_failure_runs_stock(tmp_path, monkeypatch):

@@ -213,6 +213,13 @@ def model_reasons(model: nn.Module, path: str) -> list[str]:
     if not isinstance(backbone, nn.Module) or backbone is model:
         return [f"{type(model).__name__} has no decoder trunk at `{model.base_model_prefix}`"]
     reasons = []
+    if "_original_forward" in model.__dict__:
+        # accelerate's mixed-precision forward (autocast) wraps the model once train() or evaluate() prepared it; a
+        # wrapper installed over it would run the fused loss outside that autocast
+        reasons.append(
+            f"{type(model).__name__}.forward is already wrapped by accelerate (train() or evaluate() ran): call "
+            "patch_trainer before the first train()"
+        )
     if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
         reasons.append("the LM head carries a PEFT adapter (LoRA on lm_head): remove 'lm_head' from target_modules")
     else:
@@ -226,7 +233,7 @@ def _own_loss_reasons(model: nn.Module, path: str) -> list[str]:
     """The full-logits paths reproduce the model's own forward: its loss function, its output scaling, its aux loss."""
     cls = type(model)
     forward = model.__dict__.get("forward")
-    if forward is not None and getattr(model, "_original_forward", None) is None:
+    if forward is not None and "_original_forward" not in model.__dict__:
         name = getattr(forward, "__qualname__", type(forward).__name__)
         return [f"{cls.__name__}.forward is replaced on the instance ({name}): another library patches it"]
     reasons = []
