@@ -182,6 +182,14 @@ def test_declines(tmp_path):
     model.forward = model.forward
     trainer = plain_trainer(model, tmp_path / "prepared", rows)
     assert "before the first train()" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
+    # a head it cannot see, and a vision-language model (its text config is a part of its config)
+    trainer = plain_trainer(tiny(), tmp_path / "nohead", rows)
+    trainer.model.get_output_embeddings = lambda: None
+    assert "no output embeddings" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
+    trainer = plain_trainer(tiny(), tmp_path / "vlm", rows)
+    text_config = copy.deepcopy(trainer.model.config)
+    trainer.model.config.get_text_config = lambda *args, **kwargs: text_config
+    assert "vision-language" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
 
 
 def test_forced_probe_failure_runs_stock(tmp_path, monkeypatch):
