@@ -100,11 +100,19 @@ def leantrain(h, w, t, num_items):
 PEERS = {
     # name: (function, module it needs, whether it needs CUDA)
     "stock": (stock, None, False),
-    "trl_fused": (trl_fused, "trl", False),
+    "trl_fused": (trl_fused, "trl.kernels.chunked_logprob", False),  # TRL >= 1.15
     "liger": (liger, "liger_kernel", True),
     "cce": (cce, "cut_cross_entropy", True),
     "leantrain": (leantrain, None, False),
 }
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (a dotted name imports its parents to look: a missing parent is False)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
 
 
 def providers(device: str) -> tuple[dict[str, Callable], list[str]]:
@@ -113,7 +121,7 @@ def providers(device: str) -> tuple[dict[str, Callable], list[str]]:
     for name, (fn, module, needs_cuda) in PEERS.items():
         if needs_cuda and device != "cuda":
             notes.append(f"{name}: skipped (needs CUDA)")
-        elif module is not None and importlib.util.find_spec(module) is None:
+        elif module is not None and not installed(module):
             notes.append(f"{name}: skipped ({module} is not installed)")
         else:
             found[name] = fn

@@ -35,11 +35,15 @@ def test_smoke_writes_rows_and_notes(tmp_path, monkeypatch):
 
 
 def test_missing_peer_is_skipped_with_a_note(monkeypatch):
-    real = bench.importlib.util.find_spec
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "trl" else real(name))
+    monkeypatch.setattr(bench, "installed", lambda module: not module.startswith(("trl", "cut_cross")))
     found, notes = bench.providers("cuda")
-    assert "trl_fused" not in found and "trl_fused: skipped (trl is not installed)" in notes
-    assert {"stock", "leantrain", "liger", "cce"} <= set(found)
+    assert "trl_fused: skipped (trl.kernels.chunked_logprob is not installed)" in notes
+    assert "cce: skipped (cut_cross_entropy is not installed)" in notes
+    assert set(found) == {"stock", "leantrain", "liger"}
+
+
+def test_installed_survives_a_missing_parent():
+    assert bench.installed("torch") and not bench.installed("no_such_package_xyz.kernels")
 
 
 def test_failing_provider_is_recorded_not_fatal(monkeypatch):
