@@ -317,8 +317,10 @@ def test_declines_lora_on_head(tmp_path):
 
 @pytest.mark.skipif(has_fused_head(), reason="TRL >= 1.15 keeps its own head under use_liger_kernel")
 def test_declines_liger(tmp_path):
-    pytest.importorskip("liger_kernel")
-    trainer = sft_trainer(tiny(), tmp_path, greedy_rows(tiny()), loss_type="nll", use_liger_kernel=True)
+    """use_liger_kernel=True on TRL <= 1.14: Liger's fused linear cross-entropy computes the loss (set after the
+    trainer is built: the floor sets do not install liger-kernel, which TRL imports at construction)."""
+    trainer = sft_trainer(tiny(), tmp_path, greedy_rows(tiny()), loss_type="nll")
+    trainer.args.use_liger_kernel = True
     reasons = " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
     assert "use_liger_kernel" in reasons
 
