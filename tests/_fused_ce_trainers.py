@@ -49,7 +49,8 @@ def sft_paths() -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------------------ models
 def extra_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
-    """Families beyond leantrain.tiny's: Cohere (logit_scale) and Granite (logits_scaling)."""
+    """Families beyond leantrain.tiny's: Cohere (logit_scale), Granite (divides by logits_scaling) and HyperCLOVA X
+    (multiplies by it; transformers 5)."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -67,6 +68,8 @@ def extra_config(family: str, **overrides: Any) -> transformers.PretrainedConfig
         config = transformers.CohereConfig(**common, logit_scale=0.25)
     elif family == "granite":
         config = transformers.GraniteConfig(**common, logits_scaling=4.0)
+    elif family == "hyperclovax":
+        config = transformers.HyperCLOVAXConfig(**common, logits_scaling=0.5, head_dim=32)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -77,7 +80,7 @@ def extra_config(family: str, **overrides: Any) -> transformers.PretrainedConfig
 def tiny(family: str = "llama", seed: int = 0, dtype=torch.float32, head_bias: bool = False, **overrides):
     """A tiny seeded causal LM in train mode (2 layers, hidden 64, vocabulary 512); ``head_bias`` gives its LM head a
     random bias (as a model whose head has one)."""
-    if family in ("cohere", "granite"):
+    if family in ("cohere", "granite", "hyperclovax"):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(
             extra_config(family, **overrides), dtype=dtype, attn_implementation="eager"

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 import leantrain
 from leantrain.report import Status
@@ -80,10 +81,15 @@ def test_window_without_num_items(tmp_path):
         ("llama", {"head_bias": True}),
         ("cohere", {}),
         ("granite", {}),
+        pytest.param(
+            "hyperclovax",
+            {},
+            marks=pytest.mark.skipif(not hasattr(transformers, "HyperCLOVAXConfig"), reason="transformers 5"),
+        ),
         ("qwen3_moe", {"output_router_logits": True, "router_aux_loss_coef": 0.02}),
         ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
     ],
-    ids=["gemma2-softcap", "llama-tied", "llama-bias", "cohere-scale", "granite-scaling", "qwen3_moe-aux", "gpt2"],
+    ids=["gemma2-softcap", "tied", "bias", "cohere-scale", "granite-scaling", "hyperclovax", "moe-aux", "gpt2"],
 )
 def test_heads(tmp_path, family, overrides):
     model = tiny(family, **overrides)
