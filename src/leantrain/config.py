@@ -21,8 +21,9 @@ Source = Literal["kwarg", "cli", "env", "default"]
 _TRUE = {"1", "on", "yes", "true"}
 _FALSE = {"0", "off", "no", "false"}
 
-# Optimizations in the order they are applied: model surgery first, then forward/loss patches.
-OPTIMIZATIONS = ("moe4bit", "osft", "layer_kernels", "cggr", "grpo_logps")
+# Optimizations in the order they are applied: model surgery first, then forward/loss patches. fused_ce comes before
+# cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss.
+OPTIMIZATIONS = ("moe4bit", "osft", "layer_kernels", "fused_ce", "cggr", "grpo_logps")
 CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
 
@@ -64,6 +65,9 @@ class LeantrainConfig:
         "tristate",
         "Liger-Kernel's RMSNorm, SwiGLU/GeGLU and RoPE kernels on this model's modules (auto: the model families "
         "where they measured faster; needs leantrain[kernels] and CUDA)",
+    )
+    fused_ce: bool | None = _opt(
+        None, "tristate", "SFT / Trainer causal-LM loss from hidden states and the LM head, no [B,T,V] logits"
     )
     disable: bool = _opt(
         False,
