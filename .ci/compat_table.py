@@ -8,10 +8,15 @@ Each optimization is requested explicitly (``True``; the others off), so the tab
 versions can run it and, if not, the probe's reason. Auto mode declines further where an optimization would not
 pay on the device (README, "Using each optimization"); the parity tests of the same CI run check that what applies
 here matches the stock path.
+
+The optimizations are the option table's (``leantrain.config.OPTIMIZATIONS``, in its order), each tried on a tiny
+trainer of every kind it declares (``Optimization.trainer_kinds``): a new one appears here with no edit. Only an
+optimization that needs a particular model (moe4bit: 4-bit MoE experts) names its own scenarios.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -23,7 +28,19 @@ from typing import Any
 
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIMIZATIONS = ("cggr", "grpo_logps", "osft", "moe4bit")
+
+
+def _option_table() -> Any:
+    """leantrain/config.py loaded on its own (standard library only): ``render`` runs under a bare python3, where
+    importing the package (torch, transformers) is not possible."""
+    spec = importlib.util.spec_from_file_location("_leantrain_config", ROOT / "src" / "leantrain" / "config.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+OPTIMIZATIONS: tuple[str, ...] = _option_table().OPTIMIZATIONS
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes")
 VOCAB = 256
 
@@ -112,36 +129,44 @@ def moe_trainer(family: str, layout: str, out: str) -> Any:
     return plain_trainer(model.train(), out)
 
 
-# (optimization, scenario label, trainer builder)
-SCENARIOS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
-    ("cggr", "SFTTrainer", sft_trainer),
-    ("cggr", "Trainer", lambda out: plain_trainer(llama(), out)),
-    ("grpo_logps", "GRPOTrainer", lambda out: rl_trainer("GRPO", out)),
-    ("grpo_logps", "RLOOTrainer", lambda out: rl_trainer("RLOO", out)),
-    ("osft", "Trainer", lambda out: plain_trainer(llama(), out)),
-    ("osft", "SFTTrainer", sft_trainer),
-    (
-        "moe4bit",
-        "Trainer, Qwen3-MoE 3-D experts (quantize_experts_4bit)",
-        lambda o: moe_trainer("qwen3_moe", "stacked", o),
+# The tiny trainers of each trainer kind (leantrain.optimization.TRAINER_KINDS): (label, builder).
+KIND_SCENARIOS: dict[str, tuple[tuple[str, Callable[[str], Any]], ...]] = {
+    "sft": (("SFTTrainer", sft_trainer),),
+    "trainer": (("Trainer", lambda out: plain_trainer(llama(), out)),),
+    "grpo": (
+        ("GRPOTrainer", lambda out: rl_trainer("GRPO", out)),
+        ("RLOOTrainer", lambda out: rl_trainer("RLOO", out)),
     ),
-    (
-        "moe4bit",
-        "Trainer, gpt-oss 3-D experts (quantize_experts_4bit)",
-        lambda o: moe_trainer("gpt_oss", "stacked", o),
+}
+# Optimizations whose probe needs a model with what they optimize: their own scenarios instead of the kinds'.
+MODEL_SCENARIOS: dict[str, tuple[tuple[str, Callable[[str], Any]], ...]] = {
+    "moe4bit": (
+        ("Trainer, Qwen3-MoE 3-D experts (quantize_experts_4bit)", lambda o: moe_trainer("qwen3_moe", "stacked", o)),
+        ("Trainer, gpt-oss 3-D experts (quantize_experts_4bit)", lambda o: moe_trainer("gpt_oss", "stacked", o)),
+        ("Trainer, gpt-oss Linear4bit expert lists", lambda o: moe_trainer("gpt_oss", "linear4bit", o)),
+        (
+            "Trainer, Qwen3-MoE loaded as BitsAndBytesConfig(load_in_4bit) would",
+            lambda o: moe_trainer("qwen3_moe", "bnb", o),
+        ),
+        (
+            "Trainer, Qwen3-MoE 4-bit 3-D experts + LoRA on them (target_parameters)",
+            lambda o: moe_trainer("qwen3_moe", "stacked+lora", o),
+        ),
     ),
-    ("moe4bit", "Trainer, gpt-oss Linear4bit expert lists", lambda o: moe_trainer("gpt_oss", "linear4bit", o)),
-    (
-        "moe4bit",
-        "Trainer, Qwen3-MoE loaded as BitsAndBytesConfig(load_in_4bit) would",
-        lambda o: moe_trainer("qwen3_moe", "bnb", o),
-    ),
-    (
-        "moe4bit",
-        "Trainer, Qwen3-MoE 4-bit 3-D experts + LoRA on them (target_parameters)",
-        lambda o: moe_trainer("qwen3_moe", "stacked+lora", o),
-    ),
-)
+}
+
+
+def scenarios() -> list[tuple[str, str, Callable[[str], Any]]]:
+    """(optimization, scenario label, trainer builder) for every optimization of the option table, in its order."""
+    from leantrain.optimization import TRAINER_KINDS, registry
+
+    rows = []
+    for name, opt in registry().items():
+        own = MODEL_SCENARIOS.get(name)
+        kinds = [kind for kind in TRAINER_KINDS if kind in opt.trainer_kinds]
+        chosen = own if own is not None else [s for kind in kinds for s in KIND_SCENARIOS[kind]]
+        rows += [(name, label, build) for label, build in chosen]
+    return rows
 
 
 def _one_line(text: object) -> str:
@@ -188,7 +213,7 @@ def record(path: str) -> int:
         except metadata.PackageNotFoundError:
             versions[package] = "-"
     rows = []
-    for name, label, build in SCENARIOS:
+    for name, label, build in scenarios():
         result = run_scenario(name, build)
         print(f"{name:<11} {label:<58} {result['status']}: {result['why'][:140]}", flush=True)
         rows.append({"optimization": name, "scenario": label, **result})

@@ -35,7 +35,7 @@ import leantrain  # noqa: E402
 from leantrain.cggr.ops import select_topk, targets_of  # noqa: E402
 
 
-OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
+OFF = {"moe4bit": False, "grpo_logps": False, "osft": False, "fused_ce": False}
 SHAPES = {  # (config class, fields): the released models' sizes (benchmarks/shapes.py), tied embeddings
     name: (shapes.shape(name).cls, shapes.config(name)) for name in ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b")
 }

@@ -42,7 +42,7 @@ from _harness import RESULTS, Row, markdown_table, write_results  # noqa: E402
 import leantrain  # noqa: E402
 
 
-OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
+OFF = {"moe4bit": False, "grpo_logps": False, "osft": False, "fused_ce": False}
 SCORINGS = ("entropy", "margin", "loss", "combined")
 START = time.perf_counter()
 

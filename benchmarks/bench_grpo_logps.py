@@ -90,12 +90,11 @@ def leantrain_backend(backend: str, keep_logits_mib: int = 0) -> Callable:
 
 def leantrain_default(h, w, t):
     """What the patched trainer runs by default: leantrain's op, or TRL's own head for a no-grad call where the
-    measured rule (``glue.nograd_route``, the trainer's own decision) says TRL's is faster (issue #28)."""
-    from leantrain.grpo_logps import patch as glue
+    no-grad rule (``nograd.trl_head_serves``, the trainer's own decision) says TRL's is faster."""
+    from leantrain.grpo_logps import nograd
 
     backend = ops.default_backend(h.device)
-    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-    if glue.nograd_route(h.shape[0], h.shape[1], w.shape[0], dtype, True, backend):
+    if not torch.is_grad_enabled() and nograd.trl_head_serves(w.shape[0], backend):
         return trl_chunked(h, w, t)
     return leantrain_backend(backend)(h, w, t)
 

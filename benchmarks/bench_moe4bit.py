@@ -4,9 +4,6 @@ Layer benchmark at gpt-oss-20b expert shapes (E=32, top-4, H=I=2880; bf16; fwd+b
 weights) at 512 / 4096 / 16384 tokens:
 - ``bnb loop``: per-expert ``bnb.nn.Linear4bit`` lists with the stock per-expert loop (community 4-bit gpt-oss);
 - ``leantrain grouped``: the same modules patched (one dequantize per stack + grouped GEMMs), recompute on / off;
-- ``leantrain fused (Triton)``: the same plan with ``kernel="fused"`` (a Triton grouped GEMM that reads the packed
-  4-bit stacks and dequantizes in registers; no dequantized stack is written); CUDA only, skipped with its reasons
-  elsewhere;
 - ``leantrain grouped (stacked)``: stock 3-D experts after ``leantrain.quantize_experts_4bit``;
 - ``transformers grouped_mm (4-bit stacked)``: the stock path of that module (dequantize-on-access parametrization);
 - ``grouped floor (pre-dequantized)``: leantrain's grouped path on pre-dequantized bf16 stacks (no dequantize);
@@ -49,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests._moe4bi
 from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
-from leantrain.moe4bit import _adapters, _grouped, _triton  # noqa: E402
+from leantrain.moe4bit import _adapters, ops  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.plan import build_plan  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
@@ -59,10 +56,9 @@ from tests._moe4bit_models import convert_model_to_linear4bit_experts, linear4bi
 
 NAME = "moe4bit"
 LOOP, GROUPED, FLOOR = "bnb loop", "leantrain grouped", "grouped floor (pre-dequantized)"
-FUSED = "leantrain fused (Triton)"
 LORA_LOOP, LORA_GROUPED = "PEFT LoRA loop (per-expert)", "leantrain grouped + split LoRA"
 LORA_STACKED = f"{LORA_GROUPED} (stacked)"
-DENSE_ROUTING = (LOOP, GROUPED, FUSED, LORA_LOOP, LORA_GROUPED)  # the community layout's router: dense [T, E]
+DENSE_ROUTING = (LOOP, GROUPED, LORA_LOOP, LORA_GROUPED)  # the community layout's router: dense [T, E]
 LORA_RANK, LORA_ALPHA = 16, 32
 # expert shapes: (experts, top_k, hidden, expert intermediate, family of the experts module)
 SHAPES = {
@@ -173,8 +169,8 @@ def lora_providers(s: Setup, stock: torch.nn.Module) -> dict[str, object]:
     peft.inject_adapter_in_model(config, lists)
     _bf16_lora(lists, s.dtype)
     plan, _ = build_plan(Found("experts", lists, "linear4bit"), Undo().push, recompute=True)
-    wrapped = _adapters.wrapped_map(lists)
-    plan.adapters = _adapters.adapters_for("linear4bit", lists, wrapped)
+    spec = _adapters.find("linear4bit", lists, _adapters.wrapped_map(lists))
+    plan.adapters = _adapters.provider(spec, lists, Undo().push)
 
     stacked = copy.deepcopy(stock)
     leantrain.quantize_experts_4bit(stacked, compress_statistics=True)
@@ -187,12 +183,29 @@ def lora_providers(s: Setup, stock: torch.nn.Module) -> dict[str, object]:
     peft.inject_adapter_in_model(config, holder)
     _bf16_lora(holder, s.dtype)
     stacked_plan, _ = build_plan(Found("experts", stacked, "stacked"), Undo().push, recompute=True)
-    stacked_plan.adapters = _adapters.adapters_for("stacked", stacked, _adapters.wrapped_map(holder))
+    spec = _adapters.find("stacked", stacked, _adapters.wrapped_map(holder))
+    stacked_plan.adapters = _adapters.provider(spec, stacked, Undo().push)
+
+    def fresh_grads(fn, module):
+        """A training micro-step as a trainer runs it after ``zero_grad()``: the adapters start without gradients
+        (accumulating into existing ones would add one kernel per parameter, E of them per projection)."""
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def call(x, idx, w):
+            for p in params:
+                p.grad = None
+            return fn(x, idx, w)
+
+        return call
 
     def grouped(p):
-        return lambda x, idx, w: _grouped.grouped_forward(p, x, idx, w)
+        return lambda x, idx, w: ops.grouped_forward(p, x, idx, w)
 
-    return {LORA_LOOP: lists, LORA_GROUPED: grouped(plan), LORA_STACKED: grouped(stacked_plan)}
+    return {
+        LORA_LOOP: fresh_grads(lists, lists),
+        LORA_GROUPED: fresh_grads(grouped(plan), lists),
+        LORA_STACKED: fresh_grads(grouped(stacked_plan), holder),
+    }
 
 
 def providers(s: Setup, lora_only: bool = False) -> dict[str, object]:
@@ -205,7 +218,7 @@ def providers(s: Setup, lora_only: bool = False) -> dict[str, object]:
         grouped_plan = plan
         return {
             LOOP: loop,
-            GROUPED: lambda x, idx, w: _grouped.grouped_forward(grouped_plan, x, idx, w),
+            GROUPED: lambda x, idx, w: ops.grouped_forward(grouped_plan, x, idx, w),
             **lora_providers(s, stock),
         }
     no_recompute = dataclasses.replace(plan, recompute=False)
@@ -219,18 +232,11 @@ def providers(s: Setup, lora_only: bool = False) -> dict[str, object]:
     stacked_plan, _ = build_plan(Found("experts", stacked, "stacked"), Undo().push, recompute=True)
 
     def grouped(p):
-        return lambda x, idx, w: _grouped.grouped_forward(p, x, idx, w)
+        return lambda x, idx, w: ops.grouped_forward(p, x, idx, w)
 
-    fused = {}
-    reasons = _triton.fused_reasons(plan.gate_up.stack, torch.empty(1, s.hidden, device=s.device, dtype=s.dtype))
-    if reasons:
-        print(f"skipping {FUSED}: {'; '.join(reasons)}", flush=True)
-    else:
-        fused[FUSED] = grouped(dataclasses.replace(plan, kernel="fused"))
     return {
         LOOP: loop,
         GROUPED: grouped(plan),
-        **fused,
         f"{GROUPED} (no recompute)": grouped(no_recompute),
         f"{GROUPED} (stacked)": grouped(stacked_plan),
         "transformers grouped_mm (4-bit stacked)": stacked,
@@ -361,18 +367,6 @@ def summary(s: Setup, medians: dict[str, dict[int, float]], rows: list[Row], mod
         for t in s.tokens
     ]
     lines += [markdown_table(header, ratios), ""]
-    if FUSED in medians:
-        header = ["tokens", "fused / grouped", "fused / floor", "grouped - fused GiB"]
-        ratios = [
-            [
-                t,
-                medians[FUSED][t] / medians[GROUPED][t],
-                medians[FUSED][t] / medians[FLOOR][t],
-                mem[(GROUPED, t)] - mem[(FUSED, t)],
-            ]
-            for t in s.tokens
-        ]
-        lines += [markdown_table(header, ratios), ""]
     speedup, over_floor = medians[LOOP][mid] / medians[GROUPED][mid], medians[GROUPED][mid] / medians[FLOOR][mid]
     lines.append(
         f"At {mid} tokens (recompute on, the default): {speedup:.2f}x the loop (target >= 5.5x: "
@@ -389,7 +383,7 @@ def summary(s: Setup, medians: dict[str, dict[int, float]], rows: list[Row], mod
     return "\n".join(lines)
 
 
-PROFILED = (FLOOR, "transformers grouped_mm (dense weights)", GROUPED, f"{GROUPED} (no recompute)", FUSED)
+PROFILED = (FLOOR, "transformers grouped_mm (dense weights)", GROUPED, f"{GROUPED} (no recompute)")
 GEMM_OPS = ("aten::_grouped_mm", "aten::mm", "aten::bmm", "aten::addmm")
 VIEW_OPS = {  # metadata-only ops: no kernel on a GPU
     f"aten::{n}"
@@ -465,7 +459,7 @@ def main() -> None:
     model = {} if args.no_model else bench_model(s, rows)
     table = summary(s, medians, rows, model)
     out_dir = write_results(name, rows, table, out_dir)
-    shown = [name for name in (LOOP, GROUPED, FUSED, f"{GROUPED} (stacked)", FLOOR) if name in medians]
+    shown = [name for name in (LOOP, GROUPED, f"{GROUPED} (stacked)", FLOOR) if name in medians]
     shown += [n for n in (LORA_LOOP, LORA_GROUPED, LORA_STACKED) if n in medians]
     bar_plot(
         out_dir / f"{name}.png",

@@ -17,6 +17,15 @@ Random-init public shapes with their real vocab sizes (nothing downloaded); one 
   minutes at 7B; ``--orders 2 --budget-s 560`` asks for them). ``--layers N`` builds fewer layers.
 - ``sft``: TRL ``SFTTrainer``, Qwen2.5-0.5B and 1.5B shapes, batch 8 x 2048, bf16, gradient checkpointing: stock
   vs CGGR (``cggr=True``, ratio 0.25 and 0.5, ``cggr_warmup_steps=0``).
+- ``dense_sft``: Gemma-2-2B (eager attention, vocab 256000), Qwen2.5-1.5B and Llama-3.2-1B shapes, LoRA r=16 on
+  every attention and MLP projection (head frozen), batch 4 x 2048, bf16, gradient checkpointing, AdamW, median of 8
+  steps after 2 warm-up steps (the first step's time is in the table: compiles count). TRL ``SFTTrainer`` on its
+  default loss path and a plain ``Trainer`` (the model's own loss over full logits; config ``... trainer logits``;
+  with TRL <= 1.14 also ``SFTTrainer(loss_type="nll")``, ``... sft nll logits``). Variants: stock,
+  ``patch_trainer(trainer)`` (the defaults; its report says what applied), ``patch_trainer(trainer,
+  layer_kernels=True)``, regional ``torch.compile`` of the decoder layers (SFT default path only) and Liger-Kernel via
+  ``use_liger_kernel=True`` (last in each group; its process-wide patch is undone after it). One shape per call:
+  ``--shapes gemma-2-2b`` ~4 min, qwen2.5-1.5b and llama-3.2-1b ~2-3 min each on an H100.
 - ``moe_qlora``: the gpt-oss-20b shape (24 layers, 32 experts, top-4, hidden 2880, vocab 201088), LoRA r=16 on the
   attention projections, experts frozen; batch 2 x 2048. Variants: leantrain's grouped 4-bit path on
   ``quantize_experts_4bit`` stacks and on per-expert ``bnb.nn.Linear4bit`` lists (community checkpoint layout),
@@ -42,17 +51,17 @@ without grad), ``prepare`` (the rest of ``_prepare_inputs``: rewards, advantages
 (``on_pre_optimizer_step`` -> ``on_optimizer_step``, OSFT projections included) and ``other`` (scheduler,
 zero_grad, callbacks); tokens/s; peak memory above what was allocated before the variant was built; per-step losses.
 
-    python benchmarks/bench_recipes.py --recipe grpo        # one recipe (CUDA); also grpo_lora, sft, moe_qlora,
-                                                            # moe_qlora_experts, osft
-    python benchmarks/bench_recipes.py                      # --recipe all: the six in turn (~40 min)
+    python benchmarks/bench_recipes.py --recipe grpo        # one recipe (CUDA); also grpo_lora, sft, dense_sft,
+                                                            # moe_qlora, moe_qlora_experts, osft
+    python benchmarks/bench_recipes.py                      # --recipe all: the seven in turn (~50 min)
     python benchmarks/bench_recipes.py --smoke              # every recipe on tiny shapes on CPU (~1 min)
     python benchmarks/bench_recipes.py --smoke --device cuda    # the same on the GPU: its CUDA paths, in seconds
     python benchmarks/bench_recipes.py --merge a.json b.json    # rebuild recipes.{json,md,png} from several runs
     BENCH_RECIPE=grpo BENCH_RECIPE_SHAPES=qwen2.5-0.5b bash benchmarks/gpu_run.sh recipes   # the same, by env vars
 
-``--shapes`` (grpo / sft), ``--only`` (variant-name substrings), ``--budget-s``, ``--orders`` (grpo, grpo_lora) and
-``--layers`` (grpo_lora, moe_qlora_experts) select less or other; their environment twins are BENCH_RECIPE_SHAPES,
-BENCH_RECIPE_ONLY, BENCH_RECIPE_BUDGET_S, BENCH_RECIPE_ORDERS and BENCH_RECIPE_LAYERS.
+``--shapes`` (grpo / sft / dense_sft), ``--only`` (variant-name substrings), ``--budget-s``, ``--orders`` (grpo,
+grpo_lora) and ``--layers`` (grpo_lora, moe_qlora_experts) select less or other; their environment twins are
+BENCH_RECIPE_SHAPES, BENCH_RECIPE_ONLY, BENCH_RECIPE_BUDGET_S, BENCH_RECIPE_ORDERS and BENCH_RECIPE_LAYERS.
 
 Writes ``recipes.json`` (rows of every recipe run so far: the rows already in ``$BENCH_RESULTS/recipes.json``, else
 in ``benchmarks/results/recipes.json``, with the (recipe, config) pairs just run replaced), ``recipes.md`` and
@@ -76,7 +85,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 from _harness import RESULTS, Row, read_rows  # noqa: E402
-from recipes import grpo, moe_experts, moe_qlora, osft, sft  # noqa: E402
+from recipes import dense_sft, grpo, moe_experts, moe_qlora, osft, sft  # noqa: E402
 from recipes.report import markdown, merge, to_rows, write_all  # noqa: E402
 from recipes.runner import NAME, RECIPES, Budget, log  # noqa: E402
 from recipes.settings import FULL, SMOKE, Settings  # noqa: E402
@@ -86,6 +95,7 @@ RECIPE_FNS = {
     "grpo": grpo.recipe_grpo,
     "grpo_lora": grpo.recipe_grpo_lora,
     "sft": sft.recipe_sft,
+    "dense_sft": dense_sft.recipe_dense_sft,
     "moe_qlora": moe_qlora.recipe_moe_qlora,
     "moe_qlora_experts": moe_experts.recipe_moe_qlora_experts,
     "osft": osft.recipe_osft,
@@ -110,7 +120,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="with --smoke: run the tiny shapes here (cuda: check the CUDA paths)"
     )
-    parser.add_argument("--shapes", default=env("BENCH_RECIPE_SHAPES"), help="comma-separated grpo / sft shapes")
+    parser.add_argument(
+        "--shapes", default=env("BENCH_RECIPE_SHAPES"), help="comma-separated grpo / sft / dense_sft shapes"
+    )
     parser.add_argument(
         "--only",
         default=env("BENCH_RECIPE_ONLY"),

@@ -1,6 +1,6 @@
 """No-grad log-probs (GRPO's old-policy and reference scoring, issue #28): TRL 1.16's own fused head vs leantrain's
-op over the GRPO recipe shapes, to derive the rule that sends no-grad calls to TRL's head where it is faster
-(``leantrain.grpo_logps.patch.NOGRAD_MEASURED``).
+op over the GRPO recipe shapes: the measurements behind the rule that sends no-grad calls to TRL's head
+(``leantrain.grpo_logps.nograd``).
 
 What one no-grad call scores: TRL 1.16's ``_get_per_token_logps_and_entropies`` calls the model once per
 ``batch_size`` rows (``per_device_train_batch_size``, default 8) and the fused head scores only the labelled
@@ -10,7 +10,7 @@ it); the reference model's log-probs only: both are measured.
 
     python benchmarks/probe_logps_nograd.py               # CUDA, full grid (H100: ~2 min)
     python benchmarks/probe_logps_nograd.py --smoke       # tiny shapes, CPU ok, seconds
-    python benchmarks/probe_logps_nograd.py --emit-rule   # print the rule's table from the JSON, to paste
+    python benchmarks/probe_logps_nograd.py --emit-rule   # check the rule against the JSON, print its constants
 
 Writes grpo_logps_nograd.json / .md (and _profile.txt: both heads kernel by kernel at N=8192 H=2048 V=151936, the
 cell of issue #28) into $BENCH_RESULTS or benchmarks/results/.
@@ -33,7 +33,7 @@ import bench_grpo_logps as bench  # noqa: E402
 from _harness import RESULTS, Row, markdown_table, peak_memory, read_rows, time_fn, write_results  # noqa: E402
 
 from leantrain.config import LeantrainConfig  # noqa: E402
-from leantrain.grpo_logps import patch as glue  # noqa: E402
+from leantrain.grpo_logps import nograd  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
 
 
@@ -121,7 +121,7 @@ def run_grid(models, n_values, device: str, dtype: torch.dtype, reps: int, warmu
                     rows.append(Row.timing(BENCH, name, "no_grad", "N", n, t, **config, backend=backend))
                     rows.append(Row(BENCH, name, "no_grad", "memory", "GiB", "N", n, mem, config=config))
                 (ts, ms), (tf, mf) = got[STOCK], got[FUSED]
-                rule = glue.nograd_prefers_stock(n, h, v, dtype, entropy, backend)
+                rule = nograd.trl_head_serves(v, backend)
                 tall = got[TALL][0].p50 if TALL in got else float("nan")
                 faster, rule_now = ("stock" if ts.p50 < tf.p50 else "fused"), ("stock" if rule else "fused")
                 table.append(
@@ -160,8 +160,8 @@ def profile_cell(model: str, n: int, h: int, v: int, device: str, dtype: torch.d
     return "\n\n".join(parts)
 
 
-def rule_points(rows: list[Row]) -> list[glue.NogradPoint]:
-    """The rule's measured points from the probe's speed rows: one per (N, H, V, dtype, entropy), both providers."""
+def rule_cells(rows: list[Row]) -> dict[tuple, tuple[float, float]]:
+    """(TRL ms, leantrain ms) per measured (N, H, V, dtype, entropy) cell of the probe's speed rows."""
     cells: dict[tuple, dict[str, float]] = {}
     for row in rows:
         if row.benchmark != BENCH or row.metric != "speed":
@@ -169,31 +169,40 @@ def rule_points(rows: list[Row]) -> list[glue.NogradPoint]:
         c = row.config
         key = (int(c["N"]), int(c["H"]), int(c["V"]), str(c["dtype"]), bool(c["entropy"]))
         cells.setdefault(key, {})[row.provider] = float(row.p50)
-    return [glue.NogradPoint(*key, round(t[STOCK], 4), round(t[FUSED], 4))
-            for key, t in sorted(cells.items()) if STOCK in t and FUSED in t]  # fmt: skip
+    return {key: (t[STOCK], t[FUSED]) for key, t in sorted(cells.items()) if STOCK in t and FUSED in t}
 
 
 def emit_rule(path: Path) -> str:
-    """Python source of NOGRAD_SOURCE / NOGRAD_MEASURED for grpo_logps/patch.py, from a probe JSON."""
+    """Check a probe JSON against ``nograd.py``'s rule (TRL's head serves every no-grad call on TRL's fused path)
+    and return the rule's constants from it, as Python to paste; exit naming the cells that break the rule."""
     rows = read_rows(path)
-    if not rows:
+    cells = rule_cells(rows)
+    if not cells:
         raise SystemExit(f"no probe results in {path}: run the probe first")
-    points = rule_points(rows)
-    points.sort(key=lambda p: (p.v, p.h, p.dtype, not p.entropy, p.n))
+    lost = [key for key, (stock, fused) in cells.items() if not nograd.trl_head_wins(stock, fused)]
+    if lost:
+        where = ", ".join(f"N={n} H={h} V={v} {dtype} entropy={entropy}" for n, h, v, dtype, entropy in lost)
+        raise SystemExit(
+            f"leantrain's op measured faster beyond the {nograd.NOISE:.0%} noise at {where}: no-grad calls no longer "
+            "all belong to TRL's head; grpo_logps/nograd.py needs a rule by shape"
+        )
+    faster = sum(stock < fused for stock, fused in cells.values())
+    vocabularies = sorted({key[2] for key in cells})
     head = rows[0]
     source = f"{head.device}, {head.date[:10]}, {BENCH}.json at {head.commit}"
-    lines = [f"NOGRAD_SOURCE = {json.dumps(source)}", "NOGRAD_MEASURED: tuple[NogradPoint, ...] = ("]
-    lines += [
-        f'    NogradPoint({p.n}, {p.h}, {p.v}, "{p.dtype}", {p.entropy}, {p.stock_ms}, {p.fused_ms}),' for p in points
-    ]
-    lines.append(")")
-    return "\n".join(lines)
+    return "\n".join([
+        f"# {len(cells)} cells: TRL's head faster in {faster}, the others within {nograd.NOISE:.0%}",
+        f"SOURCE = {json.dumps(source)}",
+        f"MEASURED_V = ({vocabularies[0]}, {vocabularies[-1]})",
+    ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few reps (CPU ok)")
-    parser.add_argument("--emit-rule", nargs="?", const="", metavar="JSON", help="print the rule table and exit")
+    parser.add_argument(
+        "--emit-rule", nargs="?", const="", metavar="JSON", help="check the rule against the results, print it, exit"
+    )
     args = parser.parse_args(argv)
     out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
     if args.emit_rule is not None:
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     md += (
         "\n\nNo-grad calls (torch.no_grad), bf16, median CUDA-event ms. TRL: ChunkedLogProbFunction as TRL 1.16's "
         "fused head calls it on the scored rows; leantrain: its op (Triton backend, default tile budget). 'rule now': "
-        "what leantrain.grpo_logps.patch.nograd_prefers_stock decides at the time of the run; update it with "
+        "what leantrain.grpo_logps.nograd decides at the time of the run; check it with "
         "`python benchmarks/probe_logps_nograd.py --emit-rule`. 'tall tiles': a candidate (not the default), "
         f"leantrain's op with logits tiles of twice {ops.MAX_TILE_ROWS} rows (same tile budget), where N allows them."
     )

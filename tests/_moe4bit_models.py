@@ -13,7 +13,7 @@ import torch
 import transformers
 from torch import nn
 
-from leantrain.moe4bit._grouped import clamp_swiglu, gated_act
+from leantrain.moe4bit.ops import clamp_swiglu, gated_act
 
 
 class Linear4bitExperts(nn.Module):
@@ -125,6 +125,7 @@ def convert_model_to_linear4bit_experts(model: nn.Module, **quant) -> list[str]:
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, linear4bit_experts_from(module, **quant))
+    model.is_loaded_in_4bit = True  # as a 4-bit checkpoint loads: PEFT then wraps Linear4bit in its lora.Linear4bit
     return [name for name, _ in targets]
 
 
@@ -155,6 +156,7 @@ def load_in_4bit_like(
         layer = _linear4bit(module.weight.detach(), module.bias, compute_dtype=compute_dtype, **quant)
         layer.source_cls = type(module)
         setattr(model.get_submodule(parent) if parent else model, child, layer.requires_grad_(False))
+    model.is_loaded_in_4bit = True  # what from_pretrained sets: PEFT then wraps Linear4bit in its lora.Linear4bit
     return [name for name, _ in targets]
 
 
@@ -212,20 +214,21 @@ class SparseMoeBlock4x(nn.Module):
 
 
 def patch_block_4x(block: nn.Module, undo, recompute: bool = True, strict: bool = True) -> None:
-    """Install the grouped forward on a 4.x-style block (stock class or :class:`SparseMoeBlock4x`) as
-    ``Moe4bit.apply`` does, recording on ``undo``; ``strict``: an error in the grouped path raises."""
-    from leantrain.fallback import RuntimeFallback
-    from leantrain.moe4bit.layouts import Found, block_recipe
-    from leantrain.moe4bit.patch import block_forward, fixed
-    from leantrain.moe4bit.plan import build_plan
+    """Install the grouped forward on a 4.x-style block (stock class or :class:`SparseMoeBlock4x`, with or without
+    PEFT LoRA on its experts) through ``Moe4bit.apply``'s own ``patch.install``, recording on ``undo``; ``strict``:
+    an error in the grouped path raises. :class:`SparseMoeBlock4x` gets the recipe of the 4.57 Qwen blocks."""
+    import dataclasses
 
-    plan_for = fixed(*build_plan(Found("mlp", block, "expert_mlps"), undo.push, recompute))
-    recipe = block_recipe(block)
-    normalize, shared = (
-        (recipe.normalize, recipe.shared) if recipe else ("norm_topk_prob", hasattr(block, "shared_expert"))
-    )
-    fallback = RuntimeFallback("moe4bit", strict=strict)
-    undo.wrap_method(block, "forward", block_forward(block, plan_for, normalize, shared, fallback))
+    from leantrain.fallback import RuntimeFallback
+    from leantrain.moe4bit import _adapters, probe
+    from leantrain.moe4bit.layouts import BlockRecipe, Found
+    from leantrain.moe4bit.patch import install
+
+    target = probe.target(Found("mlp", block, "expert_mlps"), _adapters.wrapped_map(block), recompute)
+    if target.recipe is None:  # the test-local mirror of the 4.57 Qwen2/Qwen3-MoE blocks
+        recipe = BlockRecipe("forward", "norm_topk_prob", hasattr(block, "shared_expert"))
+        target = dataclasses.replace(target, owner=block, hook="forward", recipe=recipe)
+    install(target, False, undo, RuntimeFallback("moe4bit", strict=strict))
 
 
 def token_trainer(

@@ -29,6 +29,11 @@ def without_generation(config: dict[str, Any]) -> float | None:
     return statistics.median(outside_generation(st) for st in steps)
 
 
+def first_step_ms(config: dict[str, Any]) -> float:
+    """The first step's time (warm-up: compiles, kernel caches, allocator growth land there)."""
+    return config["steps"][0]["total_ms"]
+
+
 def to_rows(rec: dict[str, Any]) -> list[Row]:
     ident = dict(
         recipe=rec["recipe"],
@@ -64,6 +69,7 @@ def to_rows(rec: dict[str, Any]) -> list[Row]:
         "parts_ms": sm["parts"],
         "tokens_per_step": sm["tokens_per_step"],
         "tokens_per_s": sm["tokens_per_s"],
+        "first_step_ms": first_step_ms(rec),
     }
     return [
         Row(*where, "speed", "ms/step", "config", rec["config"], sm["p50"], sm["p20"], sm["p80"], config=config),
@@ -98,6 +104,7 @@ def table(rows: Sequence[Row]) -> str:
         "config",
         "variant",
         "step ms (p50)",
+        "first step ms",
         "split ms (p50)",
         "tokens/s",
         "peak GiB",
@@ -115,7 +122,7 @@ def table(rows: Sequence[Row]) -> str:
     for r in main:
         c = r.config
         if r.metric != "speed":
-            cells = [r.mode, r.x_value, r.provider, r.metric, r.unit, "", gib(c.get("peak_gib")), "", ""]
+            cells = [r.mode, r.x_value, r.provider, r.metric, "", r.unit, "", gib(c.get("peak_gib")), "", ""]
             cells += [""] if generating else []
         else:
             base = find(main, r.mode, r.x_value, c.get("baseline"))
@@ -130,6 +137,7 @@ def table(rows: Sequence[Row]) -> str:
                 r.x_value,
                 r.provider,
                 ms(r.p50),
+                ms(first_step_ms(c)),
                 split_text(c["parts_ms"], r.p50),
                 f"{c['tokens_per_s']:.0f}",
                 gib(c.get("peak_gib")),

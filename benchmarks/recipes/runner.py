@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from leantrain.config import OPTIMIZATIONS
+
 from .settings import Settings
 
 
@@ -27,6 +29,7 @@ RECIPES = (
     "grpo",
     "grpo_lora",
     "sft",
+    "dense_sft",
     "moe_qlora",
     "moe_qlora_experts",
     "osft",
@@ -45,8 +48,8 @@ SHORT = dict(
 TOKENS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)  # leantrain.tiny's tokenizer
 
 
-# Every leantrain option explicit (CGGR is opt-in, the others auto): a variant turns exactly one on.
-ONLY = dict(cggr=False, grpo_logps=False, osft=False, moe4bit=False)
+# Every optimization explicitly off (the option table's names): a variant turns exactly one on.
+ONLY = dict.fromkeys(OPTIMIZATIONS, False)
 LOG_KEYS = ("cggr/kept_fraction", "cggr/score_ms", "completions/mean_length", "reward", "kl", "entropy", "grad_norm")
 START = time.perf_counter()
 

@@ -18,6 +18,13 @@ GPT_OSS_20B = shapes.config("gpt-oss-20b", max_position_embeddings=131072, rms_n
 QWEN_7B = shapes.config("qwen2.5-7b", max_position_embeddings=32768, rms_norm_eps=1e-6)  # untied head
 # Qwen3-30B-A3B: 48 layers released; the recipe builds fewer (settings.moex_layers) and projects the memory
 QWEN3_30B_A3B = shapes.config("qwen3-30b-a3b", max_position_embeddings=40960, rms_norm_eps=1e-6)
+# Dense SFT (recipes/dense_sft.py): config class, fields, attention. Gemma 2 eager (its attention softcapping)
+DENSE = {
+    "gemma-2-2b": dict(cls="Gemma2Config", fields=shapes.config("gemma-2-2b", max_position_embeddings=8192,
+                                                                  rms_norm_eps=1e-6), attention="eager"),
+    "qwen2.5-1.5b": dict(cls="Qwen2Config", fields=QWEN["qwen2.5-1.5b"], attention="sdpa"),
+    "llama-3.2-1b": dict(cls="LlamaConfig", fields=LLAMA_1B, attention="sdpa"),
+}  # fmt: skip
 
 
 # Smoke: vocab 2048 = leantrain.tiny's tokenizer (GRPO prompts are real text); 4-bit sizes are multiples of the
@@ -47,6 +54,7 @@ TINY_GPT_OSS = dict(
     tie_word_embeddings=False,
 )
 TINY_UNTIED = dict(TINY, tie_word_embeddings=False)  # the 7B's untied head, at the smoke size
+TINY_GEMMA2 = dict(TINY, head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=30.0)
 TINY_QWEN3_MOE = dict(  # sizes multiples of the 4-bit blocksize (64)
     vocab_size=256,
     hidden_size=64,
@@ -101,6 +109,12 @@ class Settings:
     osft_batch: int
     osft_seq: int
     osft_steps: tuple[int, int]
+    dense_shapes: dict[str, dict]  # name -> {cls, fields, attention}
+    dense_batch: int
+    dense_seq: int
+    dense_steps: tuple[int, int]
+    dense_lora_r: int
+    dense_compile: str  # torch.compile backend of the regional-compile variant
     budget_s: float  # per recipe
 
     @property
@@ -144,6 +158,12 @@ FULL = Settings(
     osft_batch=4,
     osft_seq=2048,
     osft_steps=(2, 5),
+    dense_shapes=DENSE,
+    dense_batch=4,
+    dense_seq=2048,
+    dense_steps=(2, 8),  # median of 8 steps after 2 of warm-up (the first step, compiles included, is recorded)
+    dense_lora_r=16,
+    dense_compile="inductor",
     budget_s=450.0,
 )
 SMOKE = Settings(  # fp32: CPUs without bf16 matmul units run bf16 slowly
@@ -182,5 +202,11 @@ SMOKE = Settings(  # fp32: CPUs without bf16 matmul units run bf16 slowly
     osft_batch=2,
     osft_seq=64,
     osft_steps=(1, 1),
+    dense_shapes={"tiny-gemma2": dict(cls="Gemma2Config", fields=TINY_GEMMA2, attention="eager")},
+    dense_batch=2,
+    dense_seq=64,
+    dense_steps=(1, 1),
+    dense_lora_r=4,
+    dense_compile="eager",  # Dynamo's capture without code generation: seconds on a CPU
     budget_s=1e9,
 )

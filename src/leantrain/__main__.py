@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 
 
@@ -42,6 +44,29 @@ def env_report() -> str:
     return "\n".join(lines)
 
 
+def env_settings(environ: Mapping[str, str]) -> str:
+    """The ``LEANTRAIN_*`` variables set, each with the value it parses to. Checked exactly as ``leantrain run`` and
+    ``patch_trainer`` check them: an unknown name or a bad value raises the same error."""
+    from .config import LeantrainConfig, resolve_config
+
+    cfg = resolve_config({}, environ)
+    rows = [
+        (f"{var}={environ[var]}", f.name, getattr(cfg.config, f.name), f.metadata["kind"])
+        for f in LeantrainConfig.options()
+        if (var := LeantrainConfig.env_name(f.name)) in environ
+    ]
+    if not rows:
+        return "LEANTRAIN_* variables: none set (defaults apply)"
+    width = max(len(row[0]) for row in rows)
+    lines = [f"LEANTRAIN_* variables set ({len(rows)}), as patch_trainer reads them:"]
+    for typed, name, value, kind in rows:
+        shown = {None: "auto", True: "True (required)", False: "False (off)"}[value] if kind == "tristate" else value
+        lines.append(f"  {typed:<{width}}  {name} = {shown!s}")
+    if cfg.config.disable:
+        lines.append("  the kill switch is on: every optimization off unless asked for in code or by a run flag")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # its own parser: the target's arguments pass through untouched, --flags included
@@ -57,12 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import build_parser, run_demo
 
     build_parser(sub.add_parser("demo", help="train a tiny local model stock vs patched and compare"))
-    sub.add_parser("env", help="versions, device and readiness of each optimization")
+    sub.add_parser("env", help="versions, device, readiness of each optimization, and the LEANTRAIN_* variables set")
     sub.add_parser("run", help="run a script, -m module or console script with its trainers patched", add_help=False)
     sub.add_parser("compare", help="train a script a few steps stock and with leantrain: what it buys", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "env":
+        try:  # first, and exactly as `run` and patch_trainer would: a bad variable fails before anything loads
+            settings = env_settings(os.environ)
+        except (TypeError, ValueError) as error:
+            print(f"leantrain env: error: {error}", file=sys.stderr)
+            return 2
         print(env_report())
+        print(settings)
         return 0
     if args.command in (None, "demo"):
         if args.command is None:

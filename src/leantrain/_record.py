@@ -1,11 +1,14 @@
-"""What was applied stays with the run, and what is saved is what each optimization declares: one
-``leantrain/<name>`` entry in ``trainer.state.log_history`` when training begins, ``leantrain.json`` (versions,
-resolved options with their sources, report) beside the weights that ``save_model()`` writes, and user exports passed
-through each applied optimization's ``export_state_dict``. Installed by ``patch_trainer`` on the trainer's undo."""
+"""What was applied stays with the run, and what is saved is what each optimization declares: ``leantrain.json``
+(versions, resolved options with their sources, report) beside the weights that ``save_model()`` writes, the
+statuses in the run config of the trackers the trainer reports to (wandb, MLflow, TensorBoard, ...) when training
+begins, and user exports passed through each applied optimization's ``export_state_dict``. Nothing goes into
+``trainer.state.log_history`` or the metric stream: scripts and trackers see exactly what a stock run logs.
+Installed by ``patch_trainer`` on the trainer's undo."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -20,32 +23,70 @@ from .undo import Undo
 
 
 RECORD_NAME = "leantrain.json"
-LOG_PREFIX = "leantrain/"
+CONFIG_PREFIX = "leantrain/"
 VERSIONED = ("torch", "transformers", "trl")
+logger = logging.getLogger("leantrain")
 
 
-def log_entry(report: PatchReport) -> dict[str, str]:
-    """``{"leantrain/cggr": "applied", ...}``: one status per optimization."""
-    return {LOG_PREFIX + o.name: o.status.value for o in report.outcomes}
+def tracker_config(report: PatchReport) -> dict[str, str]:
+    """``{"leantrain/cggr": "applied", ...}``: one status per optimization, for the trackers' run config."""
+    return {CONFIG_PREFIX + o.name: o.status.value for o in report.outcomes}
 
 
-class ReportLogCallback(TrainerCallback):
-    """Appends the report to ``log_history`` at ``on_train_begin`` (after ``train()`` has made the run's state).
+# How each tracker's run config takes the statuses, keyed by the name of transformers' integration callback (matched
+# along the callback's MRO, so subclasses such as DagsHub's MLflow callback count; nothing is imported): the
+# attribute that holds the tracker once the callback's own on_train_begin has set it up, and the call. TensorBoard
+# has no run config: the report goes in as text, as the callback writes the training arguments.
+TRACKERS: dict[str, tuple[str, Callable[[Any, dict[str, str], str], Any]]] = {
+    "WandbCallback": ("_wandb", lambda wandb, params, text: wandb.config.update(params, allow_val_change=True)),
+    "TrackioCallback": (
+        "_trackio",
+        lambda trackio, params, text: trackio.config.update(params, allow_val_change=True),
+    ),
+    "SwanLabCallback": ("_swanlab", lambda swanlab, params, text: swanlab.config.update(params)),
+    "MLflowCallback": ("_ml_flow", lambda mlflow, params, text: mlflow.log_params(params)),
+    "CometCallback": ("_experiment", lambda experiment, params, text: experiment.log_parameters(params)),
+    "DVCLiveCallback": ("live", lambda live, params, text: live.log_params(params)),
+    "TensorBoardCallback": ("tb_writer", lambda writer, params, text: writer.add_text("leantrain", text)),
+}
 
-    Written to the history directly, not through ``trainer.log``: the statuses are strings, which trackers and the
-    progress bar expect to be numbers. A history resumed from a checkpoint that already holds the entry gets none.
-    """
 
-    def __init__(self, report: Callable[[], PatchReport | None]) -> None:
+def _tracker(callback: Any) -> tuple[str, Any, Callable[[Any, dict[str, str], str], Any]] | None:
+    """(name, the tracker handle, how to write to it) for a set-up integration callback, else None."""
+    for cls in type(callback).__mro__:
+        if cls.__name__ in TRACKERS:
+            attribute, write = TRACKERS[cls.__name__]
+            handle = getattr(callback, attribute, None)
+            ready = getattr(callback, "_initialized", True) and handle is not None
+            return (cls.__name__, handle, write) if ready else None
+    return None
+
+
+class TrackerConfigCallback(TrainerCallback):
+    """At ``on_train_begin``, after the integration callbacks have set their trackers up, records the statuses in
+    each tracker's run config (main process only). A tracker that refuses is warned about once; training goes on."""
+
+    def __init__(self, report: Callable[[], PatchReport | None], callbacks: Callable[[], list[Any]]) -> None:
         self._report = report
+        self._callbacks = callbacks
+        self._warned: set[str] = set()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         report = self._report()
-        if report is None:
+        if report is None or not getattr(state, "is_world_process_zero", True):
             return
-        entry = log_entry(report)
-        if not any(all(past.get(k) == v for k, v in entry.items()) for past in state.log_history):
-            state.log_history.append({**entry, "step": state.global_step})
+        params, text = tracker_config(report), "\n".join("    " + line for line in str(report).splitlines())
+        for callback in self._callbacks():
+            found = _tracker(callback)
+            if found is None:
+                continue
+            name, handle, write = found
+            try:
+                write(handle, params, text)
+            except Exception as error:  # a tracker's own error must not stop training
+                if name not in self._warned:
+                    self._warned.add(name)
+                    logger.warning("leantrain: could not record the patch report in %s: %s", name, error)
 
 
 def record(config: ResolvedConfig, report: PatchReport) -> dict[str, Any]:
@@ -122,9 +163,9 @@ def _base_export() -> Callable[..., Any]:
 
 
 def install(trainer: Any, config: ResolvedConfig, report: Callable[[], PatchReport | None], undo: Undo) -> None:
-    """Add the log_history callback and wrap ``save_model`` (composing with any wrapper already on the instance,
+    """Add the trackers' callback and wrap ``save_model`` (composing with any wrapper already on the instance,
     e.g. the exports above); both come off with ``undo``."""
-    undo.add_callback(trainer, ReportLogCallback(report))
+    undo.add_callback(trainer, TrackerConfigCallback(report, lambda: list(trainer.callback_handler.callbacks)))
 
     def make_save_model(original: Callable[..., Any]) -> Callable[..., Any]:
         def save_model(*args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,8 @@
 """The one table of leantrain options: a dataclass whose fields are the options, their env vars and checks.
 
-Precedence is keyword > environment (``LEANTRAIN_<FIELD>``) > default. Environment variables are read at
-``patch_trainer`` time and never written.
+Precedence is keyword in code > command line (``leantrain run``'s flags) > environment (``LEANTRAIN_<FIELD>``) >
+default; each resolved value keeps its source. Environment variables are read at ``patch_trainer`` time and never
+written.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from typing import Any, Literal
 
 
 ENV_PREFIX = "LEANTRAIN_"
-Source = Literal["kwarg", "env", "default"]
+Source = Literal["kwarg", "cli", "env", "default"]
 
 _TRUE = {"1", "on", "yes", "true"}
 _FALSE = {"0", "off", "no", "false"}
 
-# Optimizations in the order they are applied: model surgery first, then forward/loss patches.
-OPTIMIZATIONS = ("moe4bit", "osft", "cggr", "grpo_logps")
+# Optimizations in the order they are applied: model surgery first, then forward/loss patches. fused_ce comes before
+# cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss.
+OPTIMIZATIONS = ("moe4bit", "osft", "layer_kernels", "fused_ce", "cggr", "grpo_logps")
 CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
 
@@ -58,8 +60,19 @@ class LeantrainConfig:
     grpo_logps: bool | None = _opt(None, "tristate", "fused GRPO/RLOO log-probs and entropies, no [B,T,V] logits")
     osft: bool | None = _opt(False, "tristate", "orthogonal subspace fine-tuning (changes the model: opt-in)")
     moe4bit: bool | None = _opt(None, "tristate", "grouped 4-bit MoE experts instead of the per-expert loop")
+    layer_kernels: bool | None = _opt(
+        None,
+        "tristate",
+        "Liger-Kernel's RMSNorm, SwiGLU/GeGLU and RoPE kernels on this model's modules (auto: the model families "
+        "where they measured faster; needs leantrain[kernels] and CUDA)",
+    )
+    fused_ce: bool | None = _opt(
+        None, "tristate", "SFT / Trainer causal-LM loss from hidden states and the LM head, no [B,T,V] logits"
+    )
     disable: bool = _opt(
-        False, "bool", "kill switch: every optimization off, env toggles included (only <name>=True in code wins)"
+        False,
+        "bool",
+        "kill switch: every optimization off, env toggles included (only <name>=True in code or a --<name> flag wins)",
     )
     strict: bool = _opt(False, "bool", "turn every fallback (probe or runtime) into an error")
     # CGGR
@@ -99,7 +112,11 @@ class LeantrainConfig:
         "full V_high on every rank)",
     )
     # MoE 4-bit
-    moe_recompute: bool = _opt(True, "bool", "re-dequantize expert stacks in backward instead of saving them")
+    moe_recompute: bool | None = _opt(
+        None,
+        "tristate",
+        "re-dequantize expert stacks in backward instead of saving them (auto: per layout, from measurements)",
+    )
 
     @classmethod
     def options(cls) -> tuple[dataclasses.Field, ...]:
@@ -172,36 +189,84 @@ def _suggest(name: str, known: list[str]) -> str:
     return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
-def resolve_config(kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ResolvedConfig:
-    """Build the config from keywords, then ``LEANTRAIN_*`` variables, then defaults. Raises on anything unknown."""
+def as_typed(name: str, value: Any, source: str) -> str:
+    """A setting as the user wrote it, for messages: ``cggr=True``, ``--cggr``, ``LEANTRAIN_CGGR=1``."""
+    if source == "kwarg" or source == "default":
+        return f"{name}={value!r}"
+    flag = "--" + name.replace("_", "-")
+    if source == "cli" and isinstance(value, bool) and (name in OPTIMIZATIONS or (name == "strict" and value)):
+        return flag if value else f"--no-{flag[2:]}"
+    text = ",".join(value) if isinstance(value, tuple) else {None: "auto", True: "1", False: "0"}.get(value, value)
+    return f"{LeantrainConfig.env_name(name)}={text}" if source == "env" else f"--opt {name}={text}"
+
+
+def _checked(f: dataclasses.Field, value: Any, origin: str, parse: bool) -> Any:
+    """One given value, parsed (environment) or type-checked (keyword, command line), then range-checked."""
+    kind, check = f.metadata["kind"], f.metadata["check"]
+    value = _parse(kind, value, origin) if parse else _coerce(kind, value, origin)
+    problem = check(value) if check and value is not None else None
+    if problem:
+        raise ValueError(f"{origin} {problem}")
+    return value
+
+
+def _layer(layer: Mapping[str, Any], fields: Mapping[str, dataclasses.Field], unknown: str) -> dict[str, Any]:
+    """Keyword or command-line values, checked; a tristate None means "not given" (auto unless a lower layer says)."""
+    for name in layer:
+        if name not in fields:
+            raise TypeError(f"{unknown} {name!r}{_suggest(name, list(fields))}")
+    return {
+        name: _checked(fields[name], value, name, parse=False)
+        for name, value in layer.items()
+        if value is not None or fields[name].metadata["kind"] != "tristate"
+    }
+
+
+def resolve_config(
+    kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None, cli: Mapping[str, Any] | None = None
+) -> ResolvedConfig:
+    """Build the config from keywords, then the command line (``leantrain run``'s options: ``cli``), then
+    ``LEANTRAIN_*`` variables, then defaults. Every value given is checked, whether or not a higher layer overrides
+    it; anything unknown, unparsable or contradictory raises."""
     environ = os.environ if environ is None else environ
     fields = {f.name: f for f in LeantrainConfig.options()}
-    unknown = [k for k in kwargs if k not in fields]
-    if unknown:
-        name = unknown[0]
-        raise TypeError(f"patch_trainer() got an unknown option {name!r}{_suggest(name, list(fields))}")
     env_names = {LeantrainConfig.env_name(n): n for n in fields}
     for var in environ:
         if var.startswith(ENV_PREFIX) and var not in env_names:
             raise ValueError(f"unknown environment variable {var}{_suggest(var, list(env_names))}")
-
+    layers: list[tuple[Source, dict[str, Any]]] = [
+        ("kwarg", _layer(kwargs, fields, "patch_trainer() got an unknown option")),
+        ("cli", _layer(cli or {}, fields, "unknown option")),
+        ("env", {n: _checked(fields[n], environ[v], v, parse=True) for v, n in env_names.items() if v in environ}),
+    ]
     values: dict[str, Any] = {}
     sources: dict[str, Source] = {}
     for name, f in fields.items():
-        kind = f.metadata["kind"]
-        env_var = LeantrainConfig.env_name(name)
-        if kwargs.get(name) is not None or (name in kwargs and kind != "tristate"):
-            values[name], sources[name] = _coerce(kind, kwargs[name], name), "kwarg"
-        elif env_var in environ:
-            values[name], sources[name] = _parse(kind, environ[env_var], env_var), "env"
-        else:
-            values[name], sources[name] = f.default, "default"
-        check = f.metadata["check"]
-        problem = check(values[name]) if check and values[name] is not None else None
-        if problem:
-            origin = env_var if sources[name] == "env" else name
-            raise ValueError(f"{origin} {problem}")
-    return ResolvedConfig(LeantrainConfig(**values), sources)
+        source = next((source for source, given in layers if name in given), "default")
+        values[name] = dict(layers)[source][name] if source != "default" else f.default
+        sources[name] = source
+    resolved = ResolvedConfig(LeantrainConfig(**values), sources)
+    _contradiction(resolved)
+    return resolved
+
+
+def _contradiction(cfg: ResolvedConfig) -> None:
+    """The kill switch and ``<name>=True`` from the same explicit source (both keywords in code, or both on the
+    command line) ask for opposite things: say so instead of guessing. From different sources the higher one wins
+    (``entry`` applies that rule)."""
+    source = cfg.sources["disable"]
+    if not cfg.config.disable or source not in ("kwarg", "cli"):
+        return
+    asked = [n for n in OPTIMIZATIONS if getattr(cfg.config, n) is True and cfg.sources[n] == source]
+    if not asked:
+        return
+    switch, request = as_typed("disable", True, source), as_typed(asked[0], True, source)
+    both = f"patch_trainer({switch}, {request})" if source == "kwarg" else f"{switch} and {request}"
+    wins = f"{request} in code" if source == "kwarg" else request
+    raise ValueError(
+        f"{both}: the kill switch and a required optimization contradict each other; drop one (with "
+        f"LEANTRAIN_DISABLE=1 in the environment, {wins} wins)"
+    )
 
 
 def env_table_markdown() -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ResolvedConfig, resolve_config
+from .config import ResolvedConfig, as_typed, resolve_config
 from .fallback import RuntimeFallback
 from .optimization import Applied, Optimization, PatchContext, Readiness, registry
 from .report import PatchOutcome, PatchReport, Status
@@ -30,44 +31,75 @@ class _State:
     fallbacks: dict[str, RuntimeFallback]
 
 
-def trainer_kind(trainer: Any) -> str:
-    """'grpo' (GRPOTrainer, RLOOTrainer), 'sft' (SFTTrainer) or 'trainer' (transformers.Trainer); else TypeError."""
-    from transformers import Trainer
+# TRL trainers, recognised by class name along the trainer's MRO: deciding imports no trainer module (TRL's GRPO
+# module needs `requests` in some releases; an SFT run must not depend on it importing).
+TRL_KINDS = (("grpo", ("GRPOTrainer", "RLOOTrainer")), ("sft", ("SFTTrainer",)))
 
-    if not isinstance(trainer, Trainer):
+
+def trainer_kind(trainer: Any) -> str:
+    """'grpo' (GRPOTrainer, RLOOTrainer), 'sft' (SFTTrainer) or 'trainer' (transformers.Trainer); else TypeError.
+
+    Imports nothing: a Trainer's module is in ``sys.modules`` already, and TRL classes are read off the MRO."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None or not isinstance(trainer, trainer_module.Trainer):
         raise TypeError(f"patch_trainer() needs a transformers.Trainer or a TRL trainer, got {type(trainer).__name__}")
-    try:
-        import trl
-    except ImportError:
-        return "trainer"
-    if isinstance(trainer, tuple(getattr(trl, n) for n in ("GRPOTrainer", "RLOOTrainer") if hasattr(trl, n))):
-        return "grpo"
-    if isinstance(trainer, trl.SFTTrainer):
-        return "sft"
-    foreign = [c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl.")]
-    if foreign:
+    trl_classes = [c.__name__ for c in type(trainer).__mro__ if c.__module__.partition(".")[0] == "trl"]
+    for kind, names in TRL_KINDS:
+        if any(name in names for name in trl_classes):
+            return kind
+    if trl_classes:
         raise TypeError(
-            f"unsupported trainer {type(trainer).__name__} (a {foreign[0]}): leantrain supports SFTTrainer, "
+            f"unsupported trainer {type(trainer).__name__} (a {trl_classes[0]}): leantrain supports SFTTrainer, "
             "GRPOTrainer, RLOOTrainer and a plain transformers Trainer"
         )
     return "trainer"
 
 
+def _failed_import(error: BaseException) -> ImportError | None:
+    """The ImportError behind ``error``: transformers' and TRL's lazy modules re-raise it as a RuntimeError."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ImportError):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+def _probe(opt: Optimization, trainer: Any, ctx: PatchContext) -> Readiness:
+    """The optimization's probe; an optional import that fails inside it declines with the reason instead of
+    escaping ``patch_trainer`` (a required optimization then raises NotReadyError with it)."""
+    try:
+        return opt.probe(trainer, ctx)
+    except Exception as error:
+        missing = _failed_import(error)
+        if missing is None:
+            raise
+        return Readiness.no(f"an import it needs failed ({type(missing).__name__}: {missing})")
+
+
+# Where a setting came from, lowest first: an explicit request (in code, on the command line) overrides a kill switch
+# set lower down; the switch beats every environment toggle.
+_RANK = {"default": 0, "env": 1, "cli": 2, "kwarg": 3}
+
+
 def _kill_switch(opt: Optimization, cfg: ResolvedConfig) -> tuple[str, ...] | None:
     """The kill switch (``disable`` / ``LEANTRAIN_DISABLE=1``) turns every optimization off, environment toggles
-    included; only a keyword argument in code that asks for an optimization (``cggr=True``) overrides it.
+    included; only an explicit request for an optimization (``cggr=True`` in code, ``--cggr`` on the command line)
+    from a source above the switch's overrides it (the same source twice is a contradiction, raised by the config).
     Returns the DISABLED reason, or None when the switch is off or overridden."""
     if not cfg.config.disable:
         return None
-    switch = "disable=True" if cfg.sources["disable"] == "kwarg" else "LEANTRAIN_DISABLE=1"
-    wanted = getattr(cfg.config, opt.name)
-    source = cfg.sources[opt.name]
-    if wanted is True and source == "kwarg":
+    switch_source = cfg.sources["disable"]
+    switch = as_typed("disable", True, switch_source)
+    wanted, source = getattr(cfg.config, opt.name), cfg.sources[opt.name]
+    if wanted is True and source in ("kwarg", "cli") and _RANK[source] > _RANK[switch_source]:
         return None
-    if wanted is not False and source == "env":
-        toggle = f"{cfg.config.env_name(opt.name)}={'1' if wanted else 'auto'}"
-        return (f"{switch} (the kill switch) overrides {toggle}; only {opt.name}=True in code overrides the switch",)
-    return (f"{switch} (the kill switch)",)
+    if wanted is False or source == "default":
+        return (f"{switch} (the kill switch)",)
+    explicit = {"kwarg": f"{opt.name}=True in code", "cli": f"{as_typed(opt.name, True, 'cli')} on the command line"}
+    above = [text for s, text in explicit.items() if _RANK[s] > _RANK[switch_source]]
+    only = f"; only {' or '.join(above)} overrides the switch" if above else ""
+    return (f"{switch} (the kill switch) overrides {as_typed(opt.name, wanted, source)}{only}",)
 
 
 def _decide(
@@ -87,22 +119,25 @@ def _decide(
         return Status.SKIPPED, source, ("not available in this version",), None
     if ctx.trainer_kind not in opt.trainer_kinds:
         return Status.SKIPPED, source, (f"does not apply to {ctx.trainer_kind} trainers",), None
-    readiness = opt.probe(trainer, ctx)
+    readiness = _probe(opt, trainer, ctx)
     if not readiness.ready:
         return Status.SKIPPED, source, readiness.reasons, readiness
     return None, source, (), readiness
 
 
-def _contradiction(cfg: ResolvedConfig) -> None:
-    """``disable=True`` and ``<name>=True`` both as keywords ask for opposite things: say so instead of guessing."""
-    if not (cfg.config.disable and cfg.sources["disable"] == "kwarg"):
-        return
-    asked = [n for n in registry() if getattr(cfg.config, n) is True and cfg.sources[n] == "kwarg"]
-    if asked:
-        raise ValueError(
-            f"patch_trainer(disable=True, {asked[0]}=True): the kill switch and a required optimization contradict "
-            f"each other; drop one (with LEANTRAIN_DISABLE=1 in the environment, {asked[0]}=True in code wins)"
-        )
+# The options of the innermost `leantrain run` in progress (the `cli` layer of every patch_trainer call in it).
+_COMMAND_LINE: list[dict[str, Any]] = []
+
+
+@contextlib.contextmanager
+def command_line(options: Mapping[str, Any]) -> Iterator[None]:
+    """Within the block, every ``patch_trainer`` call resolves ``options`` as the command line's (source ``cli``):
+    below its own keywords, above ``LEANTRAIN_*``. ``leantrain run`` holds it for the target's whole run."""
+    _COMMAND_LINE.append(dict(options))
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.pop()
 
 
 def patch_trainer(
@@ -119,11 +154,12 @@ def patch_trainer(
     """Apply every optimization whose probe passes; return the report (also at ``trainer.leantrain_report``).
 
     Each toggle is None (auto), True (required: raise if not ready) or False (off). ``options`` are the fields of
-    :class:`leantrain.config.LeantrainConfig`. Patching an already patched trainer changes nothing.
+    :class:`leantrain.config.LeantrainConfig`. They resolve above ``leantrain run``'s command line, which resolves
+    above ``LEANTRAIN_*`` variables, then defaults. Patching an already patched trainer changes nothing.
     """
     toggles = {"cggr": cggr, "grpo_logps": grpo_logps, "osft": osft, "moe4bit": moe4bit, "strict": strict}
-    cfg = resolve_config({**{k: v for k, v in toggles.items() if v is not None}, **options}, environ)
-    _contradiction(cfg)
+    keywords = {**{k: v for k, v in toggles.items() if v is not None}, **options}
+    cfg = resolve_config(keywords, environ, _COMMAND_LINE[-1] if _COMMAND_LINE else None)
     kind = trainer_kind(trainer)
     state: _State | None = getattr(trainer, _STATE_ATTR, None)
     if state is not None:
@@ -153,8 +189,11 @@ def patch_trainer(
 
     report = PatchReport(kind, tuple(outcomes))
     if cfg.config.disable and plan:
-        names = ", ".join(f"{opt.name}=True" for opt, *_ in plan)
-        report = report.with_note(f"the kill switch is on, but {names} in code overrides it")
+        by = [
+            f"{as_typed(opt.name, True, src)} {'in code' if src == 'kwarg' else 'on the command line'}"
+            for opt, src, *_ in plan
+        ]
+        report = report.with_note(f"the kill switch is on, but {', '.join(by)} overrides it")
     state = _State(undo, report, fallbacks)
     setattr(trainer, _STATE_ATTR, state)
     try:
@@ -167,7 +206,7 @@ def patch_trainer(
                 PatchOutcome(opt.name, Status.APPLIED, source, (), applied.targets, applied.detail)
             )
         applied_opts = [opt for opt, *_ in plan]
-        # Kept with the run: the report in log_history at train start, leantrain.json beside saved weights.
+        # Kept with the run: leantrain.json beside saved weights, the statuses in the trackers' run config.
         from . import _record  # lazy: transformers' callback stack is heavy to import
 
         _record.install_exports(trainer, applied_opts, undo)

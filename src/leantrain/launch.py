@@ -6,7 +6,9 @@ For the duration of the run only, ``transformers.Trainer.train`` is wrapped at c
 it): the first ``train()`` of each trainer calls :func:`leantrain.patch_trainer` with the command line's options,
 before the optimizer exists, then trains. The wrapper is removed when the target returns. That is the one
 class-level patch leantrain makes, and only in a process that asked for it with ``run``; importing leantrain
-changes nothing. Options resolve like the keyword path: command line > ``LEANTRAIN_*`` environment > default.
+changes nothing. The command line's options are their own source, ``cli``, for every ``patch_trainer`` call in the run:
+a keyword in code > the command line > ``LEANTRAIN_*`` environment > default; a flag that asks for an optimization is
+an explicit request, like a keyword, so it overrides ``LEANTRAIN_DISABLE=1``.
 
 A target that starts ``accelerate launch`` in-process (the ``trl`` CLI does, for ``trl sft`` and the other training
 commands) is followed: its children run as ``python -m leantrain run <the same options> <script> ...``.
@@ -30,14 +32,16 @@ from typing import Any
 
 from . import _keep, _measure
 from .config import OPTIMIZATIONS, resolve_config
-from .entry import NotReadyError, current_report, patch_trainer
+from .entry import NotReadyError, command_line, current_report, patch_trainer
 
 
 USAGE = "leantrain run [options] (FILE | -m MODULE | CONSOLE_SCRIPT) [ARGS ...]"
 EPILOG = (
-    "Everything after the target goes to the target untouched. Options resolve as: command line, then LEANTRAIN_* "
-    "environment variables, then defaults; `--opt cggr=auto` asks for auto mode explicitly. A target that runs "
-    "`accelerate launch` in-process (e.g. `trl sft`) is followed into its child processes."
+    "Everything after the target goes to the target untouched. Options resolve as: keywords the target passes to "
+    "patch_trainer itself, then the command line, then LEANTRAIN_* environment variables, then defaults; a flag "
+    "that asks for an optimization is an explicit request and overrides LEANTRAIN_DISABLE=1; `--opt cggr=auto` asks "
+    "for auto mode explicitly. A target that runs `accelerate launch` in-process (e.g. `trl sft`) is followed into "
+    "its child processes."
 )
 # accelerate.commands.launch functions that start the training processes; each takes the parsed launch arguments.
 ACCELERATE_LAUNCHERS = ("simple_launcher", "multi_gpu_launcher", "deepspeed_launcher")
@@ -122,9 +126,9 @@ def _options(parser: argparse.ArgumentParser, ns: argparse.Namespace, environ: M
             parser.error(f"option {name!r} given twice")
         options[name] = value
     try:  # the same check patch_trainer makes, now: a typo fails before the target starts
-        resolve_config(options, environ)
+        resolve_config({}, environ, cli=options)
     except (TypeError, ValueError) as error:
-        parser.error(str(error).replace("patch_trainer() got an unknown option", "unknown option"))
+        parser.error(str(error))
     return options
 
 
@@ -197,7 +201,7 @@ def trainers_patched(
         if self not in seen:
             seen.add(self)
             if current_report(self) is None:
-                report = patch_trainer(self, **options)
+                report = patch_trainer(self)  # the options come in as the command line's (command_line below)
                 patched.append(self)
                 if _is_rank_zero(self):
                     announce(str(report))
@@ -208,7 +212,8 @@ def trainers_patched(
     train.__leantrain_original__ = original  # type: ignore[attr-defined]
     Trainer.train = train
     try:
-        yield patched
+        with command_line(options):  # also for a trainer the target patches itself: its keywords rank above
+            yield patched
     finally:
         if Trainer.__dict__.get("train") is train:
             Trainer.train = original

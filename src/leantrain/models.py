@@ -108,8 +108,8 @@ def logit_transform(config: Any) -> tuple[float, float | None]:
         if value is not None and value != 1:
             scale *= float(value)
     divide = getattr(text, "logits_scaling", None)
-    if divide is not None and divide != 1:
-        scale /= float(divide)
+    if divide is not None and divide != 1:  # Granite and MiniCPM3 divide by it; HyperCLOVA X multiplies (as TRL reads)
+        scale = scale * float(divide) if getattr(text, "model_type", None) == "hyperclovax" else scale / float(divide)
     softcap = getattr(text, "final_logit_softcapping", None)
     return scale, (float(softcap) if softcap else None)
 

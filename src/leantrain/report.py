@@ -19,7 +19,7 @@ class Status(str, enum.Enum):
 class PatchOutcome:
     name: str
     status: Status
-    source: str  # kwarg / env / default: where the on/off decision came from
+    source: str  # kwarg / cli / env / default: where the on/off decision came from
     reasons: tuple[str, ...] = ()
     targets: tuple[str, ...] = ()  # qualified names of what was patched
     detail: str = ""  # which path runs, e.g. "in-forward hook router, chunked CE on kept rows"

@@ -498,7 +498,7 @@ def moe4bit(engine: str, out: Path, batch: int) -> dict[str, Any]:
     """A plain transformers Trainer on the 4-bit MoE, patched with moe4bit; counts the grouped path's calls."""
     import transformers
 
-    from leantrain.moe4bit import _grouped
+    from leantrain.moe4bit import ops as _grouped  # the grouped math (was _grouped.py)
 
     model = moe_model()
     args = common_args(engine, out, batch, layer_cls=MOE_LAYER_CLS)

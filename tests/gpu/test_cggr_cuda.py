@@ -41,9 +41,10 @@ from transformers import TrainerCallback
 
 import leantrain
 from leantrain.tiny import tiny_model
+from tests._optimizations import others_off
 
 
-OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
+OFF = others_off("cggr")
 ROUTER_LAYERS = 2
 
 

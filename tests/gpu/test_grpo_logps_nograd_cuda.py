@@ -1,7 +1,7 @@
-"""Issue #28 on CUDA: a no-grad fused_lm_head call that the measured rule sends to TRL's own head returns TRL's
+"""On CUDA: a no-grad fused_lm_head call that the measured rule sends to TRL's own head returns TRL's
 output bitwise (it is TRL's forward), and the same call through leantrain's op stays within the op suite's per-token
 bounds of it (tests/gpu/test_grpo_logps_op_cuda.py: tile and fold errors, each path's, from an fp64 reference of the
-same hidden states); the real rule dispatches a measured stock-faster regime without counting labels.
+same hidden states); the real rule dispatches a measured vocabulary without counting labels.
 
 Run: ``python3 -m pytest -q -m gpu tests/gpu/test_grpo_logps_nograd_cuda.py``. Dev-only:
 ``LEANTRAIN_TEST_DEVICE=cpu python -m pytest -q --noconftest tests/gpu/test_grpo_logps_nograd_cuda.py`` runs the
@@ -22,7 +22,9 @@ trl = pytest.importorskip("trl")
 pytest.importorskip("trl.kernels.chunked_logprob")
 
 import leantrain  # noqa: E402
+from leantrain.grpo_logps import nograd  # noqa: E402
 from leantrain.grpo_logps import patch as glue  # noqa: E402
+from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from tests.gpu import _grpo_helpers as H  # noqa: E402
@@ -76,7 +78,7 @@ def test_dispatch_is_trls_output_and_the_op_stays_within_bounds(dev, model_dir, 
     leantrain.patch_trainer(trainer, grpo_logps=True)
     calls = count_op_calls(monkeypatch)
 
-    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: True)
+    monkeypatch.setattr(nograd, "trl_head_serves", lambda *args: True)
     for name, model in models.items():
         out = call(model, inputs)
         for field in ("log_probs", "entropy", "loss", "label_mask"):
@@ -84,7 +86,7 @@ def test_dispatch_is_trls_output_and_the_op_stays_within_bounds(dev, model_dir, 
             assert (a is None and b is None) or torch.equal(a, b), (name, field)
     assert calls == []  # TRL's forward served both
 
-    monkeypatch.setattr(glue, "nograd_prefers_stock", lambda *args, **kwargs: False)
+    monkeypatch.setattr(nograd, "trl_head_serves", lambda *args: False)
     for name, model in models.items():
         out = call(model, inputs)
         entropy = name == "policy"  # TRL's reference head computes no entropy
@@ -101,27 +103,30 @@ def test_dispatch_is_trls_output_and_the_op_stays_within_bounds(dev, model_dir, 
     assert calls == [ops.default_backend(dev)] * 2
 
 
-def test_real_rule_dispatches_a_measured_stock_regime(dev):
-    """TRL's fused head on a one-layer model with a measured stock-faster (H, V, dtype): the real rule sends its
-    no-grad call to TRL's forward without counting labels (a uniform cell), never a call that wants a gradient."""
+def test_real_rule_dispatches_a_measured_regime(dev):
+    """TRL's fused head on a one-layer model with a measured vocabulary (Llama-3's, at Qwen2.5-0.5B's width): the real
+    rule sends its no-grad call to TRL's forward, bitwise (it reads the head's vocabulary, never the labels), and
+    never a call that wants a gradient."""
     if ops.default_backend(dev) != "triton":
         pytest.skip("the rule covers the Triton backend only")
-    points = [p for p in glue.NOGRAD_MEASURED if p.stock_wins]
-    if not points:
-        pytest.skip("no measured regime where TRL's head is faster: nothing to dispatch")
-    p = min(points, key=lambda q: q.h * q.v)
     from trl.trainer.utils import add_fused_lm_head
 
+    v, h = nograd.MEASURED_V[0], 896
     with torch.device(dev):
-        model = tiny_model("llama", vocab_size=p.v, hidden=p.h, layers=1, dtype=getattr(torch, p.dtype))
-    add_fused_lm_head(model, TEMPERATURE, outputs=("log_probs", "entropy") if p.entropy else ("log_probs",))
-    settings = glue.trl_head_settings(model)
-    labels = torch.full((8, p.n // 8 + 1), -100, device=dev)
-    labels[:, 1:] = 7  # p.n scored rows
-    profile = glue._nograd_profile(p.h, p.v, p.dtype, p.entropy, glue.NOGRAD_MEASURED)
-    uniform = len({wins for _, wins in profile}) == 1
-    if uniform:  # the count is never taken: labels that cannot be counted do not matter
-        labels = labels.to("meta")
+        model = tiny_model("llama", vocab_size=v, hidden=h, layers=1, dtype=torch.bfloat16)
+    add_fused_lm_head(model, TEMPERATURE, outputs=("log_probs", "entropy"))
+    settings = logps_probe.trl_head_settings(model)
+    assert not isinstance(settings, str), settings
+
+    def op(*args):
+        raise AssertionError("leantrain's op ran for a dispatched call")
+
+    call = glue.FusedCall(settings, op, lambda: False, trl_head=True)
+    stock = model.forward
+    forward = glue.make_forward(model, call, None, stock)
+    inputs = batch(dev)
     with torch.no_grad():
-        assert glue.nograd_uses_stock(model.forward, model, settings, {"labels": labels})
-    assert not glue.nograd_uses_stock(model.forward, model, settings, {"labels": labels})  # grad mode
+        assert glue.uses_trl_head(model, call)
+        ours, ref = forward(**inputs, fused_lm_head=True), stock(**inputs, fused_lm_head=True)
+    assert torch.equal(ours.log_probs, ref.log_probs) and torch.equal(ours.entropy, ref.entropy)
+    assert not glue.uses_trl_head(model, call)  # grad mode

@@ -36,7 +36,7 @@ bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as bnbf  # noqa: E402
 
 import leantrain  # noqa: E402
-from leantrain.moe4bit import _grouped, readiness  # noqa: E402
+from leantrain.moe4bit import ops, readiness  # noqa: E402
 from leantrain.moe4bit._stacks import state_tensors  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.plan import build_plan, live_stacked_plan  # noqa: E402
@@ -45,6 +45,7 @@ from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
+from tests._optimizations import others_off  # noqa: E402
 from tests.parity import test_moe4bit as parity  # noqa: E402
 
 
@@ -52,7 +53,7 @@ HIDDEN = parity.HIDDEN  # the experts' sizes (parity.stock_experts): multiples o
 T, VOCAB = 40, 256
 FP32_REL = 256 * torch.finfo(torch.float32).eps
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = others_off("moe4bit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -123,7 +124,7 @@ def grouped(layout: str, module: torch.nn.Module):
 
     def fn(x, idx, w):
         check(x, idx, w)
-        return _grouped.grouped_forward(plan, x, idx, w)
+        return ops.grouped_forward(plan, x, idx, w)
 
     return fn
 
@@ -158,7 +159,7 @@ def test_per_call_plan_matches_the_stock_path(family, dtype, dev):
     plan_for = live_stacked_plan(module, recompute=True)
     x, logits, idx = inputs(dev, dtype)
     loop = run(module, x, logits, idx)
-    live = run(lambda x, idx, w: _grouped.grouped_forward(plan_for(x, idx, w), x, idx, w), x, logits, idx)
+    live = run(lambda x, idx, w: ops.grouped_forward(plan_for(x, idx, w), x, idx, w), x, logits, idx)
     fixed = run(grouped("stacked", module), x, logits, idx)
     for name, a, b, c in zip(("output", "hidden grad", "router grad"), live, loop, fixed):
         assert_close(a, b, rel(dtype, grads=name != "output"), name)

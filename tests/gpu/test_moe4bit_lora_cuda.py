@@ -31,12 +31,13 @@ peft = pytest.importorskip("peft")
 import leantrain  # noqa: E402
 from leantrain.moe4bit.lora import LoraFactors, split_lora  # noqa: E402
 from leantrain.report import Status  # noqa: E402
+from tests._optimizations import others_off  # noqa: E402
 from tests.parity import test_moe4bit_lora as parity  # noqa: E402
 
 
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps
 FP32_REL = 256 * torch.finfo(torch.float32).eps
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = others_off("moe4bit")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -90,3 +90,52 @@ def test_block_matches_stock_loop(dev, dtype, experts, top_k, shared, double_qua
             assert_close(a, s, scale * bound, name)
     assert "forward" not in b.__dict__
     assert torch.equal(run(b, dev, dtype)[0], stock[0])  # unpatched: the stock loop again, consolidation undone
+
+
+def lora_block(device, dtype, experts: int, top_k: int) -> SparseMoeBlock4x:
+    """The block with seeded PEFT LoRA r=16 (random B) on every expert projection and the shared expert, as PEFT
+    wraps a 4-bit checkpoint's ``Linear4bit`` (its ``lora.Linear4bit``; adapters in fp32); the router trains."""
+    peft = pytest.importorskip("peft")
+    b = block(device, dtype, experts, top_k, shared=True)
+    cfg = peft.LoraConfig(
+        r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(1)
+    peft.inject_adapter_in_model(cfg, b)
+    b.gate.weight.requires_grad_(True)
+    return b
+
+
+def run_lora(b: torch.nn.Module, device, dtype, autocast: bool, tokens: int = 96):
+    x = torch.randn(2, tokens // 2, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    x.requires_grad_()
+    with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+        out, logits = b(x)
+    ramp = torch.linspace(-1, 1, out.numel(), device=device).view_as(out).to(out.dtype)
+    ((out * ramp).sum() + 1e-3 * logits.float().pow(2).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in b.named_parameters() if p.grad is not None}
+    b.zero_grad(set_to_none=True)
+    return out.detach(), logits.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-autocast"])
+def test_block_lora_matches_peft_loop(dev, mode):
+    """LoRA on every expert projection: the grouped base and split LoRA against PEFT's per-expert loop, every
+    adapter gradient included. fp32 (TF32 off; adapters fp32 as PEFT leaves them): FP32_REL. bf16 blocks: adapters
+    in fp32 (x cast up, the output cast back, as PEFT does), or bf16 under autocast (the fast path: the factors are
+    cast as PEFT's autocast matmuls cast them): outputs BF16_REL, gradients twice that (norm-wise)."""
+    dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+    autocast = mode == "bf16-autocast"
+    b = lora_block(dev, dtype, 16, 4)
+    stock = run_lora(b, dev, dtype, autocast)
+    undo = Undo()
+    patch_block_4x(b, undo)
+    ours = run_lora(b, dev, dtype, autocast)
+    undo()
+    bound = FP32_REL if dtype == torch.float32 else BF16_REL
+    assert_close(ours[0], stock[0], bound, "output")
+    assert torch.equal(ours[1], stock[1]), "router logits"
+    assert_close(ours[2], stock[2], 2 * bound, "input grad")
+    assert ours[3].keys() == stock[3].keys() and sum("lora_A" in n for n in ours[3]) == 3 * 16 + 3
+    for name, grad in ours[3].items():
+        assert_close(grad, stock[3][name], 2 * bound, name)

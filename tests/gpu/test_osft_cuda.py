@@ -30,11 +30,12 @@ from leantrain.config import OSFT_PRECISIONS
 from leantrain.osft import OSFTCallback, OSFTLinear, Projector, convert, merge, osft_layers
 from leantrain.osft.ops import gram_project
 from leantrain.tiny import tiny_model
+from tests._optimizations import others_off
 
 
 VOCAB = 512
 LAYERS = 2
-OFF = {"moe4bit": False, "grpo_logps": False, "cggr": False}
+OFF = others_off("osft")
 U32 = unit_roundoff(torch.float32)
 U_TF32 = 2.0**-11  # 10 stored mantissa bits
 U_BF16 = unit_roundoff(torch.bfloat16)

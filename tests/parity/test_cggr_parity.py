@@ -19,10 +19,11 @@ from leantrain.cggr.ops import select_topk
 from leantrain.models import decoder_parts
 from leantrain.report import Status
 from leantrain.tiny import FAMILIES, tiny_model
+from tests._optimizations import others_off
 
 
 VOCAB = 512
-OFF = {"moe4bit": False, "grpo_logps": False, "osft": False}
+OFF = others_off("cggr")
 # transformers >= 5.21 slices logits per row (logits_to_keep), so a plain Trainer's CGGR loss runs the LM head on kept
 # rows only; older releases keep stock's loss over masked labels (same math, no head saving; auto mode declines).
 ROW_KEEP = _compat.at_least("transformers", _compat.TRANSFORMERS_ROW_LOGITS_TO_KEEP)

@@ -154,7 +154,7 @@ def test_nothing_kept_without_a_graph_or_a_trainable_head(monkeypatch):
     real = ops._forward
 
     def spy(*args):
-        keeps.append(args[5] if len(args) > 5 else False)
+        keeps.append(args[6] if len(args) > 6 else False)
         return real(*args)
 
     monkeypatch.setattr(ops, "_forward", spy)

@@ -182,6 +182,7 @@ def test_plan_tiles_respects_budget():
 
 _TRITON_SCRIPT = textwrap.dedent(
     """
+    import math
     import torch
     from leantrain.lm_head import ops
     torch.manual_seed(0)
@@ -189,9 +190,17 @@ _TRITON_SCRIPT = textwrap.dedent(
     n, h, v = 37, 32, 403
     hidden, weight = torch.randn(n, h), torch.randn(v, h) * 0.4
     targets = torch.randint(0, v, (n,)); targets[:3] = -100; targets[3] = 0; targets[4] = v - 1
+    valid = targets >= 0
     worst = 0.0
     for temperature, softcap, trainable, entropy_grad in [(1.0, None, False, True), (0.7, 5.0, False, True),
                                                          (0.9, None, True, False)]:
+        # each backend's fold error: a few fp32 roundings of the magnitudes it adds up (|logZ|, |mu|, |z_y|, log2 V)
+        z = hidden.double() @ weight.double().T
+        z = (z if softcap is None else softcap * torch.tanh(z / softcap)) / temperature
+        log_z = torch.logsumexp(z, -1)
+        mu = (torch.softmax(z, -1) * z).sum(-1)
+        z_y = z.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+        bound = 2 * 4 * 2.0**-24 * (log_z.abs() + mu.abs() + z_y.abs() + math.log2(v))
         grads = []
         outs = []
         for backend in ("torch", "triton"):
@@ -200,10 +209,13 @@ _TRITON_SCRIPT = textwrap.dedent(
                                       entropy_grad=entropy_grad, tile_mib=1, backend=backend)
             (lp.sum() + 0.5 * en.sum()).backward()
             outs.append((lp, en)); grads.append((hh.grad, ww.grad))
-        worst = max(worst, (outs[0][0] - outs[1][0]).abs().max().item(), (outs[0][1] - outs[1][1]).abs().max().item())
-        worst = max(worst, ((grads[0][0] - grads[1][0]).abs().max() / grads[0][0].abs().max()).item())
+        for a, b in ((outs[0][0], outs[1][0]), (outs[0][1], outs[1][1])):
+            worst = max(worst, ((a - b).abs() / bound)[valid].max().item())
+        # gradients: the statistics' error enters every p_j = e^(z_j - logZ) as a relative error
+        rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item() / bound[valid].max().item()
+        worst = max(worst, rel(grads[1][0], grads[0][0]))
         if trainable:
-            worst = max(worst, ((grads[0][1] - grads[1][1]).abs().max() / grads[0][1].abs().max()).item())
+            worst = max(worst, rel(grads[1][1], grads[0][1]))
     print("WORST", worst)
     """
 )
@@ -211,14 +223,14 @@ _TRITON_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_triton_kernels_in_interpreter_match_torch():
-    """The Triton kernels (CPU interpreter) agree with the torch path: same statistics, same Jacobians."""
+    """The Triton kernels (CPU interpreter) agree with the torch path: same statistics, same Jacobians, within the
+    two folds' fp32 rounding (they sum in other orders, and the Triton fold in column blocks)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     worst = float(proc.stdout.split("WORST")[-1])
-    # fp32 both ways; the kernels sum in blocks of 1024 and torch in one reduction: rounding-level differences
-    assert worst <= 2e-6, worst
+    assert worst <= 1, worst  # as a fraction of the per-token bound
 
 
 # ------------------------------------------------------------------ input checks: declined before any kernel launch

@@ -17,8 +17,8 @@ import transformers  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._compat import TRL_FUSED_LM_HEAD  # noqa: E402
-from leantrain.grpo_logps import GrpoLogps  # noqa: E402
-from leantrain.grpo_logps import patch as glue  # noqa: E402
+from leantrain.grpo_logps import GrpoLogps, nograd  # noqa: E402
+from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
 from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
 
@@ -246,6 +246,34 @@ def test_patch_unpatch_identity(model_dir, tmp_path):
     assert policy.__dict__["forward"] is before[0] and ref.__dict__["forward"] is before[1]
 
 
+def test_apply_takes_the_plan_and_reads_nothing_again(model_dir, tmp_path, monkeypatch):
+    """Everything apply needs is in the probe's plan: with every probe function broken after the probe, apply installs
+    the same wrappers and reports the probe's detail (TRL's fused path here; the legacy method on TRL <= 1.14)."""
+    import inspect
+
+    from leantrain.fallback import RuntimeFallback
+    from leantrain.optimization import PatchContext
+
+    trainer = make_trainer(model_dir, tmp_path, beta=0.1, bf16=False)
+    cfg = leantrain.config.resolve_config({}, environ={})
+    ctx = PatchContext(cfg, "grpo", RuntimeFallback("grpo_logps", strict=False))
+    ready = GrpoLogps().probe(trainer, ctx)
+    assert ready.ready, ready.reasons
+    for name, fn in inspect.getmembers(logps_probe, inspect.isfunction):
+        if fn.__module__ == logps_probe.__name__:
+            monkeypatch.setattr(logps_probe, name, _raise_injected)
+    applied = GrpoLogps().apply(trainer, ready.plan, ctx)
+    assert applied.detail == ready.detail
+    fused = ready.plan.path == "fused"
+    assert len(applied.targets) == 2 + (not fused)  # policy and reference forwards (+ the replaced method)
+    ids, att, k = legacy_inputs()
+    calls = count_op_calls(monkeypatch)
+    trainer._get_per_token_logps_and_entropies(trainer.model, ids, att, k, compute_entropy=True)
+    assert calls  # leantrain's op served TRL's own scoring method
+    ctx.undo()
+    assert not hasattr(trainer.model.forward, "__leantrain_original__")
+
+
 @needs_fused_head
 def test_fused_forward_matches_trl_with_all_masked_rows(model_dir, tmp_path):
     """One fused call: same FusedCausalLMOutput fields as TRL's, including an all-masked row and its gradient."""
@@ -339,7 +367,7 @@ def test_probe_declines_lm_head_lora(model_dir, tmp_path):
     peft_model = get_peft_model(
         transformers.AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["lm_head"])
     )
-    reasons = glue.head_reasons(peft_model.get_base_model())
+    reasons = logps_probe.head_reasons(peft_model.get_base_model())
     assert any("PEFT adapter" in r for r in reasons)
     assert GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).ready
 
@@ -382,6 +410,8 @@ def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
     opt = GrpoLogps()
     ready = opt.probe(trainer, leantrain.config.resolve_config({}, environ={}))
     assert ready.ready and f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n_values}-tuple)" in ready.detail
+    assert ready.plan.legacy == logps_probe.LegacyMethod("_get_per_token_logps_and_entropies", n_values)
+    assert not ready.plan.guards_forwards  # the fallback sits around the replaced method
 
     ids, att, k = legacy_inputs()
     stock = method(base, ids, att, k, compute_entropy=True)
@@ -398,6 +428,7 @@ def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
     no_entropy = trainer._get_per_token_logps_and_entropies(base, ids, att, k)
     assert no_entropy[1] is None
     torch.testing.assert_close(no_entropy[0], ours[0], rtol=0, atol=1e-6)  # same op, entropy terms skipped
+    assert_no_grad_dispatch_is_off(trainer, base, monkeypatch, patch_trainer_calls)
     # A failure inside the fused path falls back to the stock method (full logits), once, for good.
     monkeypatch.setattr(ops, "logp_entropy", _raise_injected)
     with pytest.warns(RuntimeWarning, match="grpo_logps failed at run time"):
@@ -406,6 +437,17 @@ def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
     assert leantrain.current_report(trainer)["grpo_logps"].status is leantrain.Status.FAILED
     leantrain.unpatch_trainer(trainer)
     assert trainer._get_per_token_logps_and_entropies is method and "forward" not in base.__dict__
+
+
+def assert_no_grad_dispatch_is_off(trainer, base, monkeypatch, calls) -> None:
+    """On this path the forward under the wrapper is the model's own (full logits), not TRL's fused head: no-grad
+    calls run leantrain's op even where the rule would send them to TRL's head."""
+    before = len(calls)
+    ids, att, k = legacy_inputs()
+    with monkeypatch.context() as m, torch.no_grad():
+        m.setattr(nograd, "trl_head_serves", lambda *args: True)
+        trainer._get_per_token_logps_and_entropies(base, ids, att, k)
+    assert len(calls) == before + 1
 
 
 def legacy_inputs() -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -425,7 +467,7 @@ def test_legacy_real_trl_method(model_dir, tmp_path, monkeypatch):
     """The installed TRL's own full-logits method (0.29: 2 values; GRPO 1.14: ``_full_logits_logps``, 3 values)."""
     trainer = make_trainer(model_dir, tmp_path, bf16=False)  # fp32 end to end: the full-logits path is exact
     base = trainer.model
-    name = glue.legacy_method_name(trainer)
+    name = logps_probe.legacy_method_name(trainer)
     method = getattr(trainer, name)
     ids, att, k = legacy_inputs()
     stock = method(base, ids, att, k, compute_entropy=True)
@@ -443,6 +485,7 @@ def test_legacy_real_trl_method(model_dir, tmp_path, monkeypatch):
     # The public entry point reaches the replaced method (GRPO 1.14 dispatches to _full_logits_logps).
     via_entry = trainer._get_per_token_logps_and_entropies(base, ids, att, k, compute_entropy=True)
     torch.testing.assert_close(via_entry[0], ours[0], rtol=0, atol=0)
+    assert_no_grad_dispatch_is_off(trainer, base, monkeypatch, calls)
     monkeypatch.setattr(ops, "logp_entropy", _raise_injected)
     with pytest.warns(RuntimeWarning, match="grpo_logps failed at run time"):
         fallen = getattr(trainer, name)(base, ids, att, k, compute_entropy=True)

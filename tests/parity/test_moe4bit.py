@@ -28,7 +28,7 @@ import bitsandbytes.functional as bnbf  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
 
-from leantrain.moe4bit import _grouped, _stacks, quantize_experts_4bit, readiness  # noqa: E402
+from leantrain.moe4bit import _stacks, ops, quantize_experts_4bit, readiness  # noqa: E402
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.plan import build_plan  # noqa: E402
@@ -114,7 +114,7 @@ def grouped(layout: str, module: torch.nn.Module, undo: Undo, recompute: bool = 
 
     def fn(x, idx, w):
         check(x, idx, w)
-        return _grouped.grouped_forward(plan, x, idx, w)
+        return ops.grouped_forward(plan, x, idx, w)
 
     return fn
 
@@ -234,7 +234,7 @@ def test_activation_checkpointing_matches_and_counts_dequantizes():
         proj.stack.dequantize = (lambda f: lambda dtype: calls.append(1) or f(dtype))(proj.stack.dequantize)
 
     def fn(x, i, w):
-        return _grouped.grouped_forward(plan, x, i, w)
+        return ops.grouped_forward(plan, x, i, w)
 
     plain = run(fn, x0, logits0, idx, False, torch.float32)
     assert len(calls) == 4  # forward + backward, two stacks
@@ -290,7 +290,7 @@ def test_recompute_costs_only_the_dequantize_and_backward_scatters_nothing(layou
             proj.stack.dequantize = dequantize
         x = x0.clone().requires_grad_()
         logits = logits0.clone().requires_grad_()
-        out = _grouped.grouped_forward(plan, x, idx, logits.gather(1, idx).softmax(-1))
+        out = ops.grouped_forward(plan, x, idx, logits.gather(1, idx).softmax(-1))
         n_forward = len(calls)
         with log:
             out.backward(torch.ones_like(out))
@@ -338,7 +338,7 @@ def test_routing_sorted_on_device():
     """Offsets come from one searchsorted (int32); pairs are sorted by expert, then slot, then token; each token's
     pairs are indexed in ascending (forward combine) and descending (input-gradient combine) expert order."""
     idx = routing(6, 2)
-    r = _grouped.route(idx, 6)
+    r = ops.route(idx, 6)
     expected = torch.bincount(idx.flatten(), minlength=6).cumsum(0)
     assert r.offs.dtype == torch.int32 and torch.equal(r.offs.long(), expected)
     assert r.offs[0].item() == 0  # expert 0 got no token

@@ -85,3 +85,58 @@ def test_block4x_plan_check_sends_a_moved_block_to_the_loop():
     undo()
     for a, s in zip(ours, stock):
         assert torch.equal(a, s)
+
+
+RANK = 8
+# With adapters on every expert projection the input gradient also adds each adapter's input gradient in another
+# order (2r + 4 more terms in the reassociation bound).
+LORA_INPUT_GRAD_REL = (2 * INTER + 2 * RANK + 4) * EPS * (2 * INTER) ** 0.5
+
+
+def lora_block(shared: bool, top_k: int = 2) -> SparseMoeBlock4x:
+    """The block with seeded PEFT LoRA (random B) on every expert projection (and the shared expert's), as a 4-bit
+    checkpoint loads it (PEFT's lora.Linear4bit); the router trains."""
+    peft = pytest.importorskip("peft")
+    b = block(shared, False, top_k)
+    cfg = peft.LoraConfig(
+        r=RANK, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(1)
+    peft.inject_adapter_in_model(cfg, b)
+    b.gate.weight.requires_grad_(True)
+    return b
+
+
+def run_lora(b: torch.nn.Module):
+    """(output, router logits, input grad, {name: grad} of the router and every adapter)."""
+    x = torch.randn(3, 16, HIDDEN, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    out, logits = b(x)
+    ((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + 1e-3 * logits.pow(2).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in b.named_parameters() if p.grad is not None}
+    b.zero_grad(set_to_none=True)
+    return out.detach(), logits.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("shared,top_k", [(True, 2), (False, 4)])
+def test_block4x_lora_matches_peft_loop(shared, top_k):
+    """fp32, LoRA on every expert's gate, up and down: the grouped base and split LoRA against PEFT's per-expert loop.
+    The adapters' GEMMs are the loop's per-expert matmuls on the same rows (CPU grouped_mm: one mm per group), so the
+    output, router logits and router gradient are bit-identical; each adapter gradient is one per-expert GEMM over
+    the expert's rows in the other operand order, at most one reordering of its 48 rows' sum; the input gradient as
+    above (LORA_INPUT_GRAD_REL, norm-wise)."""
+    b = lora_block(shared, top_k)
+    stock = run_lora(b)
+    undo = Undo()
+    patch_block_4x(b, undo)
+    ours = run_lora(b)
+    undo()
+    assert "forward" not in b.__dict__
+    for name, a, s in zip(("output", "router logits"), ours[:2], stock[:2]):
+        assert torch.equal(a, s), f"{name}: {(a - s).abs().max():.3g}"
+    assert ((ours[2] - stock[2]).norm() / stock[2].norm()).item() <= LORA_INPUT_GRAD_REL
+    assert ours[3].keys() == stock[3].keys()
+    assert sum(n.startswith("experts.") and "lora_B" in n for n in ours[3]) == 3 * EXPERTS
+    assert torch.equal(ours[3]["gate.weight"], stock[3]["gate.weight"])
+    for name, grad in ours[3].items():
+        scale = stock[3][name].abs().max().item()
+        assert (grad - stock[3][name]).abs().max().item() <= 48 * EPS * scale, name

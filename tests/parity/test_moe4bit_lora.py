@@ -28,13 +28,14 @@ pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 
 import leantrain  # noqa: E402
-from leantrain.moe4bit import _adapters, _grouped, lora  # noqa: E402
+from leantrain.moe4bit import _adapters, lora, ops  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
+from tests._optimizations import others_off  # noqa: E402
 
 
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = others_off("moe4bit")
 VOCAB, SEQ = 256, 16
 STACK_SUFFIXES = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LIST_TARGETS = r".*experts\.(gate_up_projs|down_projs)\.\d+"
@@ -348,7 +349,7 @@ def test_expert_lora_targets_full_names():
     assert "model.layers.1.mlp.experts.down_proj" in names and len(names) == 2 * 2 * 3  # layers x stacks x depths
     assert "model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj" in names
     assert _adapters.expert_lora_targets(base_model("qwen3_moe")) == []  # not quantized: PEFT's suffixes work there
-    assert _grouped.ExpertsPlan.__dataclass_fields__["adapters"].default is None
+    assert ops.ExpertsPlan.__dataclass_fields__["adapters"].default is None
 
 
 def test_forward_hooks_on_expert_lora_fall_back(tmp_path):
@@ -363,3 +364,113 @@ def test_forward_hooks_on_expert_lora_fall_back(tmp_path):
     assert torch.equal(loss, ref_model(**batch()).loss.detach())
     assert "forward hooks" in leantrain.current_report(trainer)["moe4bit"].reasons[0]
     leantrain.unpatch_trainer(trainer)
+
+
+def lora_params(model, factor: str, projection: str = "gate_up_projs") -> list[torch.nn.Parameter]:
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    return [getattr(m, factor)["default"].weight for m in getattr(experts, projection)]
+
+
+def storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_lists_factors_stacked_once_read_in_place(tmp_path, monkeypatch):
+    """Patching re-homes each adapter's per-expert factors as slices of one stack per projection: every call's
+    grouped GEMMs read those stacks (no copy per call), each parameter's gradient is its slice of one gradient buffer
+    (no copy per parameter) and equals PEFT's, an optimizer step on the parameters is seen by the next forward, and
+    unpatching gives each parameter private storage again with its values."""
+    ref_model = lists_model()
+    model = copy.deepcopy(ref_model)
+    trainer = patch(model, tmp_path)
+    for factor in ("lora_A", "lora_B"):
+        for projection in ("gate_up_projs", "down_projs"):
+            assert len(storages(lora_params(model, factor, projection))) == 1
+    read = []
+    real = lora.split_lora
+
+    def spy(x, factors, *args, **kwargs):
+        read.append(factors.a.untyped_storage().data_ptr())
+        return real(x, factors, *args, **kwargs)
+
+    monkeypatch.setattr(lora, "split_lora", spy)
+    eps = torch.finfo(torch.float32).eps
+    for step_index in range(2):
+        (ref_loss, ref_grads), (loss, grads) = step(ref_model), step(model)
+        assert close(loss, ref_loss, eps, 16)[0], (step_index, loss, ref_loss)
+        for name, grad in grads.items():
+            assert close(grad, ref_grads[name], eps, 4096)[0], name
+        assert len(storages(p.grad for p in lora_params(model, "lora_A"))) == 1
+        stacks = storages(p for n, p in model.named_parameters() if ".experts." in n and "lora_A" in n)
+        assert len(read) == len(stacks) == 4 and set(read) == stacks  # 2 layers x (gate_up, down), each read once
+        for m in (ref_model, model):  # the same SGD step on both: the next forward must see it
+            with torch.no_grad():
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.5 * p.grad)
+        read.clear()
+        monkeypatch.setattr(lora, "split_lora", spy)
+    values = [p.detach().clone() for p in lora_params(model, "lora_B")]
+    leantrain.unpatch_trainer(trainer)
+    params = lora_params(model, "lora_B")
+    assert len(storages(params)) == len(params) and all(torch.equal(p, v) for p, v in zip(params, values))
+
+
+def test_lists_factors_rehomed_after_patching_are_stacked_per_call(tmp_path):
+    """Parameters re-homed after patching (here: one expert's factor replaced by a copy; DeepSpeed's flat buffers or
+    an assigning load do the same) and an adapter added after patching are stacked per call: still PEFT's result."""
+    ref_model = lists_model()
+    model = copy.deepcopy(ref_model)
+    trainer = patch(model, tmp_path)
+    first = lora_params(model, "lora_A")[0]
+    first.data = first.data.clone()
+    config = peft.LoraConfig(r=8, lora_alpha=8, target_modules=list_targets(ref_model.get_base_model()))
+    for m in (ref_model, model):
+        torch.manual_seed(3)
+        m.add_adapter("late", config)
+        m.base_model.set_adapter(["default", "late"])
+        with torch.no_grad():
+            for name, param in m.named_parameters():
+                if "lora_B.late" in name:
+                    param.copy_(torch.full_like(param, 0.01))
+    (ref_loss, ref_grads), (loss, grads) = step(ref_model), step(model)
+    eps = torch.finfo(torch.float32).eps
+    assert leantrain.current_report(trainer)["moe4bit"].status is Status.APPLIED
+    assert close(loss, ref_loss, eps, 16)[0], (loss, ref_loss)
+    assert any("lora_A.late" in n for n in grads)
+    for name, grad in grads.items():
+        assert close(grad, ref_grads[name], eps, 4096)[0], name
+    leantrain.unpatch_trainer(trainer)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("placement", ["stacked", "lists"])
+def test_gradient_checkpointing_matches_plain(placement, reentrant, tmp_path):
+    """transformers' gradient checkpointing (one checkpoint per decoder layer) with expert LoRA, both flavours: the
+    backward re-runs the grouped path (same routing, same dropout masks: checkpoint restores the RNG state), so the
+    loss and every gradient equal the same patched model's without checkpointing bit for bit (fp32)."""
+
+    def make():
+        if placement == "stacked":  # target_parameters LoRA refuses dropout
+            return stacked_pair("qwen3_moe")[0]
+        return lists_model("gpt_oss", lora_dropout=0.1)
+
+    plain, ckpt = make(), make()  # the same seeds: the same weights and adapters
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        ckpt.enable_input_require_grads()  # what PEFT/TRL do for reentrant checkpointing with frozen embeddings
+    trainers = []
+    for i, model in enumerate((plain, ckpt)):
+        routers_trainable(model)
+        trainers.append(patch(model, tmp_path / str(i)))
+    torch.manual_seed(0)
+    ref_loss, ref_grads = step(plain)
+    torch.manual_seed(0)
+    loss, grads = step(ckpt)
+    assert leantrain.current_report(trainers[1])["moe4bit"].status is Status.APPLIED
+    assert torch.equal(loss, ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and any(".experts." in k and "lora_B" in k for k in grads)
+    for name, grad in grads.items():
+        assert torch.equal(grad, ref_grads[name]), f"{name}: {(grad - ref_grads[name]).abs().max():.3g}"
+    for trainer in trainers:
+        leantrain.unpatch_trainer(trainer)

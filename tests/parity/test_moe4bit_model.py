@@ -22,13 +22,14 @@ if _OLDER:
 pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
-from leantrain.moe4bit import _grouped  # noqa: E402
+from leantrain.moe4bit import ops  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts, token_trainer  # noqa: E402
+from tests._optimizations import others_off  # noqa: E402
 
 
-ONLY_MOE = {"cggr": False, "grpo_logps": False, "osft": False}
+ONLY_MOE = others_off("moe4bit")
 VOCAB, SEQ = 256, 16
 
 
@@ -133,7 +134,7 @@ def test_runtime_fallback_on_injected_error(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected grouped_mm failure")
 
-    monkeypatch.setattr(_grouped, "grouped_mm", broken)
+    monkeypatch.setattr(ops, "grouped_mm", broken)
     with pytest.warns(RuntimeWarning, match="moe4bit failed at run time"):
         loss = model(**batch()).loss
     assert torch.equal(loss, stock_loss)
@@ -153,3 +154,77 @@ def test_disabled_and_not_applicable(tmp_path):
     report = leantrain.patch_trainer(dense, strict=True, **ONLY_MOE)  # not applicable: strict does not raise
     assert report["moe4bit"].status is Status.SKIPPED and "no MoE experts" in report["moe4bit"].reasons[0]
     leantrain.unpatch_trainer(dense)
+
+
+def _probe_and_apply(trainer, **options):
+    """``Moe4bit.probe`` then ``Moe4bit.apply`` on their own (as the entry point runs them)."""
+    from leantrain.config import resolve_config
+    from leantrain.fallback import RuntimeFallback
+    from leantrain.moe4bit import Moe4bit
+    from leantrain.optimization import PatchContext
+
+    ctx = PatchContext(resolve_config(options, environ={}), "trainer", RuntimeFallback("moe4bit", strict=True))
+    opt = Moe4bit()
+    ready = opt.probe(trainer, ctx)
+    assert ready.ready, ready.reasons
+    return opt, ready, ctx
+
+
+def test_plan_carries_everything_apply_needs(tmp_path, monkeypatch):
+    """The probe's plan holds every target with its owner, hook, recipe, adapters and recompute choice: ``apply``
+    searches the model for nothing again (every search function fails once the probe has run)."""
+    from leantrain.moe4bit import _adapters, layouts, probe
+
+    model = make_model("qwen3_moe", "stacked")
+    trainer = make_trainer(model, tmp_path)
+    opt, ready, ctx = _probe_and_apply(trainer)
+    targets = ready.plan.targets
+    assert [t.name for t in targets] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(t.owner is t.module and t.hook == "forward" and t.adapters is None for t in targets)
+    assert not ready.plan.fsdp2 and all(t.recompute for t in targets)
+
+    def searched(*args, **kwargs):
+        raise AssertionError("apply searched the model again")
+
+    for module, name in [(layouts, "find_experts"), (layouts, "block_recipe"), (probe, "find_experts")]:
+        monkeypatch.setattr(module, name, searched)
+    for name in ("wrapped_map", "find", "param_wrappers", "forward_owner"):
+        monkeypatch.setattr(_adapters, name, searched)
+    applied = opt.apply(trainer, ready.plan, ctx)
+    assert applied.targets == tuple(t.name for t in targets)
+    assert all("forward" in t.module.__dict__ for t in targets)
+    ctx.undo()
+    assert not any("forward" in t.module.__dict__ for t in targets)
+
+
+def test_recompute_default_per_layout_and_the_option_overrides(tmp_path, monkeypatch):
+    """Recompute comes from the measured verdicts of the layout (and shape) unless ``moe_recompute`` says otherwise;
+    the report says which and why, and the grouped path runs with that choice."""
+    from leantrain.moe4bit import ops, recompute
+
+    seen = []
+    real = ops.grouped_forward
+
+    def spy(plan, *args, **kwargs):
+        seen.append(plan.recompute)
+        return real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "grouped_forward", spy)  # read when the patch is installed
+    table = (
+        recompute.Verdict("stacked", False, "a measured saved-stacks win", max_stack_mib=1.0),
+        recompute.Verdict("stacked", True, "a measured recompute win"),
+    )
+    monkeypatch.setattr(recompute, "VERDICTS", table)
+    cases = [({}, False, "stacked saved stacks: on (measured: a measured saved-stacks win)")]
+    cases += [({"moe_recompute": True}, True, "stacked recompute: on (set by moe_recompute")]
+    for options, expected, words in cases:
+        trainer = make_trainer(make_model("qwen3_moe", "stacked"), tmp_path)
+        report = leantrain.patch_trainer(trainer, moe4bit=True, environ={}, **ONLY_MOE, **options)
+        assert words in report["moe4bit"].detail, report["moe4bit"].detail
+        seen.clear()
+        trainer.model(**batch())
+        assert seen == [expected, expected]
+        leantrain.unpatch_trainer(trainer)
+    monkeypatch.setattr(recompute, "VERDICTS", table[:1])  # a larger stack than the verdict's limit: not measured
+    assert recompute.choose("stacked", 2 * 2**20, None) == (True, recompute.NOT_MEASURED)
+    assert recompute.choose("linear4bit", 1, False) == (False, "set by moe_recompute / LEANTRAIN_MOE_RECOMPUTE")

@@ -11,23 +11,20 @@ from leantrain.optimization import Applied, Optimization, PatchContext, Readines
 from leantrain.tiny import tiny_model
 
 
-def tiny_trainer(tmp_path, steps: int = 3, **args: Any) -> Trainer:
+def tiny_trainer(tmp_path, steps: int = 3, eval_dataset: Any = None, **args: Any) -> Trainer:
     model = tiny_model("llama", vocab_size=128, hidden=64, layers=2).train()
     torch.manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(3, 128, (16, 12))]
+    defaults = dict(save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=1e-3)
     config = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=steps,
         per_device_train_batch_size=4,
         report_to="none",
         use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        learning_rate=1e-3,
-        **args,
+        **{**defaults, **args},
     )
-    return Trainer(model=model, args=config, train_dataset=rows)
+    return Trainer(model=model, args=config, train_dataset=rows, eval_dataset=eval_dataset)
 
 
 class FakeLossOpt(Optimization):

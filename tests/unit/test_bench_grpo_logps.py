@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -59,28 +60,29 @@ def test_default_provider_only_in_no_grad_forward_rows(monkeypatch):
 
 @pytest.mark.parametrize("stock", [False, True])
 def test_default_provider_takes_the_trainers_decision(monkeypatch, stock):
-    """leantrain_default asks glue.nograd_route, as the trainer's forward: TRL's head under no_grad where the rule says
+    """leantrain_default asks the no-grad rule, as the trainer's forward: TRL's head under no_grad where the rule says
     so (bitwise TRL's output then), leantrain's op otherwise and with a gradient."""
-    from leantrain.grpo_logps import patch as glue
+    from leantrain.grpo_logps import nograd
 
     seen = []
 
-    def rule(n, h, v, dtype, entropy, backend="triton"):
-        seen.append((n, h, v, dtype, entropy, backend))
+    def rule(v, backend):
+        seen.append((v, backend))
         return stock
 
-    monkeypatch.setattr(glue, "nograd_prefers_stock", rule)
+    monkeypatch.setattr(nograd, "trl_head_serves", rule)
     used = []
     monkeypatch.setattr(bench, "trl_chunked", lambda *a: used.append("trl") or (torch.zeros(16), None))
     hidden, weight, targets = torch.randn(16, 8), torch.randn(32, 8), torch.randint(0, 32, (16,))
     with torch.no_grad():
         logp, _ = bench.leantrain_default(hidden, weight, targets)
-    assert seen == [(16, 8, 32, torch.float32, True, "torch")]
+    assert seen == [(32, "torch")]
     assert used == (["trl"] if stock else [])
     assert stock or logp.abs().sum() > 0  # leantrain's op ran (log-probs of a 32-way softmax are < 0)
     h = hidden.clone().requires_grad_()
     logp, _ = bench.leantrain_default(h, weight, targets)
-    assert used == (["trl"] if stock else []) and logp.requires_grad  # with a gradient: the op, never asked
+    assert used == (["trl"] if stock else []) and logp.requires_grad  # with a gradient: the op
+    assert len(seen) == 1  # the rule was not asked
 
 
 def test_trl_chunked_is_trls_fused_head_call():
@@ -99,11 +101,11 @@ def test_trl_chunked_is_trls_fused_head_call():
 
 # ------------------------------------------------------------------------------------- probe_logps_nograd.py
 def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
-    """--smoke runs on CPU and writes the rows; --emit-rule turns them into the rule's table (valid Python, one point
-    per cell with both providers' medians), which reproduces the measured winners."""
+    """--smoke runs on CPU and writes the rows; --emit-rule checks them against the no-grad rule: it prints the
+    rule's constants where TRL's head won or tied every cell, and exits naming a cell where leantrain's op won."""
     import probe_logps_nograd as probe
 
-    from leantrain.grpo_logps import patch as glue
+    from leantrain.grpo_logps import nograd
 
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
     monkeypatch.setattr(probe, "SMOKE_MODELS", [("tiny", 16, 257)])
@@ -119,20 +121,36 @@ def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
     profile = (tmp_path / "grpo_logps_nograd_profile.txt").read_text()
     assert "## trl_stock" in profile and "## leantrain" in profile
     assert all(r.device and r.versions and r.date and r.commit for r in rows)
-    capsys.readouterr()
-    probe.main(["--emit-rule"])
-    source = capsys.readouterr().out
-    scope = {"NogradPoint": glue.NogradPoint}
-    exec(source, scope)
-    points = scope["NOGRAD_MEASURED"]
-    assert len(points) == 4 and "grpo_logps_nograd.json" in scope["NOGRAD_SOURCE"]
-    medians = {(r.provider, r.config["N"], r.config["entropy"]): r.p50 for r in speed}
-    for p in points:
-        assert (p.stock_ms, p.fused_ms) == (
-            round(medians[probe.STOCK, p.n, p.entropy], 4),
-            round(medians[probe.FUSED, p.n, p.entropy], 4),
-        )
-        assert glue.nograd_prefers_stock(p.n, p.h, p.v, p.dtype, p.entropy, table=points) == p.stock_wins
+    data = json.loads((tmp_path / "grpo_logps_nograd.json").read_text())
+
+    def emitted(fused_ms) -> str:
+        """--emit-rule on the smoke rows with TRL's head at 1 ms and leantrain's op at ``fused_ms(config)``."""
+        for row in data:
+            if row["metric"] == "speed" and row["provider"] in (probe.STOCK, probe.FUSED):
+                row["p50"] = 1.0 if row["provider"] == probe.STOCK else fused_ms(row["config"])
+        path = tmp_path / "edited.json"
+        path.write_text(json.dumps(data))
+        capsys.readouterr()
+        probe.main(["--emit-rule", str(path)])
+        return capsys.readouterr().out
+
+    scope: dict = {}
+    exec(emitted(lambda c: 1.0 - nograd.NOISE / 2 if c["N"] == 8 else 1.5), scope)  # ties and TRL's wins
+    assert scope["MEASURED_V"] == (257, 257) and "grpo_logps_nograd.json" in scope["SOURCE"]
+    with pytest.raises(SystemExit, match="at N=32 H=16 V=257 bfloat16 entropy=False: "):
+        emitted(lambda c: 1.0 - 2 * nograd.NOISE if (c["N"], c["entropy"]) == (32, False) else 1.0)
+
+
+def test_committed_results_emit_the_rule_in_the_package(capsys):
+    """The rule in grpo_logps/nograd.py is what --emit-rule derives from benchmarks/results/grpo_logps_nograd.json."""
+    import probe_logps_nograd as probe
+
+    from leantrain.grpo_logps import nograd
+
+    probe.main(["--emit-rule", str(probe.RESULTS / "grpo_logps_nograd.json")])
+    scope: dict = {}
+    exec(capsys.readouterr().out, scope)
+    assert (scope["SOURCE"], scope["MEASURED_V"]) == (nograd.SOURCE, nograd.MEASURED_V)
 
 
 def test_probe_grid_covers_the_recipe_shapes():

@@ -39,3 +39,37 @@ def test_lora_providers_agree(shape):
     scale = loop.abs().max().item()
     assert (grouped - loop).abs().max().item() <= 1024 * torch.finfo(torch.float32).eps * scale
     assert (base - loop).abs().max().item() > 1e-3 * scale  # LoRA changes the output
+
+
+def _rows(path) -> list[dict]:
+    import json
+
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_step_bench_smoke(tmp_path, monkeypatch):
+    """bench_moe4bit_step.py --smoke (transformers 5: 3-D stacks) runs every provider on CPU and writes its rows
+    (--transformers4 runs in the 4.57 set: tests/parity/test_moe4bit_lora4x.py)."""
+    import bench_moe4bit_step as step
+
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    out = step.main(["--smoke"])
+    rows = _rows(out / "moe4bit_step.json")
+    assert {r["provider"] for r in rows} == {"stock", "leantrain", "leantrain_attn_only"}
+    with pytest.raises(SystemExit, match="needs transformers 4.x"):
+        step.main(["--smoke", "--transformers4"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_modulelist_probe_smoke(lora, tmp_path, monkeypatch):
+    """probe_moe4bit_modulelist.py --smoke [--lora] runs its providers on CPU (the 4.x block mirror, patched through
+    the same install as patch_trainer) and writes its rows."""
+    import probe_moe4bit_modulelist as probe
+
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    out = probe.main(["--smoke", "--lora"] if lora else ["--smoke"])
+    name = "moe4bit_modulelist_lora" if lora else "moe4bit_modulelist"
+    providers = {r["provider"] for r in _rows(out / f"{name}.json")}
+    assert providers == {"stock", "leantrain", "leantrain_frozen" if lora else "leantrain_no_recompute"}

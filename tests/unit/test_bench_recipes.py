@@ -232,6 +232,8 @@ def test_leantrain_applied_and_matches_stock_where_the_math_is_the_same(smoke):
         if c["kind"] != "leantrain":
             assert report is None  # stock, reference and peer runs are never patched
             continue
+        if r["mode"] == "dense_sft":  # the defaults' report is recorded, not assumed (test_dense_sft_rows)
+            continue
         applied = {o["name"] for o in report["outcomes"] if o["status"] == "applied"}
         expected = dict(grpo={"grpo_logps"}, grpo_lora={"grpo_logps"}, sft={"cggr"}, moe_qlora={"moe4bit"})
         expected.update(osft={"osft"}, moe_qlora_experts={"moe4bit"})
@@ -338,3 +340,37 @@ def test_moe_qlora_experts_rows(smoke):
     for r in mine:
         if r["metric"] == "speed":
             assert r["config"]["extra"]["expert_lora_params"] > 0
+
+
+@pytest.mark.slow
+def test_dense_sft_rows(smoke):
+    """SFTTrainer's default path and the plain Trainer's full logits; every variant on the first, the compile
+    provider on the SFT path only, Liger as a peer (skipped on the CPU); the same training in fp32 (the layer
+    kernels' stand-ins are the stock arithmetic there); the first step's time on every row."""
+    out, rows = smoke
+    mine = [r for r in rows if r["mode"] == "dense_sft" and r["metric"] in ("speed", "skipped")]
+    configs = {r["x_value"] for r in mine}
+    assert configs == {"tiny-gemma2 sft 2x64", "tiny-gemma2 trainer logits 2x64"}  # TRL >= 1.15: no nll logits
+    for config in configs:
+        names = {r["provider"] for r in mine if r["x_value"] == config}
+        expected = {"stock", "leantrain", "leantrain layer_kernels", "liger (use_liger_kernel)"}
+        assert names == expected | ({"regional compile"} if " sft " in config else set()), names
+        stock = variant(rows, "dense_sft", config, "stock")
+        for r in mine:
+            c = r["config"]
+            if r["x_value"] != config or r["metric"] == "skipped":
+                assert r["metric"] != "skipped" or ("liger" in r["provider"] and c["kind"] == "peer")
+                continue
+            assert c["losses"] == pytest.approx(stock["losses"], rel=1e-5), r["provider"]
+            assert c["first_step_ms"] == c["steps"][0]["total_ms"] > 0
+            assert c["settings"]["lora_targets"] == "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+            assert c["settings"]["trainer"] == ("Trainer" if "logits" in config else "SFTTrainer")
+            if r["provider"].startswith("leantrain"):  # the report is recorded, whatever the defaults are
+                from leantrain.layer_kernels import MEASURED
+
+                status = {o["name"]: o["status"] for o in c["report"]["outcomes"]}["layer_kernels"]
+                asked = r["provider"] == "leantrain layer_kernels" or MEASURED["gemma2"].faster
+                assert status == ("applied" if asked else "skipped"), (r["provider"], status)
+            if r["provider"] == "regional compile":
+                assert c["settings"]["compile"] == "layer.compile() per decoder layer, eager"
+    assert "| first step ms |" in (out / "recipes.md").read_text()

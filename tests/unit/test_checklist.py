@@ -34,7 +34,7 @@ def test_2_package_and_file_roles(name):
     package = ROOT / "src" / "leantrain" / name
     for role in ("__init__.py", "probe.py", "patch.py"):
         assert (package / role).exists(), f"{name}: no {role}"
-    own_math = any((package / m).exists() for m in ("ops.py", "_grouped.py"))
+    own_math = (package / "ops.py").exists()
     shared_math = any("..lm_head" in f.read_text() for f in package.glob("*.py"))
     assert own_math or shared_math, f"{name}: no math module (its own ops.py, or the shared leantrain.lm_head)"
     opt = registry()[name]

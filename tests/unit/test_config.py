@@ -120,3 +120,45 @@ def test_option_choices_match_what_the_math_serves():
     from leantrain.osft.ops import PRECISIONS
 
     assert SCORINGS == CGGR_SCORINGS and PRECISIONS == OSFT_PRECISIONS
+
+
+def test_precedence_keyword_over_command_line_over_env_over_default():
+    env = {"LEANTRAIN_CGGR_SCORING": "loss", "LEANTRAIN_CGGR_WARMUP_STEPS": "7", "LEANTRAIN_OSFT": "1"}
+    cli = {"cggr_scoring": "margin", "cggr_warmup_steps": "3", "osft": False, "cggr": "auto"}
+    cfg = resolve_config({"cggr_warmup_steps": 5}, environ=env, cli=cli)
+    assert (cfg.cggr_warmup_steps, cfg.sources["cggr_warmup_steps"]) == (5, "kwarg")
+    assert (cfg.cggr_scoring, cfg.sources["cggr_scoring"]) == ("margin", "cli")
+    assert (cfg.osft, cfg.sources["osft"]) == (False, "cli")
+    assert (cfg.cggr, cfg.sources["cggr"]) == (None, "cli")  # auto asked for explicitly
+    assert cfg.sources["cggr_min_tokens_ratio"] == "default"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cli", "env", "error", "message"),
+    [
+        ({}, {"cggr_ratio": "0.3"}, {}, TypeError, "unknown option 'cggr_ratio' (did you mean"),
+        ({}, {"cggr_min_tokens_ratio": "2"}, {}, ValueError, r"cggr_min_tokens_ratio must be in (0, 1]"),
+        ({}, {"osft": "maybe"}, {}, ValueError, "osft='maybe': expected one of"),
+        # every value given is checked, even one a higher layer overrides
+        ({"cggr": True}, {}, {"LEANTRAIN_CGGR": "maybe"}, ValueError, "LEANTRAIN_CGGR='maybe'"),
+        ({"cggr_min_tokens_ratio": 0.3}, {"cggr_min_tokens_ratio": "1.5"}, {}, ValueError, "must be in (0, 1]"),
+        ({}, {}, {"LEANTRAIN_CGGR_MIN_TOKENS_RATIO": "0"}, ValueError, "LEANTRAIN_CGGR_MIN_TOKENS_RATIO must be"),
+        ({"disable": True, "cggr": True}, {}, {}, ValueError, "patch_trainer(disable=True, cggr=True): the kill"),
+        ({}, {"disable": "1", "osft": True}, {}, ValueError, "--opt disable=1 and --osft: the kill switch and a"),
+    ],
+)
+def test_bad_command_line_values_and_contradictions(kwargs, cli, env, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        resolve_config(kwargs, environ=env, cli=cli)
+
+
+def test_settings_named_as_the_user_wrote_them():
+    from leantrain.config import as_typed
+
+    assert as_typed("cggr", True, "kwarg") == "cggr=True" and as_typed("disable", True, "env") == "LEANTRAIN_DISABLE=1"
+    assert as_typed("grpo_logps", True, "cli") == "--grpo-logps" and as_typed("osft", False, "cli") == "--no-osft"
+    assert (
+        as_typed("cggr", None, "cli") == "--opt cggr=auto" and as_typed("cggr", None, "env") == "LEANTRAIN_CGGR=auto"
+    )
+    assert as_typed("strict", True, "cli") == "--strict" and as_typed("disable", True, "cli") == "--opt disable=1"
+    assert as_typed("osft_targets", ("q", "v"), "cli") == "--opt osft_targets=q,v"

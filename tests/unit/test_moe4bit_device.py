@@ -30,6 +30,7 @@ from leantrain.moe4bit.quantize import STACK_NAMES  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
+from tests._optimizations import others_off  # noqa: E402
 
 
 VOCAB = 256
@@ -251,8 +252,7 @@ def test_patched_model_cast_after_patching_falls_back_once(tmp_path):
     model = quantized("qwen3_moe").train()
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
     trainer = transformers.Trainer(model=model, args=args)
-    only = {"cggr": False, "grpo_logps": False, "osft": False}
-    assert leantrain.patch_trainer(trainer, moe4bit=True, **only)["moe4bit"].status.value == "applied"
+    assert leantrain.patch_trainer(trainer, moe4bit=True, **others_off("moe4bit"))["moe4bit"].status.value == "applied"
     reference = quantized("qwen3_moe").train().to(torch.bfloat16)
     model.to(torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="moved, cast, reloaded or replaced after patching"):

@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
-from leantrain.moe4bit._grouped import grouped_forward  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.ops import grouped_forward  # noqa: E402
 from leantrain.moe4bit.plan import build_plan, live_stacked_plan  # noqa: E402
 from leantrain.moe4bit.probe import fsdp_reason  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402

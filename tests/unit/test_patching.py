@@ -6,6 +6,8 @@ from transformers import Trainer
 
 import leantrain
 from leantrain import NotReadyError, Status, patch_trainer, unpatch_trainer
+from leantrain.config import OPTIMIZATIONS
+from leantrain.entry import command_line
 from leantrain.optimization import NotAvailable, registry
 
 from ._fakes import FakeLossOpt, tiny_trainer
@@ -19,18 +21,16 @@ AUTO = {"LEANTRAIN_CGGR": "auto"}
 def fake(monkeypatch):
     """Replace the registry with one fake optimization (cggr slot) plus placeholders for the rest."""
     opt = FakeLossOpt()
-    fakes = {
-        "moe4bit": NotAvailable("moe4bit"),
-        "osft": NotAvailable("osft"),
-        "cggr": opt,
-        "grpo_logps": NotAvailable("grpo_logps"),
-    }
+    fakes = {name: opt if name == "cggr" else NotAvailable(name) for name in OPTIMIZATIONS}
     monkeypatch.setattr("leantrain.entry.registry", lambda: fakes)
     return opt
 
 
 def test_real_registry_lists_every_optimization():
-    assert list(registry()) == ["moe4bit", "osft", "cggr", "grpo_logps"]
+    """Every name of the option table is a shipped optimization, registered under its name, in the table's order."""
+    real = registry()
+    assert list(real) == list(OPTIMIZATIONS)
+    assert all(opt.implemented and opt.name == name for name, opt in real.items())
 
 
 def test_patch_then_unpatch_restores_by_identity(tmp_path, fake):
@@ -122,6 +122,69 @@ def test_kill_switch_precedence(tmp_path, fake, environ, kwargs, status, why):
         assert report.notes == ()
 
 
+CLI_ONLY = "; only cggr=True in code or --cggr on the command line overrides the switch"
+
+
+@pytest.mark.parametrize(
+    "environ, cli, kwargs, status, source, why",
+    [
+        # a flag is an explicit request, like a keyword: it overrides the switch from the environment
+        (KILL, {"cggr": True}, {}, Status.APPLIED, "cli", "the kill switch is on, but --cggr on the command line"),
+        (
+            KILL,
+            {"cggr": "auto"},
+            {},
+            Status.DISABLED,
+            "env",
+            "LEANTRAIN_DISABLE=1 (the kill switch) overrides --opt cggr=auto" + CLI_ONLY,
+        ),
+        ({**KILL, "LEANTRAIN_CGGR": "1"}, {}, {}, Status.DISABLED, "env", "overrides LEANTRAIN_CGGR=1" + CLI_ONLY),
+        # the switch on the command line: the environment's toggles lose, a keyword in code wins
+        (
+            {"LEANTRAIN_CGGR": "1"},
+            {"disable": "1"},
+            {},
+            Status.DISABLED,
+            "cli",
+            "--opt disable=1 (the kill switch) overrides LEANTRAIN_CGGR=1; only cggr=True in code overrides "
+            "the switch",
+        ),
+        (
+            {},
+            {"disable": "1"},
+            {"cggr": True},
+            Status.APPLIED,
+            "kwarg",
+            "the kill switch is on, but cggr=True in code",
+        ),
+        # the switch in code: a flag ranks below it
+        (
+            {},
+            {"cggr": True},
+            {"disable": True},
+            Status.DISABLED,
+            "kwarg",
+            "disable=True (the kill switch) overrides --cggr",
+        ),
+        # no switch: keyword > command line > environment
+        ({"LEANTRAIN_CGGR": "0"}, {"cggr": True}, {}, Status.APPLIED, "cli", ""),
+        ({"LEANTRAIN_CGGR": "1"}, {"cggr": True}, {"cggr": False}, Status.DISABLED, "kwarg", "turned off"),
+    ],
+)
+def test_kill_switch_meets_the_command_line(tmp_path, fake, environ, cli, kwargs, status, source, why):
+    with command_line(cli):
+        report = patch_trainer(tiny_trainer(tmp_path), environ=environ, **kwargs)
+    outcome = report["cggr"]
+    assert (outcome.status, outcome.source) == (status, source), outcome
+    said = outcome.reasons[0] if status is Status.DISABLED else " ".join(report.notes)
+    assert why in said if why else said == "", said
+
+
+def test_kill_switch_and_a_flag_on_the_same_command_line_contradict(tmp_path, fake):
+    with command_line({"disable": "1", "cggr": True}), pytest.raises(ValueError, match=r"--opt disable=1 and --cggr"):
+        patch_trainer(tiny_trainer(tmp_path), environ={})
+
+
 def test_kill_switch_and_required_keyword_contradict(tmp_path, fake):
     with pytest.raises(ValueError, match=r"disable=True, cggr=True.*contradict"):
         patch_trainer(tiny_trainer(tmp_path), disable=True, cggr=True, environ={})
@@ -181,7 +244,7 @@ def test_report_table_and_dict(tmp_path, fake):
     rows = [line for line in text.splitlines()[1:] if line.strip()]
     assert len({line.index(line.split()[1]) for line in rows[2:]}) == 1  # status column aligned
     as_dict = report.to_dict()
-    assert as_dict["outcomes"][2] == {
+    assert next(o for o in as_dict["outcomes"] if o["name"] == "cggr") == {
         "name": "cggr",
         "status": "skipped",
         "source": "env",
@@ -223,3 +286,24 @@ def test_apply_failing_half_way_leaves_nothing_patched(tmp_path, fake, monkeypat
     with pytest.raises(RuntimeError, match="apply broke"):
         patch_trainer(trainer, environ=AUTO)
     assert "compute_loss" not in trainer.__dict__ and leantrain.current_report(trainer) is None
+
+
+def test_a_failing_import_in_a_probe_declines_instead_of_escaping(tmp_path, fake, monkeypatch):
+    """TRL's and transformers' lazy modules re-raise a missing dependency as a RuntimeError: the probe's import
+    failure becomes its reason (auto: skipped; required: NotReadyError naming it), never a crash."""
+
+    def probe(trainer, ctx):
+        try:
+            raise ImportError("No module named 'requests'")
+        except ImportError as missing:
+            raise RuntimeError("Failed to import trl.trainer.grpo_trainer") from missing
+
+    monkeypatch.setattr(fake, "probe", probe)
+    report = patch_trainer(tiny_trainer(tmp_path), environ=AUTO)
+    assert report["cggr"].status is Status.SKIPPED
+    assert report["cggr"].reasons == ("an import it needs failed (ImportError: No module named 'requests')",)
+    with pytest.raises(NotReadyError, match="cggr is required but not ready: an import it needs failed"):
+        patch_trainer(tiny_trainer(tmp_path), cggr=True, environ={})
+    monkeypatch.setattr(fake, "probe", lambda trainer, ctx: 1 / 0)  # any other error is a bug: it is raised
+    with pytest.raises(ZeroDivisionError):
+        patch_trainer(tiny_trainer(tmp_path), environ=AUTO)

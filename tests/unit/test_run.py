@@ -1,6 +1,6 @@
 """``leantrain run``: a script file, ``-m module`` and a console script run with their trainers patched; option
-parsing and precedence (command line > environment > default); ``--strict``; bad input; nothing patched without
-``run``; the report kept in ``log_history`` and in ``leantrain.json``; unpatch restores everything.
+parsing and precedence (keyword > command line > environment > default); ``--strict``; bad input; nothing patched
+without ``run``; the report kept in ``leantrain.json`` and out of ``log_history``; unpatch restores everything.
 
 The target is ``tests/unit/_run_target.py``, a plain Trainer script that knows nothing of leantrain. Runs in this
 process where they can (seconds each); the console-script form runs in a real subprocess.
@@ -21,7 +21,7 @@ from transformers.trainer_utils import SaveStrategy
 
 import leantrain
 from leantrain import launch
-from leantrain._record import RECORD_NAME, ReportLogCallback, log_entry
+from leantrain._record import RECORD_NAME, TrackerConfigCallback
 from leantrain.entry import NotReadyError
 from tests.unit._fakes import tiny_trainer
 
@@ -46,7 +46,8 @@ def outcome(report: dict, name: str) -> dict:
 
 
 def leantrain_entries(log_history: list[dict]) -> list[dict]:
-    return [h for h in log_history if any(k.startswith("leantrain/") for k in h)]
+    """Entries that name leantrain: none, ever (the report stays out of the metric stream)."""
+    return [h for h in log_history if any(k.startswith("leantrain") for k in h)]
 
 
 # --- parsing -------------------------------------------------------------------------------------------------------
@@ -143,27 +144,25 @@ def test_importing_leantrain_patches_nothing():
 
 def test_script_file(tmp_path, capsys):
     """The file runs as __main__ with its own argv (a --cggr of its own included); its Trainer is patched at
-    train(), the report is printed once, kept in log_history once and written beside the saved weights."""
+    train(), the report is printed once, kept out of log_history and written beside the saved weights."""
     code = launch.main(["--cggr", TARGET, "--out", str(tmp_path), "--save", "--cggr"])
     assert code == 0
     assert Trainer.__dict__["train"] is STOCK_TRAIN  # restored by identity
     got = result(tmp_path)
     assert got["argv"] == ["--out", str(tmp_path), "--save", "--cggr"] and got["own_cggr_flag"]
     cggr = outcome(got["report"], "cggr")
-    assert (cggr["status"], cggr["source"]) == ("applied", "kwarg")
+    assert (cggr["status"], cggr["source"]) == ("applied", "cli")
     assert capsys.readouterr().err.count("leantrain patch report (trainer trainer)") == 1
 
-    entries = leantrain_entries(got["log_history"])
-    assert len(entries) == 1 and entries[0]["step"] == 0
-    assert entries[0] == {f"leantrain/{o['name']}": o["status"] for o in got["report"]["outcomes"]} | {"step": 0}
-    assert got["global_step"] == 2 and got["log_history"].index(entries[0]) == 0  # before the first loss
+    assert leantrain_entries(got["log_history"]) == [] and "loss" in got["log_history"][0]
+    assert got["global_step"] == 2
 
     record = json.loads((tmp_path / "model" / RECORD_NAME).read_text())
     assert (tmp_path / "model" / "model.safetensors").is_file()
     assert record["report"] == got["report"]
     assert record["versions"]["leantrain"] == leantrain.__version__
     assert set(record["versions"]) == {"leantrain", "torch", "transformers", "trl"}
-    assert record["options"]["cggr"] == {"value": True, "source": "kwarg"}
+    assert record["options"]["cggr"] == {"value": True, "source": "cli"}
     assert record["options"]["cggr_min_tokens_ratio"]["source"] == "default"
 
 
@@ -174,13 +173,47 @@ def test_module_precedence_cli_over_env_over_default(tmp_path, monkeypatch, caps
     argv = ["--no-osft", "--opt", "cggr_min_tokens_ratio=0.3", "-m", MODULE, "--out", str(tmp_path), "--save"]
     assert launch.main(argv) == 0
     options = json.loads((tmp_path / "model" / RECORD_NAME).read_text())["options"]
-    assert options["osft"] == {"value": False, "source": "kwarg"}
-    assert options["cggr_min_tokens_ratio"] == {"value": 0.3, "source": "kwarg"}
+    assert options["osft"] == {"value": False, "source": "cli"}
+    assert options["cggr_min_tokens_ratio"] == {"value": 0.3, "source": "cli"}
     assert options["cggr_scoring"] == {"value": "margin", "source": "env"}
     assert options["cggr_router_layers"] == {"value": 2, "source": "default"}
     osft = outcome(result(tmp_path)["report"], "osft")
-    assert (osft["status"], osft["source"], osft["reasons"]) == ("disabled", "kwarg", ["turned off"])
+    assert (osft["status"], osft["source"], osft["reasons"]) == ("disabled", "cli", ["turned off"])
     assert capsys.readouterr().err.count("leantrain patch report") == 1
+
+
+def test_a_flag_is_an_explicit_request_that_overrides_the_kill_switch(tmp_path, monkeypatch, capsys):
+    """`LEANTRAIN_DISABLE=1 leantrain run --cggr`: the flag asks for CGGR explicitly (like cggr=True in code), so it
+    applies, with source `cli` and a note that names the flag; every other optimization stays off."""
+    monkeypatch.setenv("LEANTRAIN_DISABLE", "1")
+    assert launch.main(["--cggr", TARGET, "--out", str(tmp_path), "--save"]) == 0
+    report = result(tmp_path)["report"]
+    assert (outcome(report, "cggr")["status"], outcome(report, "cggr")["source"]) == ("applied", "cli")
+    assert report["notes"][0] == "the kill switch is on, but --cggr on the command line overrides it"
+    assert all(o["status"] == "disabled" for o in report["outcomes"] if o["name"] != "cggr")
+    assert "in code" not in capsys.readouterr().err
+    options = json.loads((tmp_path / "model" / RECORD_NAME).read_text())["options"]
+    assert options["cggr"]["source"] == "cli" and options["disable"] == {"value": True, "source": "env"}
+
+
+def test_command_line_ranks_below_the_targets_own_keywords(tmp_path):
+    """A trainer the target patches itself inside `leantrain run` gets the command line as its `cli` layer: below
+    its own keywords, above the environment; `run` then leaves it alone."""
+    own = tiny_trainer(tmp_path / "run", steps=1)
+    environ = {"LEANTRAIN_CGGR_SCORING": "loss", "LEANTRAIN_CGGR_MIN_TOKENS_RATIO": "0.5"}
+    with launch.trainers_patched({"osft": True, "cggr_scoring": "margin", "cggr_warmup_steps": "3"}) as patched:
+        report = leantrain.patch_trainer(own, osft=False, cggr_warmup_steps=5, environ=environ)
+        own.train()
+    assert patched == [] and own.leantrain_report is report
+    own.save_model(str(tmp_path / "saved"))
+    options = json.loads((tmp_path / "saved" / RECORD_NAME).read_text())["options"]
+    assert options["osft"] == {"value": False, "source": "kwarg"}
+    assert options["cggr_warmup_steps"] == {"value": 5, "source": "kwarg"}
+    assert options["cggr_scoring"] == {"value": "margin", "source": "cli"}
+    assert options["cggr_min_tokens_ratio"] == {"value": 0.5, "source": "env"}
+    assert options["cggr_ratio_schedule"]["source"] == "default"
+    second = leantrain.patch_trainer(tiny_trainer(tmp_path / "after", steps=1), environ={})
+    assert second["osft"].source == "default"  # the command line ends with the run
 
 
 def test_strict_fails_the_run_before_training(tmp_path, capsys):
@@ -189,7 +222,7 @@ def test_strict_fails_the_run_before_training(tmp_path, capsys):
     argv = ["--opt", "cggr=auto", TARGET, "--out", str(tmp_path), "--layers", "2"]
     assert launch.main(argv) == 0
     cggr = outcome(result(tmp_path)["report"], "cggr")
-    assert (cggr["status"], cggr["source"]) == ("skipped", "kwarg") and cggr["reasons"]
+    assert (cggr["status"], cggr["source"]) == ("skipped", "cli") and cggr["reasons"]
 
     strict_out = tmp_path / "strict"
     assert launch.main(["--strict", *argv[:2], TARGET, "--out", str(strict_out), "--layers", "2"]) == 1
@@ -217,7 +250,7 @@ def test_each_trainer_patched_once_and_a_self_patched_one_left_alone(tmp_path):
             trainer.train()
     assert patched == [first, second] and len(printed) == 2
     assert own.leantrain_report is own_report
-    assert len(leantrain_entries(first.state.log_history)) == 1  # its second train() made a new state: one again
+    assert leantrain_entries(first.state.log_history) == []
     assert Trainer.__dict__["train"] is STOCK_TRAIN
 
 
@@ -243,7 +276,7 @@ def test_console_script_in_a_subprocess(tmp_path):
 # --- what patch_trainer keeps with the run (with or without `run`) -------------------------------------------------
 
 
-def test_record_and_log_entry_compose_with_osft_and_unpatch_restores(tmp_path):
+def test_record_composes_with_osft_and_unpatch_restores(tmp_path):
     """OSFT wraps save_model for its dense export; the record wraps it again. Checkpoints and the export both get
     leantrain.json, the export stays dense, and unpatch restores methods and callbacks by identity."""
     trainer = tiny_trainer(tmp_path / "run", steps=2)
@@ -254,10 +287,9 @@ def test_record_and_log_entry_compose_with_osft_and_unpatch_restores(tmp_path):
     assert report["osft"].status is leantrain.Status.APPLIED
     osft_save = trainer.save_model.__leantrain_original__
     assert osft_save.__leantrain_original__ == stock_save  # record wraps OSFT's wrapper, which wraps the stock one
-    assert sum(isinstance(c, ReportLogCallback) for c in trainer.callback_handler.callbacks) == 1
+    assert sum(isinstance(c, TrackerConfigCallback) for c in trainer.callback_handler.callbacks) == 1
     trainer.train()
-    entry = {**log_entry(report), "step": 0}
-    assert leantrain_entries(trainer.state.log_history) == [entry] and entry["leantrain/osft"] == "applied"
+    assert leantrain_entries(trainer.state.log_history) == []
     checkpoint = json.loads((tmp_path / "run" / "checkpoint-2" / RECORD_NAME).read_text())
     assert checkpoint["report"] == report.to_dict() and checkpoint["options"]["osft"]["source"] == "kwarg"
 
@@ -274,14 +306,10 @@ def test_record_and_log_entry_compose_with_osft_and_unpatch_restores(tmp_path):
     assert trainer.save_model == stock_save and trainer.callback_handler.callbacks == callbacks
 
 
-def test_log_entry_once_per_state_and_not_on_other_processes(tmp_path, monkeypatch):
+def test_record_only_where_the_weights_are_written(tmp_path, monkeypatch):
     trainer = tiny_trainer(tmp_path, steps=1)
     with leantrain.patched(trainer, osft=False):
         trainer.train()
-        history = trainer.state.log_history
-        callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ReportLogCallback))
-        callback.on_train_begin(trainer.args, trainer.state, trainer.control)  # e.g. resumed history: no second
-        assert len(leantrain_entries(history)) == 1
         monkeypatch.setattr(type(trainer.args), "should_save", property(lambda self: False))
         trainer.save_model(str(tmp_path / "not_main"))
         assert not (tmp_path / "not_main" / RECORD_NAME).exists()
@@ -333,7 +361,7 @@ def test_trl_sft_cli_with_a_yaml_recipe(tmp_path):
     record = json.loads((tmp_path / "out" / RECORD_NAME).read_text())
     assert record["report"]["trainer_kind"] == "sft" and record["options"]["cggr"] == {
         "value": True,
-        "source": "kwarg",
+        "source": "cli",
     }
     assert outcome(record["report"], "cggr")["status"] == "applied"
     assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -16,6 +16,9 @@ import torch
 # Tile dtypes the Triton passes are written and tested for (they load the tile, fold in fp32 and store back).
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
+# The fold's column blocks of one row: CUDA's grid y-dimension (65535), and the combine pass holds one partial per
+# block of a row in registers (a full-vocabulary row chunk of the scalar loss has V / block of them)
+MAX_FOLD_BLOCKS = 4096
 
 
 class UnsupportedInput(ValueError):
@@ -23,22 +26,34 @@ class UnsupportedInput(ValueError):
 
 
 def check_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, backend: str, compute_dtype: torch.dtype
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    backend: str,
+    compute_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    fold_block: int = 4096,
 ) -> None:
     """Raise ``UnsupportedInput`` with the reason when the op cannot run these inputs on ``backend``."""
-    for reason in input_reasons(hidden, weight, targets, backend, compute_dtype):
+    for reason in input_reasons(hidden, weight, targets, backend, compute_dtype, bias, fold_block):
         raise UnsupportedInput(reason)
 
 
 def input_reasons(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, backend: str, compute_dtype: torch.dtype
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    backend: str,
+    compute_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    fold_block: int = 4096,
 ) -> list[str]:
-    reasons = _common_reasons(hidden, weight, targets)
+    reasons = _common_reasons(hidden, weight, targets) + _bias_reasons(weight, bias)
     if reasons or backend == "torch":
         return reasons
     if backend != "triton":
         return [f"unknown backend {backend!r}: expected 'torch' or 'triton'"]
-    return _triton_reasons(hidden, compute_dtype)
+    return _triton_reasons(hidden, compute_dtype) + _grid_reasons(weight.shape[0], fold_block)
 
 
 def _common_reasons(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> list[str]:
@@ -61,6 +76,20 @@ def _common_reasons(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return reasons
 
 
+def _bias_reasons(weight: torch.Tensor, bias: torch.Tensor | None) -> list[str]:
+    """A head bias is read per vocab tile next to the weight: one value per vocabulary row, on its device."""
+    if bias is None:
+        return []
+    reasons = []
+    if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+        reasons.append(f"bias must be [V] with V = {weight.shape[0]} rows of weight, got {tuple(bias.shape)}")
+    if not bias.dtype.is_floating_point:
+        reasons.append(f"bias must be floating point, got {bias.dtype}")
+    if bias.device != weight.device:
+        reasons.append(f"bias on {bias.device} but weight on {weight.device}: they must be on one device")
+    return reasons
+
+
 def _triton_reasons(hidden: torch.Tensor, compute_dtype: torch.dtype) -> list[str]:
     reasons = []
     device = hidden.device
@@ -75,6 +104,16 @@ def _triton_reasons(hidden: torch.Tensor, compute_dtype: torch.dtype) -> list[st
     if compute_dtype not in TRITON_DTYPES:
         reasons.append(f"the Triton backend computes in fp32/bf16/fp16, not {compute_dtype}")
     return reasons
+
+
+def _grid_reasons(vocab: int, fold_block: int) -> list[str]:
+    blocks = -(-vocab // fold_block)
+    if blocks > MAX_FOLD_BLOCKS:
+        return [
+            f"vocabulary of {vocab} is {blocks} column blocks of {fold_block} for the Triton fold, more than its "
+            f"{MAX_FOLD_BLOCKS}: use the torch backend"
+        ]
+    return []
 
 
 def _interpreted() -> bool:

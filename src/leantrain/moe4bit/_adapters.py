@@ -1,19 +1,25 @@
 """PEFT LoRA adapters on 4-bit experts: which placements the grouped path serves (with precise reasons for the
-others) and, per call, the active adapters' per-expert factors for ``lora.split_lora``.
+others), where a ready module's adapters are (:func:`find`, for the probe's plan) and, per call, the active adapters'
+per-expert factors for ``lora.add_lora`` (:func:`provider`, built by ``apply``).
 
-Two placements:
-- ``lists``: PEFT ``lora.Linear4bit`` wrapping each expert's ``bnb.nn.Linear4bit`` in ``gate_up_projs`` /
-  ``down_projs`` (``target_modules="all-linear"`` or the list names). Per call one ``torch.stack`` of the E
-  ``lora_A`` and E ``lora_B`` weights per projection (E x r x (in + out) elements: 6 MB in bf16 for a Qwen3-30B-A3B
-  layer's gate_up at r=16).
-- ``stacked``: PEFT ``target_parameters`` LoRA (``ParamWrapper``, nested once per targeted stack) on 3-D stacks
-  quantized by :func:`leantrain.quantize_experts_4bit`. PEFT matches an already-parametrized parameter only by its
-  full name: :func:`expert_lora_targets` lists those names. ``lora_A`` ``[r*E, in]`` and ``lora_B`` ``[out, r*E]``
-  are viewed per expert (B needs one small copy per call: its expert index is the fastest one).
+Per-expert layers, in two layouts:
+- ``linear4bit`` lists: PEFT ``lora.Linear4bit`` wrapping each expert's ``bnb.nn.Linear4bit`` in ``gate_up_projs`` /
+  ``down_projs`` (``target_modules="all-linear"`` or the list names);
+- ``expert_mlps``: the same on each expert MLP's ``gate_proj`` / ``up_proj`` / ``down_proj`` (Mixtral: ``w1`` /
+  ``w3`` / ``w2``) of a transformers 4.x sparse MoE block; gate and up are two adapters whose outputs are the two
+  halves of the block's consolidated gate_up stack (:class:`Piece`).
+At patch time each adapter's E ``lora_A`` (and E ``lora_B``) weights of a projection are re-homed as slices of one
+``[E, r, in]`` (``[E, out, r]``) buffer (:class:`FactorStack`): the grouped GEMMs read the buffer with no copy per
+call, the parameters stay PEFT's objects (optimizer updates land in the buffer; saving and loading are unchanged) and
+each gets its slice of the gradient. Parameters re-homed after patching (an adapter added later, DeepSpeed's flat
+buffers, a move) are stacked per call instead.
 
-PEFT's own forward on such a stack is wrong (peft 0.21.2, see :func:`stock_forward`, the fallback that replaces it):
-with leantrain patched, the grouped path or that fallback serves every call.
-"""
+Stacks: PEFT ``target_parameters`` LoRA (``ParamWrapper``, nested once per targeted stack) on 3-D stacks quantized by
+:func:`leantrain.quantize_experts_4bit`. PEFT matches an already-parametrized parameter only by its full name:
+:func:`expert_lora_targets` lists those names. ``lora_A`` ``[r*E, in]`` and ``lora_B`` ``[out, r*E]`` are viewed
+per expert (B needs one small copy per call: its expert index is the fastest one). PEFT's own forward on such a
+stack is wrong (peft 0.21.2, see :func:`stock_forward`, the fallback that replaces it): with leantrain patched, the
+grouped path or that fallback serves every call."""
 
 from __future__ import annotations
 
@@ -24,17 +30,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .lora import LoraFactors
+from ._stacks import Record
+from .lora import LoraFactors, stacked
 from .quantize import STACK_NAMES
+from .saved import clone_shared_on_save
 
 
 @dataclass
 class Adapters:
-    """What one grouped call adds: the active adapters' factors per projection (empty: adapters disabled)."""
+    """What one grouped call adds: per projection, one tuple of column pieces per active adapter (``lora.add_lora``;
+    empty: adapters disabled)."""
 
-    gate_up: list[LoraFactors]
-    down: list[LoraFactors]
+    gate_up: list[tuple[LoraFactors, ...]]
+    down: list[tuple[LoraFactors, ...]]
     training: bool  # dropout applies in training only
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Per-expert PEFT LoRA layers (in expert order) whose outputs start at column ``start`` of a projection stack."""
+
+    layers: tuple[nn.Module, ...]
+    start: int = 0
 
 
 AdaptersFor = Callable[[], Adapters]
@@ -163,39 +180,57 @@ def _common_reason(layer: nn.Module, what: str) -> str | None:
     return None
 
 
-def lists_reason(ups: list[nn.Module], downs: list[nn.Module]) -> str | None:
-    """None when every expert Linear4bit is plain or every one carries servable PEFT LoRA adapters."""
-    layers = ups + downs
-    tuned = [m for m in layers if _is_tuner(m) or hasattr(m, "lora_A")]
-    if not tuned:
-        return None
-    if len(tuned) != len(layers):
-        return "LoRA adapters sit on some experts only: the grouped path needs every expert adapted alike"
-    for layer in layers:
-        reason = _common_reason(layer, "expert adapters")
-        if reason:
-            return reason
-        if _is_tuner(layer.base_layer):
-            return "expert Linear4bit layers are wrapped twice by PEFT tuners"
-        bias = getattr(layer.base_layer, "bias", None)
-        if bias is not None and bias.requires_grad:
+def per_expert_reason(groups: dict[str, list[nn.Module]]) -> str | None:
+    """None when each projection's per-expert layers (by name) are all plain or all carry the same servable PEFT
+    LoRA adapters (a projection without adapters is served next to one with them)."""
+    for label, layers in groups.items():
+        tuned = [m for m in layers if is_tuned(m)]
+        if not tuned:
+            continue
+        if len(tuned) != len(layers):
             return (
-                "expert biases require grad (PEFT bias='all' or 'lora_only'): the grouped path trains no expert biases"
+                f"LoRA adapters sit on some experts only ({label}: {len(tuned)} of {len(layers)}): the grouped path "
+                "needs every expert adapted alike"
             )
-    for group in (ups, downs):
-        first = group[0]
-        key = _lists_key(first)
-        if any(_lists_key(m) != key for m in group[1:]):
+        for layer in layers:
+            reason = _common_reason(layer, "expert adapters")
+            if reason:
+                return reason
+            if _is_tuner(layer.base_layer):
+                return "expert Linear4bit layers are wrapped twice by PEFT tuners"
+            bias = getattr(layer.base_layer, "bias", None)
+            if bias is not None and bias.requires_grad:
+                return (
+                    "expert biases require grad (PEFT bias='all' or 'lora_only'): the grouped path trains no expert "
+                    "biases"
+                )
+        key = _lists_key(layers[0])
+        if any(_lists_key(m) != key for m in layers[1:]):
             return (
-                "experts differ in their LoRA adapters (names, ranks, scaling or dropout): the grouped path needs "
-                "the same adapters on every expert"
+                f"experts differ in their LoRA adapters ({label}: names, ranks, scaling or dropout): the grouped path "
+                "needs the same adapters on every expert"
             )
     return None
 
 
+def adapter_key(layer: nn.Module) -> tuple | None:
+    """What the readiness of a per-expert layer's adapters depends on (host reads only; None: no adapters)."""
+    if not is_tuned(layer):
+        return None
+    adapters = tuple(sorted(getattr(layer, "lora_A", {})))
+    options = tuple(
+        (a, getattr(layer, n, {}).get(a) if isinstance(getattr(layer, n, None), dict) else None)
+        for a in adapters
+        for n in ("r", "scaling", "use_dora", "lora_bias")
+    )
+    variants = tuple(sorted(getattr(layer, "lora_variant", {})))
+    return (type(layer), adapters, options, variants, getattr(layer, "merged", False))
+
+
 def _lists_key(layer: nn.Module) -> tuple:
     return tuple(
-        (a, int(layer.r[a]), float(layer.scaling[a]), _dropout_p(layer.lora_dropout[a]), layer.lora_A[a].weight.dtype)
+        (a, int(layer.r[a]), float(layer.scaling[a]), _dropout_p(layer.lora_dropout[a]))
+        + tuple((w.dtype, w.device) for w in (layer.lora_A[a].weight, layer.lora_B[a].weight))
         for a in sorted(layer.lora_A)
     )
 
@@ -248,29 +283,101 @@ def _active(layer: nn.Module) -> list[str]:
     return [a for a in layer.active_adapters if a in layer.lora_A]
 
 
-def lists_adapters(experts: nn.Module, ups: list[nn.Module], downs: list[nn.Module]) -> AdaptersFor:
-    """Per call: the active adapters of the per-expert ``lora.Linear4bit`` layers, stacked per projection."""
+@dataclass
+class FactorStack:
+    """One adapter's ``lora_A`` or ``lora_B`` weights on the per-expert layers of a piece, re-homed at patch time as
+    the slices of ``buffer`` ``[E, rows, cols]`` (:func:`stack_factor`)."""
 
-    def factors(layers: list[nn.Module]) -> list[LoraFactors]:
-        first, last = layers[0], layers[-1]
-        active = _active(first)
-        if _active(last) != active:
+    layers: tuple[nn.Module, ...]
+    adapter: str
+    factor: str  # "lora_A" | "lora_B"
+    params: tuple[nn.Parameter, ...]
+    buffer: torch.Tensor
+    last_ptr: int  # buffer[-1].data_ptr()
+
+    def current(self, layer: nn.Module) -> nn.Parameter:
+        return getattr(layer, self.factor)[self.adapter].weight
+
+    def live(self) -> bool:
+        """The layers still hold these parameters and they still view the buffer. The first and last expert are
+        read (host attributes only): whatever re-homes parameters (a move, DeepSpeed's flat buffers, an assigning
+        ``load_state_dict``) re-homes them all."""
+        first, last = self.params[0], self.params[-1]
+        return (
+            self.current(self.layers[0]) is first
+            and self.current(self.layers[-1]) is last
+            and first.data_ptr() == self.buffer.data_ptr()
+            and last.data_ptr() == self.last_ptr
+            and first.dtype == self.buffer.dtype
+            and first.device == self.buffer.device
+        )
+
+    def tensor(self) -> torch.Tensor:
+        """``[E, rows, cols]``: the buffer (no copy; gradients reach each parameter) while live, else one
+        ``torch.stack`` of the layers' current parameters."""
+        if self.live():
+            return stacked(self.buffer, self.params)
+        return torch.stack([self.current(m) for m in self.layers])
+
+
+def stack_factor(layers: tuple[nn.Module, ...], adapter: str, factor: str, record: Record) -> FactorStack:
+    """Re-home every expert's ``factor`` weight of ``adapter`` as a slice of one new buffer (the same values); each
+    restore step (a private copy again) goes to ``record`` as soon as its change is made."""
+    params = tuple(getattr(m, factor)[adapter].weight for m in layers)
+    buffer = torch.stack([p.detach() for p in params])
+    for e, param in enumerate(params):
+        param.data = buffer[e]
+        record(lambda param=param: setattr(param, "data", param.data.clone()))
+    return FactorStack(layers, adapter, factor, params, buffer, buffer[-1].data_ptr())
+
+
+def _factors(piece: Piece, name: str, stacks: dict) -> LoraFactors:
+    first = piece.layers[0]
+    pair = stacks.get((id(piece), name))
+    if pair is not None:
+        a, b = pair[0].tensor(), pair[1].tensor()
+    else:  # an adapter added after patching: stacked per call
+        a = torch.stack([m.lora_A[name].weight for m in piece.layers])  # [E, r, in]
+        b = torch.stack([m.lora_B[name].weight for m in piece.layers])  # [E, out, r]
+    a, b = _compute(a, b, a.device)
+    return LoraFactors(a, b, float(first.scaling[name]), _dropout_p(first.lora_dropout[name]), piece.start)
+
+
+def _projection(pieces: tuple[Piece, ...], stacks: dict) -> list[tuple[LoraFactors, ...]]:
+    """Per active adapter (in PEFT's order), the pieces of this projection that carry it."""
+    actives = []
+    for piece in pieces:
+        active = _active(piece.layers[0])
+        if _active(piece.layers[-1]) != active:
             raise RuntimeError("experts have different active LoRA adapters")
-        out = []
-        for name in active:
-            a = torch.stack([m.lora_A[name].weight for m in layers])  # [E, r, in]
-            b = torch.stack([m.lora_B[name].weight for m in layers])  # [E, out, r]
-            a, b = _compute(a, b, a.device)
-            out.append(LoraFactors(a, b, float(first.scaling[name]), _dropout_p(first.lora_dropout[name])))
-        return out
+        actives.append(active)
+    names = list(dict.fromkeys(name for active in actives for name in active))
+    return [
+        tuple(_factors(piece, name, stacks) for piece, active in zip(pieces, actives) if name in active)
+        for name in names
+    ]
+
+
+def per_expert_adapters(
+    experts: nn.Module, gate_up: tuple[Piece, ...], down: tuple[Piece, ...], record: Record
+) -> AdaptersFor:
+    """Re-home every adapter's factors of the per-expert ``lora.Linear4bit`` layers as stacks (now, recording each
+    restore step); per call, the active adapters' factors per projection piece."""
+    stacks = {}
+    for piece in gate_up + down:
+        for name in piece.layers[0].lora_A:
+            factors = ("lora_A", "lora_B")
+            stacks[(id(piece), name)] = tuple(stack_factor(piece.layers, name, f, record) for f in factors)
+
+    clone_shared_on_save(experts, [s.buffer for pair in stacks.values() for s in pair], record)
 
     def adapters_for() -> Adapters:
-        return Adapters(factors(ups), factors(downs), experts.training)
+        return Adapters(_projection(gate_up, stacks), _projection(down, stacks), experts.training)
 
     return adapters_for
 
 
-def _wrapper_factors(wrapper: nn.Module, dtype: torch.dtype) -> list[LoraFactors]:
+def _wrapper_factors(wrapper: nn.Module, dtype: torch.dtype) -> list[tuple[LoraFactors, ...]]:
     """The active adapters of one ParamWrapper in the stack's dtype: PEFT folds ``W + s·A·B`` in W's dtype with
     autocast off, whatever the adapters' own dtype (fp32 under ``autocast_adapter_dtype``)."""
     experts = int(wrapper.num_experts)
@@ -280,15 +387,15 @@ def _wrapper_factors(wrapper: nn.Module, dtype: torch.dtype) -> list[LoraFactors
         b = wrapper.lora_B[name].weight  # [out, r*E]: expert e's columns e, E + e, ... (expert index fastest)
         a = a.view(experts, -1, a.shape[-1]).to(dtype)
         b = b.view(b.shape[0], -1, experts).permute(2, 0, 1).to(dtype)  # [E, out, r], strided: split_lora copies it
-        out.append(LoraFactors(a, b, float(wrapper.scaling[name]), 0.0))  # ParamWrapper refuses dropout
+        out.append((LoraFactors(a, b, float(wrapper.scaling[name]), 0.0),))  # ParamWrapper refuses dropout
     return out
 
 
-def stacked_adapters(wrapped: dict[int, nn.Module], experts: nn.Module) -> AdaptersFor:
+def chain_adapters(chain: tuple[nn.Module, ...], experts: nn.Module) -> AdaptersFor:
     """Per call: the active adapters of the ParamWrapper chain around a 4-bit stacked experts module."""
-    by_name = {w.parameter_name: w for w in param_wrappers(wrapped, experts)}
+    by_name = {w.parameter_name: w for w in chain}
 
-    def factors(name: str) -> list[LoraFactors]:
+    def factors(name: str) -> list[tuple[LoraFactors, ...]]:
         wrapper = by_name.get(name)
         if wrapper is None:
             return []
@@ -309,14 +416,41 @@ def base(layer: nn.Module) -> nn.Module:
     return layer.base_layer if _is_tuner(layer) else layer
 
 
-def adapters_for(found_layout: str, experts: nn.Module, wrapped: dict[int, nn.Module]) -> AdaptersFor | None:
-    """The per-call adapters provider of a ready experts module, or None when it carries no adapters."""
-    if found_layout == "stacked":
-        return stacked_adapters(wrapped, experts) if param_wrappers(wrapped, experts) else None
-    if found_layout != "linear4bit":  # per-expert MLP modules: their probe declines adapters
+@dataclass(frozen=True)
+class AdapterSpec:
+    """Where a ready experts module's PEFT adapters are (found by the probe): per-expert layers per projection
+    (``gate_up`` / ``down`` pieces), or the ``target_parameters`` ParamWrapper chain around a 4-bit stack."""
+
+    gate_up: tuple[Piece, ...] = ()
+    down: tuple[Piece, ...] = ()
+    chain: tuple[nn.Module, ...] = ()  # outermost first
+
+
+def find(layout: str, experts: nn.Module, wrapped: dict[int, nn.Module]) -> AdapterSpec | None:
+    """The adapters of a ready experts module (None: it carries none)."""
+    from .layouts import expert_projections
+
+    if layout == "stacked":
+        chain = tuple(param_wrappers(wrapped, experts))
+        return AdapterSpec(chain=chain) if chain else None
+    if layout == "expert_mlps":
+        gates, ups, downs = expert_projections(experts)
+        inter = int(base(gates[0]).weight.quant_state.shape[0])
+        gate_up = (Piece(tuple(gates), 0), Piece(tuple(ups), inter))  # the halves of the [E, 2I, H] stack
+    else:
+        gate_up, downs = (Piece(tuple(experts.gate_up_projs), 0),), list(experts.down_projs)
+    tuned = [tuple(p for p in group if is_tuned(p.layers[0])) for group in (gate_up, (Piece(tuple(downs), 0),))]
+    return AdapterSpec(tuned[0], tuned[1]) if tuned[0] or tuned[1] else None
+
+
+def provider(spec: AdapterSpec | None, experts: nn.Module, record: Record) -> AdaptersFor | None:
+    """The per-call adapters provider of ``spec`` (per-expert layers: their factors are re-homed as stacks now, each
+    restore step going to ``record``); None without adapters."""
+    if spec is None:
         return None
-    ups, downs = list(experts.gate_up_projs), list(experts.down_projs)
-    return lists_adapters(experts, ups, downs) if any(is_tuned(m) for m in ups + downs) else None
+    if spec.chain:
+        return chain_adapters(spec.chain, experts)
+    return per_expert_adapters(experts, spec.gate_up, spec.down, record)
 
 
 def with_adapters(plan_for: Callable, adapters: AdaptersFor | None) -> Callable:
@@ -330,25 +464,16 @@ def with_adapters(plan_for: Callable, adapters: AdaptersFor | None) -> Callable:
     return planned
 
 
-def owner_forward(make: Callable, owner: nn.Module, experts: nn.Module, wrapped: dict[int, nn.Module]) -> Callable:
-    """``Undo.wrap_method`` factory for the owner's forward. Under a ParamWrapper chain the fallback is
-    :func:`stock_forward` instead of PEFT's forward (see there)."""
-    if owner is experts:
-        return make
-    chain = param_wrappers(wrapped, experts)
-    return lambda original: make(stock_forward(experts, chain))
-
-
 def lora_detail(providers: list[AdaptersFor]) -> str:
     """The report's words on expert LoRA: how many modules carry it, and whether its GEMMs leave the fast path."""
     if not providers:
         return ""
     text = f"; expert LoRA as split grouped GEMMs on {len(providers)} modules"
     sample = providers[0]()
-    factors = sample.gate_up + sample.down
+    factors = [lora for pieces in sample.gate_up + sample.down for lora in pieces]
     if factors and factors[0].a.dtype == torch.float32 and factors[0].a.device.type == "cuda":
         text += (
-            " (in float32, the adapters' dtype: torch's grouped_mm runs one GEMM per expert there; train under bf16 "
-            "autocast or cast the adapters to bf16 for the fast path)"
+            " (adapters in float32: outside bf16 autocast they compute in float32, where torch's grouped_mm runs one "
+            "GEMM per expert; Trainer(bf16=True) autocasts, or cast the adapters to bf16)"
         )
     return text

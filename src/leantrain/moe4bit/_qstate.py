@@ -6,8 +6,8 @@ the CUDA dequantize kernel then reads host pointers: an illegal memory access, w
 fallback can recover. :class:`FollowingParametrization` (what :func:`leantrain.quantize_experts_4bit` installs) moves
 every state tensor with its module, bit for bit. A dtype change (``.to(torch.bfloat16)``, ``.half()``) never touches
 the uint8 codes or the fp32 absmax: it re-targets the dtype the stack dequantizes to, as it would cast a float
-parameter. :func:`load_pre_hook` reads back the quantization state that bitsandbytes' save hook writes, so
-``state_dict`` -> ``load_state_dict`` round-trips.
+parameter. :func:`load_state` reads back the quantization state that bitsandbytes' save hook writes
+(``saved.load_pre_hook``), so ``state_dict`` -> ``load_state_dict`` round-trips.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def install(module: torch.nn.Module, name: str) -> FollowingParametrization:
     return following
 
 
-def _load_state(current: bnbf.QuantState, items: dict[str, Any], assign: bool) -> None:
+def load_state(current: bnbf.QuantState, items: dict[str, Any], assign: bool) -> None:
     """Load a saved quantization state (bitsandbytes' ``as_dict(packed=True)`` keys) into ``current``: in place
     (devices and tensor identities kept) unless ``assign``. The dequantized dtype stays the module's, as
     ``load_state_dict`` keeps a float parameter's dtype."""
@@ -102,41 +102,3 @@ def _load_state(current: bnbf.QuantState, items: dict[str, Any], assign: bool) -
         else:
             with torch.no_grad():
                 t.copy_(source)
-
-
-def load_pre_hook(
-    module: torch.nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: dict[str, Any],
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    """Map bitsandbytes' saved form (``{name}`` packed bytes + ``{name}.absmax`` / ``.quant_map`` / nested keys /
-    ``.quant_state.bitsandbytes__*``) back onto the parametrization (``parametrizations.{name}.original``) and load
-    the quantization state, for every stack this hook's module quantized."""
-    for name, plist in module.parametrizations.items():
-        key = prefix + name
-        if not isinstance(plist[0], FollowingParametrization) or key not in state_dict:
-            continue  # a state dict in the module's own layout loads as usual
-        packed = state_dict.pop(key)
-        items = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(key + ".")]}
-        if not isinstance(packed, torch.Tensor) or packed.dtype != plist.original.dtype:
-            got = type(packed).__name__
-            if isinstance(packed, torch.Tensor):
-                got = f"{packed.dtype} {tuple(packed.shape)}"
-            error_msgs.append(
-                f"{key}: expected packed 4-bit data ({plist.original.dtype}), got {got}: load unquantized weights "
-                "before leantrain.quantize_experts_4bit"
-            )
-            continue
-        state_dict[f"{prefix}parametrizations.{name}.original"] = packed
-        if not items:
-            error_msgs.append(f"{key}: the checkpoint holds packed 4-bit data but no quantization state (absmax)")
-            continue
-        try:
-            _load_state(plist[0].quant_state, items, bool(local_metadata.get("assign", False)))
-        except (ValueError, AssertionError, KeyError) as error:
-            error_msgs.append(f"{key}: {error}")

@@ -71,7 +71,7 @@ def _is_stacked(module: nn.Module) -> bool:
 
 
 def find_experts(model: nn.Module) -> list[Found]:
-    """Every experts module of either layout (structural: needs no bitsandbytes)."""
+    """Every experts module of any layout (structural: needs no bitsandbytes)."""
     found = []
     for name, module in model.named_modules():
         if hasattr(module, "gate") and _is_expert_mlps(module):
@@ -83,22 +83,9 @@ def find_experts(model: nn.Module) -> list[Found]:
     return found
 
 
-def _wrapped_ids(model: nn.Module) -> dict[int, nn.Module]:
-    """Modules that a PEFT tuner layer wraps, by id, to their wrapper: LoRA on an expert or on an experts stack."""
-    from ._adapters import wrapped_map
-
-    return wrapped_map(model)
-
-
-def _is_lora(module: nn.Module, wrapped: dict[int, nn.Module]) -> bool:
-    return (
-        id(module) in wrapped
-        or isinstance(getattr(module, "base_layer", None), nn.Module)
-        or hasattr(module, "lora_A")
-    )
-
-
-def _bnb_parametrization(module: nn.Module, name: str):
+def bnb_parametrization(module: nn.Module, name: str):
+    """The parametrization list of a stack bitsandbytes quantized (one 4-bit parametrization with its state), or
+    None."""
     from bitsandbytes.nn.parametrize import Bnb4bitParametrization
     from torch.nn.utils import parametrize
 
@@ -114,7 +101,7 @@ def is_4bit(found: Found) -> bool:
     import bitsandbytes as bnb
 
     if found.layout == "stacked":
-        return all(_bnb_parametrization(found.module, n) is not None for n in STACK_NAMES)
+        return all(bnb_parametrization(found.module, n) is not None for n in STACK_NAMES)
     if found.layout == "expert_mlps":
         layers = [m for group in expert_projections(found.module) for m in group]
     else:
@@ -166,6 +153,16 @@ def block_recipe(block: nn.Module) -> BlockRecipe | None:
         if recipe is not None and recipe.hook == hook:
             return recipe
     return None
+
+
+def replaced(module: nn.Module, name: str) -> bool:
+    """Whether the instance holds its own ``name`` method, other than the class's own bound to it (transformers 4.x's
+    output recording binds ``module.forward`` on the instance around a call and leaves the class's method there)."""
+    method = module.__dict__.get(name)
+    if method is None:
+        return False
+    own = getattr(type(module), name, None)
+    return not (getattr(method, "__func__", None) is own and getattr(method, "__self__", None) is module)
 
 
 def is_stock_expert_mlp(expert: nn.Module) -> bool:

@@ -10,6 +10,10 @@ leave those groups unwritten, pytorch#172439).
 grouped_mm wants 16-byte aligned strides: a rank whose row is not a multiple of 16 bytes (rank 4 in bf16 is 8 B)
 is padded with zero rows of A / zero columns of B, which changes no result (the padding contributes exact zeros
 and its gradient is dropped by ``F.pad``'s backward).
+
+:func:`add_lora` adds every active adapter's output to a projection's output in PEFT's order, an adapter's column
+pieces side by side (a 4.x expert's gate and up adapters fill the two halves of one gate_up stack). :func:`stacked`
+hands E per-expert parameters that are slices of one buffer to the GEMMs as that buffer, without a copy.
 """
 
 from __future__ import annotations
@@ -39,12 +43,17 @@ def padded_rank(rank: int, dtype: torch.dtype) -> int:
 
 @dataclass
 class LoraFactors:
-    """One adapter on one expert projection: per-expert factors and PEFT's scaling and dropout probability."""
+    """One adapter on one expert projection: per-expert factors and PEFT's scaling and dropout probability.
+
+    ``start`` is the first output column of the projection's stack the adapter adds to: a transformers 4.x expert's
+    gate and up projections are two PEFT layers whose outputs are the two halves of one ``[E, 2I, H]`` gate_up stack
+    (gate at 0, up at I); every other placement covers the whole output (``start`` 0, ``out`` = the stack's rows)."""
 
     a: torch.Tensor  # [E, r, in]
     b: torch.Tensor  # [E, out, r]
     scaling: float
     dropout: float = 0.0
+    start: int = 0
 
     @property
     def rank(self) -> int:
@@ -116,17 +125,47 @@ def split_lora(
     return _SplitLora.apply(x.contiguous(), a.contiguous(), b.contiguous(), offs, lora.scaling, tokens, index)
 
 
-def lora_sum(
+def add_lora(
+    base: torch.Tensor,
     x: torch.Tensor,
-    adapters: list[LoraFactors],
+    adapters: list[tuple[LoraFactors, ...]],
     offs: torch.Tensor,
-    out_dtype: torch.dtype,
     training: bool = True,
     source: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | None:
-    """The summed output of every active adapter, each cast to ``out_dtype`` before the sum (PEFT's order)."""
-    total = None
-    for lora in adapters:  # adapters, not experts: usually one
-        y = split_lora(x, lora, offs, training, source).to(out_dtype)
-        total = y if total is None else total + y
-    return total
+) -> torch.Tensor:
+    """``base`` plus every active adapter's output, added one adapter after another in ``base``'s dtype (PEFT's
+    order: ``result = result + lora(x)`` per adapter). Each adapter is a tuple of column pieces (see
+    :class:`LoraFactors`): pieces side by side, zeros where a projection carries no piece of this adapter."""
+    out = base
+    rows, width = base.shape
+    for pieces in adapters:  # adapters, not experts: usually one
+        parts, column = [], 0
+        for lora in pieces:
+            if lora.start > column:
+                parts.append(base.new_zeros(rows, lora.start - column))
+            parts.append(split_lora(x, lora, offs, training, source).to(base.dtype))
+            column = lora.start + parts[-1].shape[1]
+        if column < width:
+            parts.append(base.new_zeros(rows, width - column))
+        out = out + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+    return out
+
+
+class _Stacked(torch.autograd.Function):
+    """The ``[E, ...]`` buffer whose slices are the storage of the E given parameters, as one tensor without a copy;
+    backward hands each parameter its slice of one contiguous gradient (autograd keeps such a slice as the
+    parameter's ``.grad`` without copying it when the parameter has none yet)."""
+
+    @staticmethod
+    def forward(ctx, buffer, *params):
+        return buffer.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *grad.contiguous().unbind(0))
+
+
+def stacked(buffer: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``torch.stack(params)`` for tensors whose storage is ``buffer[e]`` (the caller checks that): the same values
+    and gradients, no copy per call."""
+    return _Stacked.apply(buffer, *params)

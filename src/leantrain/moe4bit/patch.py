@@ -1,4 +1,5 @@
-"""The forwards installed on patched modules: they read the routing from the stock call, take the plan (checked
+"""Trainer glue: :func:`install` patches one target of the model plan (its per-call plan, its adapters, the
+replaced method), and the forwards it installs: they read the routing from the stock call, take the plan (checked
 per call: raising sends the call to the stock forward through the run-time fallback) and run the grouped path."""
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._grouped import ExpertsPlan
+from . import _adapters
+from .ops import ExpertsPlan
+from .plan import Target, plan_provider
 
 
 ROUTING_INDEX_NAMES = ("router_indices", "top_k_index", "topk_ids")
@@ -28,21 +31,11 @@ def routing_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return indices, weights
 
 
-def fixed(plan: ExpertsPlan, check: Callable) -> PlanFor:
-    """A plan built at patch time, served after the per-call check (a moved model takes the stock path)."""
-
-    def plan_for(hidden_states, indices, weights):
-        check(hidden_states, indices, weights)
-        return plan
-
-    return plan_for
-
-
 def experts_forward(plan_for: PlanFor, fallback: Any) -> Callable:
     """``Undo.wrap_method`` factory: the experts module's forward through the grouped path, stock on failure."""
 
     def make(original):
-        from ._grouped import grouped_forward  # looked up at patch time (tests spy on it)
+        from .ops import grouped_forward  # looked up at patch time (tests spy on it)
 
         def fast(hidden_states, *args, **kwargs):
             indices, weights = routing_args(args, kwargs)
@@ -73,7 +66,7 @@ def block_forward(block: Any, plan_for: PlanFor, normalize: str, shared: bool, f
     ``(hidden [B, S, H], router_logits [B*S, E])`` like the stock block (the logits feed the aux loss)."""
 
     def make(original):
-        from ._grouped import grouped_forward  # looked up at patch time (tests spy on it)
+        from .ops import grouped_forward  # looked up at patch time (tests spy on it)
 
         def fast(hidden_states: torch.Tensor):
             batch, seq, hidden = hidden_states.shape
@@ -96,3 +89,24 @@ def block_forward(block: Any, plan_for: PlanFor, normalize: str, shared: bool, f
         return forward
 
     return make
+
+
+def install(target: Target, fsdp2: bool, undo: Any, fallback: Any) -> _adapters.AdaptersFor | None:
+    """Patch one experts module as its target says, every change recorded on ``undo`` (an ``Undo``) as it is made:
+    its per-call plan (consolidated stacks, or FSDP2's per-call plan), its adapters' provider (factor stacks), and
+    the replaced method, one of three: a transformers 4.x block's forward (router, routing, experts, shared
+    expert), DeepSeek-V2's experts step ``moe``, or the experts' forward (called through the outermost
+    ParamWrapper under ``target_parameters`` LoRA, whose stock fallback folds the adapters in as PEFT would:
+    ``_adapters.stock_forward``). Returns the adapters' provider (None: no adapters)."""
+    adapters = _adapters.provider(target.adapters, target.module, undo.push)
+    plan_for = _adapters.with_adapters(plan_provider(target, fsdp2, undo.push), adapters)
+    recipe = target.recipe
+    if recipe is not None and recipe.hook == "forward":
+        make = block_forward(target.module, plan_for, recipe.normalize, recipe.shared, fallback)
+    else:
+        make = experts_forward(plan_for, fallback)
+        if target.owner is not target.module:  # PEFT's ParamWrapper forward is wrong on 4-bit stacks
+            stock = _adapters.stock_forward(target.module, target.adapters.chain)
+            make = (lambda fast: lambda original: fast(stock))(make)
+    undo.wrap_method(target.owner, target.hook, make)
+    return adapters

@@ -1,4 +1,5 @@
-"""Build the plan the grouped path serves for one ready experts module: the packed stacks (consolidated from
+"""What ``apply`` executes: the model plan the probe returns (one :class:`Target` per experts module, with
+everything apply needs), and, per module, the plan the grouped path serves: the packed stacks (consolidated from
 per-expert ``Linear4bit`` modules, or views of the 3-D stacks), projections, gate, and a cheap per-call check;
 under FSDP2 the plan is rebuilt per call around the live unsharded stacks."""
 
@@ -6,26 +7,89 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from ._grouped import ExpertsPlan, Projection, clamp_swiglu, gated_act
 from ._stacks import Record, consolidate_linear4bit, stack_from_quant_state, state_tensors
-from .layouts import Found, _bnb_parametrization, expert_mlp_names, expert_projections
-from .probe import _state_key, device_mix_reason, tensor_key
+from .layouts import BlockRecipe, Found, bnb_parametrization, expert_mlp_names, expert_projections
+from .ops import ExpertsPlan, Projection, clamp_swiglu, gated_act
 from .quantize import BIAS_NAMES, STACK_NAMES
+from .saved import clone_shared_on_save
 
 
 Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+PlanFor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], ExpertsPlan]
 
 
-class ModelPlan(NamedTuple):
-    """What the probe hands to ``apply``: the experts modules to patch and the path detail for the report."""
+@dataclass
+class Target(Found):
+    """One ready experts module and everything ``apply`` needs for it: which method of which module is replaced
+    (``owner.hook``: the 4.x block's forward or DeepSeek-V2's ``moe``, the experts' forward, or under
+    ``target_parameters`` LoRA the outermost ParamWrapper's forward), the block recipe (4.x), where its PEFT adapters
+    are (``_adapters.AdapterSpec``), and recompute or saved stacks with the reason for the report."""
 
-    experts: list[Found]
+    owner: nn.Module = None  # type: ignore[assignment]
+    hook: str = "forward"
+    recipe: BlockRecipe | None = None
+    adapters: Any = None  # _adapters.AdapterSpec | None
+    recompute: bool = True
+    recompute_why: str = ""
+
+
+@dataclass
+class ModelPlan:
+    """What the probe hands to ``apply``: the targets, whether FSDP2 swaps their stacks per call, the report's
+    detail."""
+
+    targets: list[Target]
     detail: str
+    fsdp2: bool = False
+
+
+# ------------------------------------------------------------------------------ host-side identity and devices
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """Host-side identity of a tensor's storage: object, pointer, device, dtype, grad flag (attribute reads only:
+    no device sync). No in-place version: DDP's start-up broadcast rewrites frozen parameters in place."""
+    return None if t is None else (id(t), t.data_ptr(), t.device, t.dtype, t.requires_grad)
+
+
+def state_key(qs) -> tuple | None:
+    """A quantization state's identity, with the in-place versions of its tensors (not parameters, so no framework
+    rewrites them; an in-place ``load_state_dict`` does, and a plan may hold padded copies of them)."""
+    if qs is None:
+        return None
+    tensors = state_tensors(qs).values()
+    versions = tuple(-1 if t.is_inference() else t._version for t in tensors)  # inference tensors have no counter
+    return (id(qs), qs.dtype, getattr(qs, "packing_format_for_cpu", False), versions) + tuple(
+        tensor_key(t) for t in tensors
+    )
+
+
+def device_mix_reason(tensors: dict[str, torch.Tensor]) -> str | None:
+    """A reason when the tensors a dequantize / grouped GEMM reads are not all on one device (a CUDA kernel handed a
+    foreign pointer is an illegal memory access, which no fallback survives). Smallest groups are named first."""
+    by_device: dict[str, list[str]] = {}
+    for name, t in tensors.items():
+        by_device.setdefault(str(t.device), []).append(name)
+    if len(by_device) < 2:
+        return None
+    groups = sorted(by_device.items(), key=lambda kv: len(kv[1]))
+    where = "; ".join(
+        f"{', '.join(names[:2])}{f' and {len(names) - 2} more' if len(names) > 2 else ''} on {device}"
+        for device, names in groups
+    )
+    return (
+        f"4-bit expert tensors are on different devices ({where}): move the whole model with .to() / .cuda() "
+        "(leantrain.quantize_experts_4bit stacks move their quantization state with it)"
+    )
+
+
+# ------------------------------------------------------------------------------------------ per-module plans
 
 
 def _plan_device(plan: ExpertsPlan) -> torch.device:
@@ -97,7 +161,7 @@ def build_plan(found: Found, record: Record, recompute: bool) -> tuple[ExpertsPl
                 parts.append(id(layer))  # a PEFT wrapper added or removed after patching
                 layer = base(layer)
                 weight = layer.weight
-                parts += [id(layer), tensor_key(weight), _state_key(weight.quant_state), layer.compute_dtype]
+                parts += [id(layer), tensor_key(weight), state_key(weight.quant_state), layer.compute_dtype]
                 parts.append(tensor_key(layer.bias))
         return tuple(parts)
 
@@ -112,7 +176,9 @@ def expert_mlps_plan(block: nn.Module, record: Record, recompute: bool) -> tuple
     gate_up stack (expert e's gate rows, then its up rows: ``chunk(2)`` halves), the down projections as
     ``[E, H, I]``; ``F.linear`` orientation, no biases, the experts' ``act_fn``. The per-expert modules keep their
     weights as views of the stacks (state dict and save unchanged)."""
-    gates, ups, downs = expert_projections(block)
+    from ._adapters import base
+
+    gates, ups, downs = ([base(m) for m in group] for group in expert_projections(block))  # under any LoRA
     pairs = [layer for pair in zip(gates, ups) for layer in pair]  # g0, u0, g1, u1, ...: the [E, 2I, H] byte order
     experts, (inter, hidden) = len(gates), (int(s) for s in gates[0].weight.quant_state.shape)
     gate_up = dataclasses.replace(consolidate_linear4bit(pairs, record), shape=(experts, 2 * inter, hidden))
@@ -132,30 +198,23 @@ def expert_mlps_plan(block: nn.Module, record: Record, recompute: bool) -> tuple
     def snapshot() -> tuple:
         parts = []
         for layer in sampled():
+            parts.append(id(layer))  # a PEFT wrapper added or removed after patching
+            layer = base(layer)
             weight = layer.weight
-            parts += [id(layer), tensor_key(weight), _state_key(weight.quant_state), layer.compute_dtype]
+            parts += [id(layer), tensor_key(weight), state_key(weight.quant_state), layer.compute_dtype]
         return tuple(parts)
 
     def frozen() -> bool:
-        return not any(layer.weight.requires_grad for layer in sampled())
+        return not any(base(layer).weight.requires_grad for layer in sampled())
 
     return plan, _make_check(plan, snapshot, frozen, "expert weights")
 
 
 def _clone_shared_on_save(module: nn.Module, stacks: list, record: Record) -> None:
-    """Consolidated experts share storage, which safetensors and ``save_pretrained`` refuse: hand out private
-    copies of those tensors in this module's state dict (loading still copies into the shared buffers)."""
+    """Consolidated experts share storage: ``saved.clone_shared_on_save`` over every buffer of the stacks."""
     buffers = [t for s in stacks for t in (s.data, s.absmax) if t is not None]
     buffers += [t for s in stacks if s.nested is not None for t in (s.nested.codes, s.nested.absmax2)]
-    shared = {t.untyped_storage().data_ptr() for t in buffers}
-
-    def hook(mod: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        for key, value in list(state_dict.items()):
-            if key.startswith(prefix) and isinstance(value, torch.Tensor):
-                if value.untyped_storage().data_ptr() in shared:
-                    state_dict[key] = value.detach().clone()
-
-    record(module.register_state_dict_post_hook(hook).remove)
+    clone_shared_on_save(module, buffers, record)
 
 
 def _is_stock_gpt_oss_gate(module: nn.Module) -> bool:
@@ -170,7 +229,7 @@ def _is_stock_gpt_oss_gate(module: nn.Module) -> bool:
 
 
 def _stacked_plan(module: nn.Module, recompute: bool) -> tuple[ExpertsPlan, Callable[[], None]]:
-    plists = [_bnb_parametrization(module, n) for n in STACK_NAMES]
+    plists = [bnb_parametrization(module, n) for n in STACK_NAMES]
     states = [p[0].quant_state for p in plists]
     in_major = bool(getattr(module, "is_transposed", False))
     has_bias = bool(getattr(module, "has_bias", False))
@@ -189,16 +248,13 @@ def _stacked_plan(module: nn.Module, recompute: bool) -> tuple[ExpertsPlan, Call
         parts: list = [id(module.parametrizations)]
         for name in STACK_NAMES:
             plist = module.parametrizations[name]
-            parts += [id(plist), id(plist[0]), tensor_key(plist.original), _state_key(plist[0].quant_state)]
+            parts += [id(plist), id(plist[0]), tensor_key(plist.original), state_key(plist[0].quant_state)]
         return tuple(parts) + tuple(tensor_key(module._parameters.get(name)) for name in BIAS_NAMES)
 
     def frozen() -> bool:
         return not any(module.parametrizations[name].original.requires_grad for name in STACK_NAMES)
 
     return plan, _make_check(plan, snapshot, frozen, "packed expert stacks")
-
-
-PlanFor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], ExpertsPlan]
 
 
 def live_stacked_plan(module: nn.Module, recompute: bool) -> PlanFor:
@@ -243,3 +299,21 @@ def live_stacked_plan(module: nn.Module, recompute: bool) -> PlanFor:
         return dataclasses.replace(template, gate_up=gate_up, down=down)
 
     return plan_for
+
+
+def fixed(plan: ExpertsPlan, check: Callable) -> PlanFor:
+    """A plan built at patch time, served after the per-call check (a moved model takes the stock path)."""
+
+    def plan_for(hidden_states, indices, weights):
+        check(hidden_states, indices, weights)
+        return plan
+
+    return plan_for
+
+
+def plan_provider(target: Target, fsdp2: bool, record: Record) -> PlanFor:
+    """Per call, the plan for ``target``: built now (consolidating per-expert stacks, each restore step going to
+    ``record``) and checked per call, or under FSDP2 rebuilt per call around the unsharded stacks."""
+    if fsdp2:
+        return live_stacked_plan(target.module, target.recompute)
+    return fixed(*build_plan(target, record, target.recompute))

@@ -1,8 +1,10 @@
 """Readiness: whether the grouped 4-bit path can serve each experts module, with a precise reason when it cannot
-(cached per module until what it looked at changes), and the probe on a whole model."""
+(cached per module until what it looked at changes), and the probe on a trainer: the model plan (one target per
+experts module with everything ``apply`` needs, recompute chosen per layout and shape)."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -10,27 +12,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models import unwrap_model
-from ..optimization import Readiness, optional_import_reason
-from ._grouped import grouped_mm
+from ..models import data_parallel_reason, unwrap_model
+from ..optimization import PatchContext, Readiness, optional_import_reason
+from . import _adapters, recompute
 from ._stacks import MAX_ELEMENTS_PER_CALL, NESTED_BLOCKSIZE, state_tensors
 from .layouts import (
     Found,
-    _bnb_parametrization,
-    _is_lora,
-    _wrapped_ids,
     block_recipe,
+    bnb_parametrization,
+    expert_mlp_names,
     expert_projections,
     find_experts,
     is_4bit,
     is_stock_expert_mlp,
+    replaced,
 )
+from .ops import grouped_mm
+from .plan import ModelPlan, Target, device_mix_reason, state_key, tensor_key
 from .quantize import BIAS_NAMES, STACK_NAMES
 
 
 LORA_REASON = (
-    "experts carry LoRA adapters: the grouped 4-bit path serves LoRA on gpt-oss-style Linear4bit expert lists and "
-    "on quantize_experts_4bit stacks, not on per-expert MLP modules yet"
+    "a PEFT tuner wraps an experts module or an expert MLP as a whole: the grouped 4-bit path serves LoRA on the "
+    'expert projections (PEFT target_modules naming them, or "all-linear") and target_parameters LoRA on '
+    "quantize_experts_4bit stacks"
 )
 NOT_4BIT_REASON = "MoE experts are not 4-bit: run leantrain.quantize_experts_4bit(model) first"
 NOT_4BIT_MLPS_REASON = (
@@ -39,37 +44,23 @@ NOT_4BIT_MLPS_REASON = (
 
 
 def lora_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
-    """Why PEFT adapters on this expert (or experts module) keep it off the grouped path; None: no adapters (the
-    layouts whose adapters are not served: per-expert MLP modules)."""
-    return LORA_REASON if _is_lora(module, wrapped) else None
+    """Why a PEFT tuner wrapping this whole module (an MoE block or an expert MLP) keeps it off the grouped path;
+    None: not wrapped."""
+    tuned = id(module) in wrapped or _adapters.is_tuned(module)
+    return LORA_REASON if tuned else None
 
 
 def expert_lora_reason(found: Found, wrapped: dict[int, nn.Module]) -> str | None:
     """Why PEFT adapters on a served layout keep it off the grouped path (``_adapters``: LoRA on every expert
-    ``Linear4bit`` of the lists, ``target_parameters`` LoRA on 4-bit stacks); None: no adapters, or servable."""
-    from . import _adapters
-
+    projection of the per-expert layouts, ``target_parameters`` LoRA on 4-bit stacks); None: no adapters, or
+    servable."""
     if found.layout == "stacked":
         return _adapters.stacked_reason(found.module, wrapped)
-    return _adapters.lists_reason(list(found.module.gate_up_projs), list(found.module.down_projs))
-
-
-def device_mix_reason(tensors: dict[str, torch.Tensor]) -> str | None:
-    """A reason when the tensors a dequantize / grouped GEMM reads are not all on one device (a CUDA kernel handed a
-    foreign pointer is an illegal memory access, which no fallback survives). Smallest groups are named first."""
-    by_device: dict[str, list[str]] = {}
-    for name, t in tensors.items():
-        by_device.setdefault(str(t.device), []).append(name)
-    if len(by_device) < 2:
-        return None
-    groups = sorted(by_device.items(), key=lambda kv: len(kv[1]))
-    where = "; ".join(
-        f"{', '.join(names[:2])}{f' and {len(names) - 2} more' if len(names) > 2 else ''} on {device}"
-        for device, names in groups
-    )
-    return (
-        f"4-bit expert tensors are on different devices ({where}): move the whole model with .to() / .cuda() "
-        "(leantrain.quantize_experts_4bit stacks move their quantization state with it)"
+    if found.layout == "expert_mlps":
+        names = expert_mlp_names(found.module.experts[0])
+        return _adapters.per_expert_reason(dict(zip(names, expert_projections(found.module))))
+    return _adapters.per_expert_reason(
+        {"gate_up_projs": list(found.module.gate_up_projs), "down_projs": list(found.module.down_projs)}
     )
 
 
@@ -164,15 +155,13 @@ def _layers_reason(named: dict[str, list[nn.Module]], wrapped: dict[int, nn.Modu
 
 
 def _lists_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | None:
-    from ._adapters import base
-
     ups, downs = list(module.gate_up_projs), list(module.down_projs)
     if not ups or len(ups) != len(downs):
         return f"gate_up_projs ({len(ups)}) and down_projs ({len(downs)}) differ in length"
     reason = expert_lora_reason(Found("", module, "linear4bit"), wrapped)  # served LoRA: checked here
     if reason:
         return reason
-    ups, downs = [base(m) for m in ups], [base(m) for m in downs]  # the Linear4bit under any served LoRA
+    ups, downs = ([_adapters.base(m) for m in group] for group in (ups, downs))  # the Linear4bit under any LoRA
     reason = _layers_reason({"gate_up_projs": ups, "down_projs": downs}, None)
     if reason:
         return reason
@@ -226,7 +215,7 @@ def _expert_mlps_reason(block: nn.Module, wrapped: dict[int, nn.Module]) -> str 
             f"{type(block).__name__}'s forward ({module}.{qualname}) is not a stock transformers 4.x MoE block "
             "forward whose routing leantrain reproduces (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2)"
         )
-    if recipe.hook in block.__dict__:
+    if replaced(block, recipe.hook):
         return f"the MoE block's {recipe.hook} is already replaced on the instance (another library patched it)"
     reason = lora_reason(block, wrapped) or _routing_reason(block, recipe)
     if reason:
@@ -235,12 +224,15 @@ def _expert_mlps_reason(block: nn.Module, wrapped: dict[int, nn.Module]) -> str 
         reason = lora_reason(expert, wrapped)
         if reason:
             return reason
-        if not is_stock_expert_mlp(expert) or "forward" in expert.__dict__:
+        if not is_stock_expert_mlp(expert) or replaced(expert, "forward"):
             return f"an expert is a {type(expert).__name__} whose forward is not a stock gated MLP"
         if not callable(getattr(expert, "act_fn", None)) or type(expert.act_fn) is not type(block.experts[0].act_fn):
             return "experts have no act_fn or different activations"
-    gates, ups, downs = expert_projections(block)
-    reason = _layers_reason({"gate": gates, "up": ups, "down": downs}, wrapped)
+    reason = expert_lora_reason(Found("", block, "expert_mlps"), wrapped)  # served LoRA: checked here
+    if reason:
+        return reason
+    gates, ups, downs = ([_adapters.base(m) for m in group] for group in expert_projections(block))  # under any LoRA
+    reason = _layers_reason({"gate": gates, "up": ups, "down": downs}, None)
     if reason:
         return reason
     if any(layer.bias is not None for layer in gates + ups + downs):
@@ -260,7 +252,7 @@ def _stacked_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | N
     reason = expert_lora_reason(Found("", module, "stacked"), wrapped)
     if reason:
         return reason
-    plists = [_bnb_parametrization(module, n) for n in STACK_NAMES]
+    plists = [bnb_parametrization(module, n) for n in STACK_NAMES]
     if any(p is None for p in plists):
         return NOT_4BIT_REASON
     if any(p.original.requires_grad for p in plists):
@@ -297,33 +289,15 @@ def _stacked_reason(module: nn.Module, wrapped: dict[int, nn.Module]) -> str | N
 _CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str | None]] = weakref.WeakKeyDictionary()
 
 
-def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """Host-side identity of a tensor's storage: object, pointer, device, dtype, grad flag (attribute reads only:
-    no device sync). No in-place version: DDP's start-up broadcast rewrites frozen parameters in place."""
-    return None if t is None else (id(t), t.data_ptr(), t.device, t.dtype, t.requires_grad)
-
-
-def _state_key(qs) -> tuple | None:
-    """A quantization state's identity, with the in-place versions of its tensors (not parameters, so no framework
-    rewrites them; an in-place ``load_state_dict`` does, and a plan may hold padded copies of them)."""
-    if qs is None:
-        return None
-    tensors = state_tensors(qs).values()
-    versions = tuple(-1 if t.is_inference() else t._version for t in tensors)  # inference tensors have no counter
-    return (id(qs), qs.dtype, getattr(qs, "packing_format_for_cpu", False), versions) + tuple(
-        tensor_key(t) for t in tensors
-    )
-
-
 def _signature(found: Found, wrapped: dict[int, nn.Module]) -> tuple:
     """Cheap identity of what the readiness check looked at (modules, tensors with their devices, states, grads)."""
     module = found.module
     if found.layout == "stacked":
         parts = [id(module) in wrapped, getattr(module, "_is_expert_parallel", False)]
         for name in STACK_NAMES:
-            plist = _bnb_parametrization(module, name)
+            plist = bnb_parametrization(module, name)
             parts.append(
-                None if plist is None else (tensor_key(plist.original), id(plist[0]), _state_key(plist[0].quant_state))
+                None if plist is None else (tensor_key(plist.original), id(plist[0]), state_key(plist[0].quant_state))
             )
         parts += [tensor_key(module._parameters.get(name)) for name in BIAS_NAMES]
         return tuple(parts)
@@ -332,22 +306,26 @@ def _signature(found: Found, wrapped: dict[int, nn.Module]) -> tuple:
             *(getattr(module, n, None) for n in ("top_k", "norm_topk_prob", "jitter_noise", "ep_rank")),
             id(getattr(module, "gate", None)),
             type(module),
-            tuple(sorted(k for k in ("forward", "moe") if k in module.__dict__)),
-            tuple(id(m) in wrapped or "forward" in m.__dict__ for m in (module, *module.experts)),
+            tuple(replaced(module, k) for k in ("forward", "moe")),
+            tuple(id(m) in wrapped or replaced(m, "forward") for m in (module, *module.experts)),
         ]
         layers = [m for group in expert_projections(module) for m in group]
     else:
         parts, layers = [], list(module.gate_up_projs) + list(module.down_projs)
+
     for layer in layers:
-        weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+        inner = _adapters.base(layer)
+        weight, bias = getattr(inner, "weight", None), getattr(inner, "bias", None)
         parts.append(
             (
                 id(layer),
+                id(inner),
                 id(layer) in wrapped,
+                _adapters.adapter_key(layer),
                 tensor_key(weight) if isinstance(weight, torch.Tensor) else id(weight),
-                _state_key(getattr(weight, "quant_state", None)),
+                state_key(getattr(weight, "quant_state", None)),
                 tensor_key(bias) if isinstance(bias, torch.Tensor) else id(bias),
-                getattr(layer, "compute_dtype", None),
+                getattr(inner, "compute_dtype", None),
             )
         )
     return tuple(parts)
@@ -400,12 +378,10 @@ def _path_detail(device: torch.device, dtype: torch.dtype) -> str:
 
 def compute_dtype(found: Found) -> tuple[torch.device, torch.dtype]:
     if found.layout == "stacked":
-        plist = _bnb_parametrization(found.module, STACK_NAMES[0])
+        plist = bnb_parametrization(found.module, STACK_NAMES[0])
         return plist.original.device, plist[0].quant_state.dtype
-    from ._adapters import base
-
     layer = expert_projections(found.module)[0][0] if found.layout == "expert_mlps" else found.module.gate_up_projs[0]
-    layer = base(layer)
+    layer = _adapters.base(layer)
     return layer.weight.device, layer.compute_dtype or layer.weight.quant_state.dtype
 
 
@@ -480,7 +456,7 @@ def readiness(model: Any) -> Readiness:
     quantized = [f for f in found if is_4bit(f)]
     if not quantized:
         return Readiness.not_applicable(not_4bit_reason(found[0]))
-    wrapped = _wrapped_ids(model)
+    wrapped = _adapters.wrapped_map(model)
     problems = [(f.name, not_4bit_reason(f)) for f in found if f not in quantized]
     problems += [(f.name, r) for f in quantized if (r := module_reason(f, wrapped)) is not None]
     if problems:
@@ -493,6 +469,59 @@ def readiness(model: Any) -> Readiness:
         details.add(detail)
     layouts = sorted({f.layout for f in quantized})
     return Readiness(detail=f"{len(quantized)} experts modules ({', '.join(layouts)}); {'; '.join(sorted(details))}")
+
+
+def probe(trainer: Any, ctx: PatchContext) -> Readiness:
+    """The probe on a trainer: the model's readiness, then the engine (ZeRO-3, FSDP, DataParallel); when ready, the
+    plan with one :class:`Target` per experts module (recompute per layout and shape: :mod:`recompute`)."""
+    ready = readiness(trainer.model)
+    if not ready.ready:
+        return ready
+    if zero3(trainer):
+        return Readiness.no(ZERO3_REASON)
+    reason = fsdp_reason(trainer, trainer.model) or data_parallel_reason(
+        trainer,
+        "the grouped experts forward is patched on the module instance and its plan holds the packed "
+        "stacks of the first GPU, so every replica would compute there",
+    )
+    if reason:
+        return Readiness.no(reason)
+    model = unwrap_model(trainer.model)
+    wrapped = _adapters.wrapped_map(model)
+    targets = [target(f, wrapped, ctx.config.moe_recompute) for f in find_experts(model)]
+    live = fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
+    choices = sorted({f"{t.layout} {recompute.describe(t.recompute, t.recompute_why)}" for t in targets})
+    detail = "; ".join([ready.detail, *choices])
+    detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
+    return dataclasses.replace(ready, detail=detail, plan=ModelPlan(targets, detail, live))
+
+
+def target(found: Found, wrapped: dict[int, nn.Module], explicit_recompute: bool | None) -> Target:
+    """Everything ``apply`` needs for one ready experts module: the method it replaces (a 4.x block's forward or
+    DeepSeek-V2's ``moe``; the experts' forward, or the outermost ParamWrapper's under ``target_parameters`` LoRA),
+    the block recipe, the adapters, and recompute or saved stacks."""
+    recipe = block_recipe(found.module) if found.layout == "expert_mlps" else None
+    if recipe is not None:
+        owner, hook = found.module, recipe.hook
+    else:
+        owner, hook = _adapters.forward_owner(wrapped, found.module), "forward"
+    rc, why = recompute.choose(found.layout, _stack_bytes(found), explicit_recompute)
+    adapters = _adapters.find(found.layout, found.module, wrapped)
+    return Target(found.name, found.module, found.layout, owner, hook, recipe, adapters, rc, why)
+
+
+def _stack_bytes(found: Found) -> int:
+    """Bytes of the larger dequantized stack (gate_up: [E, 2I, H]) in the dtype it dequantizes to."""
+    dtype = compute_dtype(found)[1]
+    if found.layout == "stacked":
+        elements = bnb_parametrization(found.module, STACK_NAMES[0])[0].quant_state.shape.numel()
+    elif found.layout == "expert_mlps":
+        gates = expert_projections(found.module)[0]
+        elements = 2 * len(gates) * _adapters.base(gates[0]).weight.quant_state.shape.numel()
+    else:
+        ups = found.module.gate_up_projs
+        elements = len(ups) * _adapters.base(ups[0]).weight.quant_state.shape.numel()
+    return int(elements) * torch.empty((), dtype=dtype).element_size()
 
 
 def not_4bit_reason(found: Found) -> str:

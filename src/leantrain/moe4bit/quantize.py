@@ -96,6 +96,7 @@ def quantize_experts_4bit(
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
     from . import _qstate
+    from .saved import load_pre_hook
 
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
@@ -125,7 +126,7 @@ def quantize_experts_4bit(
                 module, stack, compress_statistics=compress_statistics, quant_type=quant_type, blocksize=blocksize
             )
             _qstate.install(module, stack)
-        module.register_load_state_dict_pre_hook(_qstate.load_pre_hook)
+        module.register_load_state_dict_pre_hook(load_pre_hook)
         for bias in BIAS_NAMES:
             param = module._parameters.get(bias)
             if param is not None:

@@ -5,9 +5,8 @@ The block is three small autograd functions around plain autograd for the gate a
 op list as transformers' ``grouped_mm`` experts): ``_Dispatch`` (gather tokens), ``_GroupedProjection`` (dequantize,
 grouped GEMM, bias; no weight grad; with ``recompute`` the stack is dequantized again in backward, nothing else is
 recomputed) and ``_Combine`` (weight, gather, sum over top-k). Their backwards are one gather + one sum where
-autograd would scatter into zeros (``index_put_`` with ``accumulate``). With ``ExpertsPlan.kernel == "fused"``,
-``_FusedProjection`` replaces ``_GroupedProjection``: a Triton grouped GEMM reads the packed 4-bit stack and
-dequantizes in registers (``_triton``), so no dequantized stack exists and nothing is saved for backward.
+autograd would scatter into zeros (``index_put_`` with ``accumulate``). PEFT LoRA on the experts adds split LoRA
+(``lora``) to each projection's output.
 
 Summation orders match the per-expert loop bit for bit in fp32: the forward adds each token's expert outputs in
 ascending expert order (as the loop's ``index_add_`` does), the backward adds the input-gradient contributions in
@@ -26,9 +25,6 @@ import torch
 from torch import nn
 
 from ._stacks import PackedStack
-
-
-KERNELS = ("dequant", "fused")
 
 
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -74,24 +70,8 @@ class Projection:
         mat_b = w.transpose(1, 2) if self.in_major else w
         return grouped_mm(grad.to(w.dtype).contiguous(), mat_b, routing.offs).to(inp_dtype)
 
-    def forward_fused(self, inp: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``forward`` with the 4-bit stack read inside the GEMM (``_triton``): the same casts and bias."""
-        from ._triton import grouped_mm_4bit
-
-        dtype = self.dtype_for(inp)
-        out = grouped_mm_4bit(inp.to(dtype), self.stack, routing.offs, transpose_w=not self.in_major)
-        return self._epilogue(out, inp, routing)
-
-    def backward_fused(
-        self, grad: torch.Tensor, dtype: torch.dtype, routing: Routing, inp_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``backward`` (dX = dY @ W^T per group) with the 4-bit stack read inside the GEMM."""
-        from ._triton import grouped_mm_4bit
-
-        return grouped_mm_4bit(grad.to(dtype), self.stack, routing.offs, transpose_w=self.in_major).to(inp_dtype)
-
     def _epilogue(self, out: torch.Tensor, inp: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Both forwards' tail: the bias per group, then the dtype policy."""
+        """The forward's tail: the bias per group, then the dtype policy."""
         bias = self.bias_for(out.dtype)
         if bias is not None:
             out.add_(bias.index_select(0, routing.eid))  # grouped_mm takes no bias
@@ -109,17 +89,9 @@ class ExpertsPlan:
     gate: Callable[[torch.Tensor], torch.Tensor]  # [S, 2I] -> [S, I]
     dense_weights: bool  # routing weights arrive as [T, E] when their last dim is E
     recompute: bool = True
-    # "dequant": dequantize each stack to the compute dtype, then torch's grouped_mm (the default);
-    # "fused": the Triton grouped GEMM that dequantizes in registers (CUDA; opt-in: measured 2.4-4.5x slower on an
-    # H100, benchmarks/results/moe4bit_fused_kernel.md)
-    kernel: str = "dequant"
     # PEFT LoRA on the experts (``_adapters``): called once per forward for the active adapters' factors, added as
     # split LoRA (``lora.split_lora``) to each projection's output; None: frozen experts without adapters
     adapters: Callable[[], object] | None = None
-
-    def __post_init__(self) -> None:
-        if self.kernel not in KERNELS:
-            raise ValueError(f"unknown experts kernel {self.kernel!r}: expected one of {KERNELS}")
 
 
 @dataclass
@@ -193,23 +165,7 @@ class _GroupedProjection(torch.autograd.Function):
         return ctx.proj.backward(grad, w, ctx.routing, ctx.inp_dtype), None, None, None
 
 
-class _FusedProjection(torch.autograd.Function):
-    """``_GroupedProjection`` with the fused 4-bit kernel: no stack is ever dequantized to memory, so nothing is
-    saved and recompute costs nothing extra (backward reads the packed stack again, like forward)."""
-
-    @staticmethod
-    def forward(ctx, inp: torch.Tensor, proj: Projection, routing: Routing) -> torch.Tensor:
-        ctx.proj, ctx.routing, ctx.inp_dtype, ctx.w_dtype = proj, routing, inp.dtype, proj.dtype_for(inp)
-        return proj.forward_fused(inp, routing)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.proj.backward_fused(grad, ctx.w_dtype, ctx.routing, ctx.inp_dtype), None, None
-
-
 def _project(plan: ExpertsPlan, inp: torch.Tensor, proj: Projection, routing: Routing) -> torch.Tensor:
-    if plan.kernel == "fused":
-        return _FusedProjection.apply(inp, proj, routing)
     return _GroupedProjection.apply(inp, proj, routing, plan.recompute)
 
 
@@ -267,14 +223,14 @@ def grouped_forward(
 def _with_lora(
     base: torch.Tensor, inp: torch.Tensor, factors, routing: Routing, adapters, source=None
 ) -> torch.Tensor:
-    """``base + sum over active adapters of split LoRA(inp)``, each cast to the base's dtype first (PEFT's order);
-    the same group ends as the base GEMM. ``source = (tokens, index)``: backward re-gathers ``inp`` from the
-    tokens instead of keeping the top-k times larger sorted rows."""
+    """``base`` plus each active adapter's split LoRA of ``inp`` (``lora.add_lora``: PEFT's order and casts), with
+    the same group ends as the base GEMM. ``source = (tokens, index)``: backward re-gathers ``inp`` from the tokens
+    instead of keeping the top-k times larger sorted rows."""
     if not factors:
         return base
-    from .lora import lora_sum
+    from .lora import add_lora
 
-    return base + lora_sum(inp, factors, routing.offs, base.dtype, adapters.training, source)
+    return add_lora(base, inp, factors, routing.offs, adapters.training, source)
 
 
 def clamp_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:

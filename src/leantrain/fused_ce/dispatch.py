@@ -1,0 +1,160 @@
+"""Which head computes the loss on each TRL path: leantrain's fused op or the loss it would replace, from measurement.
+
+Plain values only. A measured cell (the loss head alone, forward + backward, median CUDA ms) is one
+:class:`Measured` row; the kernel benchmark's results give the table below:
+``python -m leantrain.fused_ce.dispatch benchmarks/results/fused_ce.json`` prints it
+(``emit_rule(measured_from_rows(rows), source)``) to paste here. leantrain's op serves a path at a head shape only
+where every measured N of the nearest measured cell was faster than what it replaces beyond the timing noise; without
+a measured cell the path's unmeasured default holds (:data:`UNMEASURED`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+
+# The loss each path replaces: TRL >= 1.15's own fused head, TRL 1.4-1.14's chunked cross-entropy, and the full
+# [B, T, V] logits of the model's own loss (TRL <= 1.14 "nll" / "dft", a plain transformers Trainer).
+PATHS = ("trl_fused", "chunked_nll", "full_logits")
+HEADS = ("frozen", "trainable")
+# Median-to-median differences below this share are timing noise (p20-p80 spreads of 1-3% on an H100).
+NOISE = 0.03
+# Without a measured cell: TRL's own fused head stays (it is already fused; only a measurement can show leantrain's
+# op faster there). The chunked cross-entropy (4 GEMMs on 256-row chunks, the tile recomputed in the backward) and
+# the full logits (3 GEMMs plus fp32 passes over [N, V], and N·V memory) do more work than the op's 2 GEMMs with a
+# frozen head and as many GEMMs with a trainable one.
+UNMEASURED = {"trl_fused": "stock", "chunked_nll": "leantrain", "full_logits": "leantrain"}
+# Cells farther than this factor in H or V from every measured cell count as unmeasured.
+REACH = 2.0
+
+
+class Measured(NamedTuple):
+    """One measured cell: the loss head's forward + backward at N rows, what the path runs (stock) vs leantrain."""
+
+    path: str
+    head: str  # "frozen" or "trainable"
+    n: int
+    h: int
+    v: int
+    dtype: str  # the logits tiles' dtype, torch's name without "torch."
+    stock_ms: float
+    leantrain_ms: float
+
+    @property
+    def leantrain_wins(self) -> bool:
+        # a tie goes to the stock path (no default slower than what it replaces)
+        return self.leantrain_ms < self.stock_ms * (1 - NOISE)
+
+
+# Filled from a GPU run of benchmarks/bench_fused_ce.py (`--emit-rule`); empty until then.
+SOURCE = "NVIDIA H100 80GB HBM3, 2026-11-25, fused_ce.json at cd1bc4e"
+MEASURED: tuple[Measured, ...] = (
+    Measured("full_logits", "frozen", 8192, 4096, 128256, "bfloat16", 41.1071, 30.2835),
+    Measured("full_logits", "frozen", 8192, 1536, 151936, "bfloat16", 31.2743, 16.7525),
+    Measured("full_logits", "frozen", 8192, 2304, 256000, "bfloat16", 61.0408, 35.8812),
+    Measured("full_logits", "trainable", 8192, 4096, 128256, "bfloat16", 52.8692, 46.0716),
+    Measured("full_logits", "trainable", 8192, 1536, 151936, "bfloat16", 36.2759, 24.3544),
+    Measured("full_logits", "trainable", 8192, 2304, 256000, "bfloat16", 74.5816, 54.4897),
+    Measured("trl_fused", "frozen", 8192, 4096, 128256, "bfloat16", 43.5787, 30.2835),
+    Measured("trl_fused", "frozen", 8192, 1536, 151936, "bfloat16", 22.6633, 16.7525),
+    Measured("trl_fused", "frozen", 8192, 2304, 256000, "bfloat16", 51.3019, 35.8812),
+    Measured("trl_fused", "trainable", 8192, 4096, 128256, "bfloat16", 58.5232, 46.0716),
+    Measured("trl_fused", "trainable", 8192, 1536, 151936, "bfloat16", 29.3507, 24.3544),
+    Measured("trl_fused", "trainable", 8192, 2304, 256000, "bfloat16", 69.7181, 54.4897),
+)
+
+
+def choose(
+    path: str, head: str, h: int, v: int, dtype: str, measured: Iterable[Measured] | None = None
+) -> tuple[str, str]:
+    """("leantrain" or "stock", why) for one head shape on one path."""
+    if path not in PATHS or head not in HEADS:
+        raise ValueError(f"unknown path {path!r} or head {head!r}: expected one of {PATHS} and {HEADS}")
+    table = MEASURED if measured is None else measured
+    rows = [m for m in table if (m.path, m.head, m.dtype) == (path, head, dtype)]
+    near = [m for m in rows if max(_ratio(m.h, h), _ratio(m.v, v)) <= REACH]
+    if not near:
+        verdict = UNMEASURED[path]
+        return verdict, f"not measured at H={h} V={v} {dtype}: {_who(verdict)} by default"
+    cell = min(near, key=lambda m: abs(math.log(m.h / h)) + abs(math.log(m.v / v)))
+    points = [m for m in near if (m.h, m.v) == (cell.h, cell.v)]
+    verdict = "leantrain" if all(m.leantrain_wins for m in points) else "stock"
+    ns = "/".join(str(m.n) for m in sorted(points))
+    return verdict, f"measured at H={cell.h} V={cell.v} {dtype}, N {ns} ({SOURCE}): {_who(verdict)}"
+
+
+def _ratio(a: int, b: int) -> float:
+    return max(a, b) / max(1, min(a, b))
+
+
+def _who(verdict: str) -> str:
+    return "leantrain's op" if verdict == "leantrain" else "the stock head"
+
+
+# ---------------------------------------------------------------------------------------- from benchmark rows
+STOCK_PROVIDERS = {"trl_fused": "trl_fused", "chunked_nll": "trl_chunked", "full_logits": "stock"}
+
+
+def measured_from_rows(rows: Iterable[Mapping]) -> list[Measured]:
+    """The rule's cells from the kernel benchmark's speed rows (dicts of ``benchmarks._harness.Row`` fields).
+
+    A row counts when ``metric == "speed"`` and its ``config`` holds ``N``, ``H``, ``V``, ``dtype`` (``"bfloat16"`` or
+    ``"torch.bfloat16"``) and the head (``head``: "frozen" / "trainable", or ``trainable_head``: a bool); its
+    ``provider`` is ``"leantrain"`` or the stock provider of a path (:data:`STOCK_PROVIDERS`). Each stock provider's
+    cell pairs with leantrain's cell of the same (N, H, V, dtype, head)."""
+    times: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        config = row.get("config") or {}
+        head = config.get("head", {True: "trainable", False: "frozen"}.get(config.get("trainable_head")))
+        if row.get("metric") != "speed" or head is None or not all(k in config for k in ("N", "H", "V", "dtype")):
+            continue
+        dtype = str(config["dtype"]).removeprefix("torch.")
+        key = (head, int(config["N"]), int(config["H"]), int(config["V"]), dtype)
+        times.setdefault(key, {})[str(row["provider"])] = float(row["p50"])
+    cells = []
+    for (head, n, h, v, dtype), by_provider in sorted(times.items()):
+        if "leantrain" not in by_provider:
+            continue
+        for path, provider in STOCK_PROVIDERS.items():
+            if provider in by_provider:
+                ours, theirs = round(by_provider["leantrain"], 4), round(by_provider[provider], 4)
+                cells.append(Measured(path, head, n, h, v, dtype, theirs, ours))
+    return cells
+
+
+def emit_rule(cells: Iterable[Measured], source: str) -> str:
+    """Python source of ``SOURCE`` / ``MEASURED`` for this module (what the benchmark's ``--emit-rule`` prints)."""
+    lines = [f"SOURCE = {json.dumps(source)}", "MEASURED: tuple[Measured, ...] = ("]
+    for m in sorted(cells, key=lambda m: (m.path, m.head, m.v, m.h, m.dtype, m.n)):
+        lines.append(
+            f'    Measured("{m.path}", "{m.head}", {m.n}, {m.h}, {m.v}, "{m.dtype}", {m.stock_ms}, {m.leantrain_ms}),'
+        )
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m leantrain.fused_ce.dispatch RESULTS.json``: the rule's table from the kernel benchmark's rows."""
+    if len(argv) != 1:
+        print("usage: python -m leantrain.fused_ce.dispatch benchmarks/results/fused_ce.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        rows = json.load(f)
+    cells = measured_from_rows(rows)
+    if not cells:
+        print(f"no leantrain / stock speed pairs in {argv[0]}", file=sys.stderr)
+        return 1
+    first = next(r for r in rows if r.get("provider") == "leantrain")
+    name, date = os.path.basename(argv[0]), str(first.get("date"))[:10]
+    source = f"{first.get('device')}, {date}, {name} at {first.get('commit')}"
+    print(emit_rule(cells, source))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,426 @@
+"""The fused loss's probe: which loss path the trainer runs, the model whose forward serves it, the head's settings
+and the measured dispatch: the plan ``apply`` executes.
+
+Paths (what each replaces):
+
+- ``trl_fused``: TRL >= 1.15's SFTTrainer, whose ``add_fused_lm_head`` forward (``fused_lm_head=True``) gives
+  log-probs, entropies and ``is_top1`` to its own ``compute_loss`` (``nll`` and ``dft``); leantrain wraps that forward.
+- ``chunked_nll``: TRL 1.4-1.14's ``loss_type="chunked_nll"`` (1.7-1.14's default) forward; leantrain wraps it.
+- ``full_logits`` / ``dft``: TRL <= 1.14's ``loss_type="nll"`` (the model's own loss over ``[B, T, V]`` logits, then
+  entropy and token accuracy from those logits) and ``"dft"`` (TRL's ``dft_loss`` over the same logits); leantrain
+  replaces ``compute_loss`` with the same loss and metrics from its op.
+- ``trainer``: a plain transformers Trainer on a causal LM (the model's own loss, ``num_items_in_batch``); leantrain
+  serves the model's loss from its op inside the stock ``compute_loss``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..lm_head import ops
+from ..models import data_parallel_reason, head_weight_reasons, is_peft_model, logit_transform, unwrap_model
+from ..optimization import PatchContext, Readiness
+from . import dispatch
+from . import patch as glue
+
+
+TRL_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
+_TRL_FUSED_CLOSURE = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs", "text_config")
+_TRL_CHUNKED_CLOSURE = ("original_forward", "text_config", "logit_scale", "final_logit_softcapping")
+_CHUNKED_FIELDS = ("num_correct_tokens", "entropy_sum", "num_valid_tokens", "aux_loss")
+# How TRL <= 1.14's SFTTrainer.compute_loss computes its metrics from the full logits (its source says which)
+_ENTROPY_OVER_ATTENTION = "torch.sum(per_token_entropy * attention_mask)"  # 0.x: every attended position
+_ENTROPY_OVER_LABELS = "(per_token_entropy * mask).sum()"  # 1.x: the positions with a label
+_ROUTER_LOGITS_INPUT = 'inputs["output_router_logits"] = True'
+# TRL >= 1.15's SFTTrainer.compute_loss takes the fused log-probs only through a weighted sum (nll / dft)
+_TRL_LINEAR_LOSS = (
+    "per_token_loss = -outputs.log_probs",
+    "per_token_loss = per_token_loss * outputs.log_probs.exp().detach()",
+    "loss = per_token_loss.sum() /",
+)
+
+
+@dataclass
+class CePlan:
+    """The probe's plan: the path, the model whose forward is wrapped, the head settings and the dispatch."""
+
+    path: str
+    model: nn.Module
+    settings: glue.HeadSettings
+    head: str  # "frozen" or "trainable"
+    dispatch_why: str
+    variant: glue.SftVariant | None = None  # full_logits / dft: how this TRL logs its metrics
+    output_class: Any = None  # trl_fused / chunked_nll: TRL's output class
+    moe: bool = False  # the model's forward takes output_router_logits (an MoE aux loss)
+    aux_loss: Any = None  # full_logits / dft / trainer: the model module's load_balancing_loss_func
+    reasons: list[str] = field(default_factory=list)
+
+
+def base_model(trainer: Any) -> nn.Module:
+    """The model instance whose forward the loss runs through: the PEFT base model, else the model itself."""
+    model = trainer.model
+    return model.get_base_model() if is_peft_model(model) else unwrap_model(model)
+
+
+def probe(trainer: Any, ctx: PatchContext) -> Readiness:
+    model = base_model(trainer)
+    path = path_of(trainer, ctx.trainer_kind, model)
+    if path not in glue.PATHS:
+        return Readiness.no(path)
+    reasons = trainer_reasons(trainer, path) + model_reasons(model, path)
+    if reasons:
+        return Readiness.no(*reasons)
+    plan = _plan(trainer, path, model)
+    if plan.reasons:
+        return Readiness.no(*plan.reasons)
+    verdict, plan.dispatch_why = dispatch.choose(
+        glue.DISPATCH_PATH[path], plan.head, *_head_shape(model), _dtype_name(trainer, plan.settings)
+    )
+    if verdict == "stock":
+        if ctx.config.config.fused_ce is not True:  # auto: the faster head stays (nothing to gain here)
+            why = f"{_replaced(path)} stays: {plan.dispatch_why}; pass fused_ce=True to use leantrain's op anyway"
+            return Readiness.not_applicable(why)
+        plan.dispatch_why += "; leantrain's op because fused_ce=True"
+    return Readiness(detail=detail(plan), plan=plan)
+
+
+# ------------------------------------------------------------------------------------------------- the path
+def path_of(trainer: Any, kind: str, model: nn.Module) -> str:
+    """One of ``glue.PATHS``, or the reason none serves this trainer."""
+    if kind == "trainer":
+        return "trainer"
+    forward = model.__dict__.get("forward")
+    if _find_code(forward, "_fused_forward") is not None:
+        return "trl_fused"
+    if _find_code(forward, "_chunked_ce_forward") is not None:
+        return "chunked_nll"
+    args = trainer.args
+    if getattr(args, "use_liger_kernel", False):
+        return (
+            "use_liger_kernel=True: this TRL computes the SFT loss with Liger's fused linear cross-entropy, already "
+            "without the full logits; set use_liger_kernel=False to use leantrain's fused loss"
+        )
+    try:
+        from trl.trainer import utils as trl_utils
+    except ImportError:
+        trl_utils = None
+    if trl_utils is not None and hasattr(trl_utils, "add_fused_lm_head"):
+        return "TRL has add_fused_lm_head but the model's forward is not its fused head: TRL not recognised"
+    loss_type = getattr(args, "loss_type", "nll")
+    if loss_type == "dft" and _is_trl_dft(trainer.compute_loss_func):
+        return "dft"
+    if loss_type == "nll":
+        return "full_logits"
+    return f"loss_type={loss_type!r} is not one leantrain serves (nll, chunked_nll, dft)"
+
+
+def _find_code(obj: Any, name: str) -> Any:
+    """The function named ``name`` under the callable ``obj`` (through bound methods and wrappers), or None."""
+    for _ in range(12):
+        if obj is None:
+            return None
+        code = getattr(obj, "__code__", None)
+        if code is not None and code.co_name == name:
+            return obj
+        obj = next(
+            (getattr(obj, a) for a in ("__func__", "__wrapped__", "model_forward") if getattr(obj, a, None)), None
+        )
+    return None
+
+
+def _is_trl_dft(func: Any) -> bool:
+    module = sys.modules.get("trl.trainer.sft_trainer")
+    return func is not None and func is getattr(module, "dft_loss", object())
+
+
+def _replaced(path: str) -> str:
+    return {
+        "trl_fused": "TRL's own fused LM head",
+        "chunked_nll": "TRL's chunked cross-entropy",
+    }.get(path, "the full-logits loss")
+
+
+# ------------------------------------------------------------------------------------------- the declines
+def trainer_reasons(trainer: Any, path: str) -> list[str]:
+    """What in the trainer's setup the fused loss cannot serve (each a sentence naming the next step)."""
+    reasons = []
+    if trainer.label_smoother is not None:
+        reasons.append(
+            "label_smoothing_factor > 0: label smoothing needs every logit (not implemented in the fused loss); "
+            "set label_smoothing_factor=0 to use it"
+        )
+    if trainer.compute_loss_func is not None and not (path == "dft" and _is_trl_dft(trainer.compute_loss_func)):
+        reasons.append(
+            "a compute_loss_func is set: it receives the model's full logits, which the fused loss never builds; "
+            "drop compute_loss_func (or fold it into a compute_loss override) to use it"
+        )
+    stock = _stock_compute_loss(path)
+    if stock is not None and type(trainer).compute_loss is not stock:
+        reasons.append(
+            f"{type(trainer).__name__} overrides compute_loss: it may read the logits the fused loss does not return"
+        )
+    replicas = data_parallel_reason(trainer, "the fused loss's forward is bound to the original model")
+    if replicas:
+        reasons.append(replicas)
+    reasons += _parallel_reasons(trainer)
+    if getattr(trainer, "num_virtual_tokens", 0):
+        reasons.append(
+            "a prompt-learning PEFT adapter adds virtual tokens the metrics skip: not served by the fused loss"
+        )
+    if path in ("full_logits", "dft", "trainer") and getattr(trainer.args, "past_index", -1) >= 0:
+        reasons.append("args.past_index >= 0 reads the model's outputs by position: set past_index=-1")
+    return reasons
+
+
+def _stock_compute_loss(path: str) -> Any:
+    if path == "trainer":
+        from transformers import Trainer
+
+        return Trainer.compute_loss
+    from trl import SFTTrainer
+
+    return SFTTrainer.compute_loss
+
+
+def _parallel_reasons(trainer: Any) -> list[str]:
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    reasons = []
+    if pc is not None and bool(getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
+        reasons.append("sequence/context parallelism splits the labels across ranks: not served by the fused loss")
+    get_tp = getattr(trainer, "get_tp_size", None)
+    if callable(get_tp) and get_tp() > 1:
+        reasons.append("tensor parallelism shards the LM head: not served by the fused loss")
+    return reasons
+
+
+def model_reasons(model: nn.Module, path: str) -> list[str]:
+    config = model.config
+    if getattr(config, "get_text_config", None) and config.get_text_config() is not config:
+        return [
+            f"{type(model).__name__} is a vision-language model: its forward merges image features into the "
+            "decoder input; the fused loss serves text-only causal LMs"
+        ]
+    head = model.get_output_embeddings()
+    if head is None:
+        return [f"{type(model).__name__} has no output embeddings (LM head) the fused loss can read"]
+    backbone = getattr(model, "base_model", None)
+    if not isinstance(backbone, nn.Module) or backbone is model:
+        return [f"{type(model).__name__} has no decoder trunk at `{model.base_model_prefix}`"]
+    reasons = []
+    if "_original_forward" in model.__dict__:
+        # accelerate's mixed-precision forward (autocast) wraps the model once train() or evaluate() prepared it; a
+        # wrapper installed over it would run the fused loss outside that autocast
+        reasons.append(
+            f"{type(model).__name__}.forward is already wrapped by accelerate (train() or evaluate() ran): call "
+            "patch_trainer before the first train()"
+        )
+    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
+        reasons.append("the LM head carries a PEFT adapter (LoRA on lm_head): remove 'lm_head' from target_modules")
+    else:
+        reasons += [f"{r}: the stock loss runs" for r in head_weight_reasons(getattr(head, "weight", None))]
+    if path in ("full_logits", "dft", "trainer"):
+        reasons += _own_loss_reasons(model, path)
+    return reasons
+
+
+def _own_loss_reasons(model: nn.Module, path: str) -> list[str]:
+    """The full-logits paths reproduce the model's own forward: its loss function, its output scaling, its aux loss."""
+    cls = type(model)
+    forward = model.__dict__.get("forward")
+    if forward is not None and "_original_forward" not in model.__dict__:
+        name = getattr(forward, "__qualname__", type(forward).__name__)
+        return [f"{cls.__name__}.forward is replaced on the instance ({name}): another library patches it"]
+    reasons = []
+    if path != "dft":  # TRL's dft_loss takes the logits, not the model's loss
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        uses_loss_function = "self.loss_function(" in _source(cls.forward)
+        if getattr(model, "loss_function", None) is not ForCausalLMLoss or not uses_loss_function:
+            reasons.append(f"{cls.__name__}'s loss is not transformers' causal-LM cross-entropy (ForCausalLMLoss)")
+    try:
+        logit_transform(model.config)
+    except ValueError as error:
+        reasons.append(f"unknown output scaling: {error}")
+    if "output_router_logits" in inspect.signature(cls.forward).parameters and _aux_loss_function(model) is None:
+        reasons.append(f"{cls.__name__}: its module has no load_balancing_loss_func for the MoE aux loss")
+    return reasons
+
+
+def _source(func: Any) -> str:
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):
+        return ""
+
+
+def _aux_loss_function(model: nn.Module) -> Any:
+    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def _plan(trainer: Any, path: str, model: nn.Module) -> CePlan:
+    head = model.get_output_embeddings()
+    trainable = bool(getattr(head.weight, "requires_grad", False))
+    moe = "output_router_logits" in inspect.signature(type(model).forward).parameters
+    plan = CePlan(path, model, glue.HeadSettings(), "trainable" if trainable else "frozen", "", moe=moe)
+    if path == "trl_fused":
+        _read_trl_fused(plan, model, trainer)
+    elif path == "chunked_nll":
+        _read_trl_chunked(plan, model)
+    else:
+        scale, softcap = logit_transform(model.config)
+        plan.settings = glue.HeadSettings(logit_scale=scale, softcap=softcap, text_config=model.config)
+        plan.aux_loss = _aux_loss_function(model)
+        if path != "trainer":
+            variant = sft_variant(trainer, path)
+            if isinstance(variant, str):
+                plan.reasons.append(variant)
+            else:
+                plan.variant = variant
+    return plan
+
+
+def _read_trl_fused(plan: CePlan, model: nn.Module, trainer: Any) -> None:
+    fwd = _find_code(model.__dict__.get("forward"), "_fused_forward")
+    names = inspect.getclosurevars(fwd).nonlocals
+    missing = [n for n in _TRL_FUSED_CLOSURE if n not in names]
+    if missing:
+        plan.reasons.append(f"TRL's fused forward closure changed (missing {', '.join(missing)}): TRL not recognised")
+        return
+    extra = [o for o in names["outputs"] if o not in TRL_FUSED_OUTPUTS]
+    if extra:
+        plan.reasons.append(f"TRL asks its fused head for {', '.join(extra)}, which leantrain's op does not compute")
+    scale = names.get("logit_scale", 1.0)
+    softcap = names.get("final_logit_softcapping")
+    plan.settings = glue.HeadSettings(
+        logit_scale=float(1.0 if scale is None else scale),
+        softcap=float(softcap) if softcap else None,
+        temperature=float(names["temperature"]),
+        cast_lm_head_to_fp32=bool(names["cast_lm_head_to_fp32"]),
+        backbone_attr=names.get("backbone_attr", "base_model"),
+        text_config=names["text_config"],
+        outputs=tuple(names["outputs"]),
+        trl_loss_type=_trl_linear_loss(trainer),
+    )
+    try:
+        from trl.trainer.utils import FusedCausalLMOutput
+    except ImportError:
+        plan.reasons.append("trl.trainer.utils has no FusedCausalLMOutput: TRL not recognised")
+        return
+    plan.output_class = FusedCausalLMOutput
+    _check_scaling(plan, model)
+
+
+def _trl_linear_loss(trainer: Any) -> str | None:
+    """TRL's loss type when its compute_loss sums the log-probs linearly (the op's scalar loss can then serve it),
+    else None (per-token log-probs with their own gradient)."""
+    from trl import SFTTrainer
+
+    source = _source(SFTTrainer.compute_loss)
+    loss_type = getattr(trainer.args, "loss_type", None)
+    return loss_type if loss_type in ("nll", "dft") and all(m in source for m in _TRL_LINEAR_LOSS) else None
+
+
+def _read_trl_chunked(plan: CePlan, model: nn.Module) -> None:
+    fwd = _find_code(model.__dict__.get("forward"), "_chunked_ce_forward")
+    names = inspect.getclosurevars(fwd).nonlocals
+    missing = [n for n in _TRL_CHUNKED_CLOSURE if n not in names]
+    module = sys.modules.get(fwd.__module__)
+    output_class = getattr(module, "_ChunkedCELMHeadOutput", None)
+    fields = getattr(output_class, "__dataclass_fields__", {})
+    if missing or any(f not in fields for f in _CHUNKED_FIELDS):
+        plan.reasons.append("TRL's chunked_nll forward changed (closure or output fields): TRL not recognised")
+        return
+    softcap = names["final_logit_softcapping"]
+    plan.settings = glue.HeadSettings(
+        logit_scale=float(names["logit_scale"]),
+        softcap=float(softcap) if softcap else None,
+        text_config=names["text_config"],
+    )
+    plan.output_class = output_class
+    _check_scaling(plan, model)
+
+
+def _check_scaling(plan: CePlan, model: nn.Module) -> None:
+    """Decline where TRL's head scaling and the model's disagree: leantrain computes what TRL's head computes, and
+    an unknown scaling would change the loss either way."""
+    try:
+        scale, softcap = logit_transform(model.config)
+    except ValueError as error:
+        plan.reasons.append(f"unknown output scaling: {error}")
+        return
+    st = plan.settings
+    if not (abs(scale - st.logit_scale) <= 1e-12 * max(1.0, abs(scale)) and softcap == st.softcap):
+        plan.reasons.append(
+            f"TRL's head scales the logits by logit_scale={st.logit_scale}, softcap={st.softcap} but the model by "
+            f"logit_scale={scale}, softcap={softcap}: leantrain keeps TRL's head"
+        )
+
+
+def sft_variant(trainer: Any, path: str) -> glue.SftVariant | str:
+    """How this TRL's SFTTrainer.compute_loss logs entropy and token accuracy from the full logits, or a reason."""
+    from trl import SFTTrainer
+
+    source = _source(SFTTrainer.compute_loss)
+    if _ENTROPY_OVER_ATTENTION in source:
+        scope = "attention"
+    elif _ENTROPY_OVER_LABELS in source:
+        scope = "labels"
+    else:
+        return "TRL's SFTTrainer.compute_loss logs its metrics in a way leantrain does not know: TRL not recognised"
+    dft_clamp = "clamp(min=1)" in _source(getattr(sys.modules["trl.trainer.sft_trainer"], "dft_loss", None))
+    return glue.SftVariant(
+        entropy_scope=scope, router_input=_ROUTER_LOGITS_INPUT in source, dft=path == "dft", dft_clamp=dft_clamp
+    )
+
+
+# ----------------------------------------------------------------------------------------------- the report
+def _head_shape(model: nn.Module) -> tuple[int, int]:
+    weight = model.get_output_embeddings().weight
+    v, h = getattr(weight, "ds_shape", weight.shape)
+    return int(h), int(v)
+
+
+def _dtype_name(trainer: Any, st: glue.HeadSettings) -> str:
+    """The logits tiles' dtype in training: fp32 when TRL casts the head, else the autocast dtype, else the head's."""
+    args = trainer.args
+    if st.cast_lm_head_to_fp32:
+        dtype = torch.float32
+    elif getattr(args, "bf16", False):
+        dtype = torch.bfloat16
+    elif getattr(args, "fp16", False):
+        dtype = torch.float16
+    else:
+        dtype = base_model(trainer).get_output_embeddings().weight.dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def kernel_name() -> str:
+    return "triton" if torch.cuda.is_available() and ops.triton_available() else "torch chunked"
+
+
+def detail(plan: CePlan) -> str:
+    how = {
+        "trl_fused": "TRL >= 1.15 fused LM head (add_fused_lm_head forward) wrapped",
+        "chunked_nll": "TRL chunked_nll forward (_chunked_ce_forward) wrapped",
+        "full_logits": "TRL SFTTrainer.compute_loss (nll over full logits) replaced",
+        "dft": "TRL SFTTrainer.compute_loss (dft over full logits) replaced",
+        "trainer": "Trainer.compute_loss with the model's causal-LM loss",
+    }[plan.path]
+    what = "loss" if plan.path == "trainer" else "loss, entropy and mean_token_accuracy"
+    if plan.path == "trl_fused":
+        what += "; the log-probs carry the op's scalar-loss gradient" if plan.settings.trl_loss_type else ""
+    if plan.path in ("full_logits", "dft", "trainer"):
+        what += "; an evaluation that reads logits runs the stock forward"
+    model = plan.model
+    tied = model.get_output_embeddings().weight is getattr(model.get_input_embeddings(), "weight", None)
+    return (
+        f"{how} ({what} from the fused op); {plan.head} {'tied ' if tied else ''}head; kernel: {kernel_name()}; "
+        f"dispatch: {plan.dispatch_why}"
+    )

@@ -1,0 +1,468 @@
+"""The shared LM-head op (``leantrain.lm_head.ops``): per-token log-probs, entropies and top-1 flags with a head bias,
+and the scalar SFT loss (``head_loss``), against a plain-torch reference on the full logits in fp64, on CPU (the
+torch backend here, the Triton kernels under Triton's CPU interpreter in the slow test).
+
+Bounds (u: unit roundoff of the tile dtype, u32 = 2^-24): the op's tile GEMM rounds each head output x_j = h·w_j + b_j
+after a sum of H products (a random walk of H roundings of partial sums of size |x|: c·u32·sqrt(H)·x_rms, c = 4 for
+the tail over N·V values), then once to the tile dtype (u·|x_j|); logp = z_y - logZ and the entropy inherit
+k = |logit_scale|/T times that for the target and the softmax-weighted mean, plus the fp32 fold (one rounding per term
+of an online logsumexp over V values, the error growing with the log2(V) levels of its reduction tree). Gradients are
+compared relative to their norm: the logits' error carried into dL/dz, then an fp32 GEMM over its reduction length L
+(u32·sqrt(L)), x2 for the cancellation in Σ_j (1[j=y] - p_j) w_j and x4 for the tail; a 16-bit dtype adds one
+rounding of each GEMM operand it writes (dL/dz or e^(z-m)·f; the scalar loss's a ⊙ h too) and of the result, and the
+tile's rounding of each logit carried through the softmax (2u·k·x_rms). These are the per-token bounds of
+tests/gpu/test_grpo_logps_op_cuda.py.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from leantrain.lm_head import ops
+from tests._interpreter import run_interpreted
+
+
+U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+N, H, V = 123, 48, 1001
+CASES = [
+    # (temperature, logit_scale, softcap)
+    (1.0, 1.0, None),
+    (0.7, 1.0, None),
+    (1.0, 0.25, None),
+    (0.9, 1.5, 4.0),
+]
+GRADS = ["frozen", "bias", "head"]  # which of weight/bias train: neither (the prepared d logp/dh), the bias, both
+
+
+def make_inputs(seed=0, n=N, v=V, h=H, dtype=torch.float32, bias=True, top1_share=0.5, logit_std=2.5):
+    """7 ignored rows, both vocab edges as targets; about ``top1_share`` of the rows target their argmax (so is_top1
+    has both values), the rest a random token."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) * (logit_std / math.sqrt(h))).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype) if bias else None
+    x = hidden.double() @ weight.double().T + (0 if b is None else b.double())
+    targets = torch.where(torch.rand(n, generator=g) < top1_share, x.argmax(1), torch.randint(0, v, (n,), generator=g))
+    targets[:7] = -100
+    targets[7], targets[8] = 0, v - 1
+    return hidden, weight, b, targets
+
+
+def spiked_inputs(seed=0, n=N, v=V, h=H, dtype=torch.float32):
+    """Rows whose largest logit is 60-300 nats above the target's (the op's reference moves up, see ops._OVERFLOW):
+    a logit std of 40, and rows 9-20 aligned with the weight row of column v - 5 (the last vocab tile), so that column
+    stands out of everything before it (the reference moves after earlier tiles were accumulated); rows 9-11 target it.
+    """
+    hidden, weight, bias, targets = make_inputs(seed, n, v, h, torch.float32, top1_share=0.2, logit_std=40.0)
+    spike = weight[v - 5]
+    hidden[9:21] = spike * (300 / spike.square().sum())
+    targets[9:12] = v - 5
+    return hidden.to(dtype), weight.to(dtype), bias.to(dtype), targets
+
+
+def integer_inputs(seed, n, v, h, dtype, sign=1.0):
+    """Head inputs in {-1, 0, 1}: every head output is a small integer, exact in any summation order and in bf16, so
+    ties are exact ties on every CPU and backend (many rows have several maxima, across vocab tiles too). A third of
+    the targets is the first maximum of ``sign·x``, a third the last one, a third random."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-1, 2, (n, h), generator=g).to(dtype)
+    weight = torch.randint(-1, 2, (v, h), generator=g).to(dtype)
+    x = hidden.double() @ weight.double().T
+    maxima = sign * x == (sign * x).amax(1, keepdim=True)
+    first = maxima.double().argmax(1)  # first index of the maximum
+    last = v - 1 - maxima.flip(1).double().argmax(1)
+    pick = torch.randint(0, 3, (n,), generator=g)
+    targets = torch.where(pick == 0, first, torch.where(pick == 1, last, torch.randint(0, v, (n,), generator=g)))
+    targets[:3] = -100
+    return hidden, weight, targets, x
+
+
+def upstream(n, seed=1):
+    """Random upstream gradients for logp and entropy, nonzero on ignored rows too (the op must drop them)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- the reference
+@dataclass
+class Reference:
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    top1: torch.Tensor
+    decided: torch.Tensor  # rows whose argmax no rounding can change
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    logp_bound: torch.Tensor
+    ent_bound: torch.Tensor
+    grad_bounds: dict[str, float]
+    grad_fp32_bounds: dict[str, float]  # the fp32 part alone (what any 16-bit path adds on top is its roundings)
+
+
+def reference(hidden, weight, bias, targets, *, temperature=1.0, scale=1.0, softcap=None, loss="stats", grads="head",
+              entropy_grad=True, loss_scale=1.0, dtype=None, rows=None) -> Reference:  # fmt: skip
+    """fp64 values, gradients and bounds (module docstring) of the inputs as given (already rounded to their dtype), on
+    their device, ``rows`` rows at a time (the loss is a sum over rows). ``loss``: "stats" (Σ g_logp·logp
+    (+ Σ g_ent·entropy) with :func:`upstream`), "nll" or "dft" (``head_loss``)."""
+    dtype = dtype or hidden.dtype
+    n, h_dim = hidden.shape
+    v = weight.shape[0]
+    k = abs(scale) / temperature
+    w = weight.double().requires_grad_(grads == "head")
+    b = None if bias is None else bias.double().requires_grad_(grads != "frozen")
+    g_logp, g_ent = (t.to(hidden.device).double() for t in upstream(n))
+    parts: dict[str, list] = {}
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    for r0 in range(0, n, rows or n):
+        sl = slice(r0, min(r0 + (rows or n), n))
+        h = hidden[sl].double().requires_grad_()
+        x = h @ w.T + (0 if b is None else b)
+        z = x * scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        z = z / temperature
+        logp_all = torch.log_softmax(z, -1)
+        t = targets[sl]
+        valid = t >= 0
+        logp = torch.where(valid, logp_all.gather(1, t.clamp(min=0)[:, None]).squeeze(1), 0.0)
+        entropy = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), 0.0)
+        if loss == "stats":
+            part = (logp * g_logp[sl]).sum() + ((entropy * g_ent[sl]).sum() if entropy_grad else 0)
+        else:
+            weights = logp.detach().exp() if loss == "dft" else torch.ones_like(logp)
+            part = -(logp * weights).sum() * loss_scale
+        part.backward()
+        total += part.detach()
+        x, z = x.detach(), z.detach()
+        for name, value in zip(("logp", "entropy", "grad_h"), (logp.detach(), entropy.detach(), h.grad)):
+            parts.setdefault(name, []).append(value)
+        bounds = token_bounds(x, z, t, dtype, k, scale, h_dim)
+        for name, value in zip(("logp_bound", "ent_bound", "x_rms", "top1", "decided"), bounds):
+            parts.setdefault(name, []).append(value)
+        del x, z, logp_all
+    cat = {name: torch.cat(values) for name, values in parts.items()}
+    x_rms_max = cat["x_rms"].max().item()
+    u, u32 = U[dtype], U[torch.float32]
+    # gradients: reduction lengths V (dh) and N (dW, db); the scalar loss rounds a ⊙ h (dW) and a (db) as well
+    roundings = {"grad_h": 2, "grad_w": 3 if loss != "stats" else 2, "grad_b": 3 if loss != "stats" else 2}
+    lengths = {"grad_h": v, "grad_w": n, "grad_b": n}
+    fp32 = {name: 8 * u32 * (math.sqrt(h_dim) * k * x_rms_max + math.sqrt(length)) for name, length in lengths.items()}
+    tile_u = 0 if dtype == torch.float32 else u
+    grad_bounds = {name: fp32[name] + tile_u * (roundings[name] + 2 * k * x_rms_max) for name in lengths}
+    found = {
+        "grad_h": cat["grad_h"],
+        "grad_w": w.grad if grads == "head" else None,
+        "grad_b": b.grad if b is not None and grads != "frozen" else None,
+    }
+    return Reference(cat["logp"], cat["entropy"], cat["top1"], cat["decided"], total, found, cat["logp_bound"],
+                     cat["ent_bound"], grad_bounds, fp32)  # fmt: skip
+
+
+def token_bounds(x, z, targets, dtype, k, scale, h_dim):
+    """Per-token bounds on |Δlogp| and |Δentropy| (module docstring), the rows' x_rms, the reference top-1 flags and
+    the rows whose argmax no rounding can change; x: the fp64 head output [rows, V], z: the fp64 logits."""
+    u, u32 = U[dtype], U[torch.float32]
+    tile_u = 0.0 if dtype == torch.float32 else u
+    v = z.shape[1]
+    p = torch.softmax(z, -1)
+    log_z = torch.logsumexp(z, -1)
+    mu = (p * z).sum(-1)
+    xk = x.abs() * k
+    x_rms = x.square().mean(-1).sqrt()
+    gemm = 2 * 4 * u32 * math.sqrt(h_dim) * k * x_rms
+    tc = targets.clamp(min=0)[:, None]
+    dev = (z - mu[:, None]).abs()
+    # the tile rounding moves each logit by up to d_j = u·k|x_j| at once: first-order terms taken at the worst point
+    # of that box (mean value theorem): p_j grows by at most e^(2·max d), |z_j - μ| by 2·max d + (e^(2·max d) - 1)·D
+    # with D = Σ p|z - μ| (1 and 0 for ordinary logits; logits of hundreds of nats in bf16 move by whole nats)
+    d_max = (tile_u * xk.amax(1))[:, None]
+    grow = torch.exp(2 * d_max)
+    spread = dev + 2 * d_max + (grow - 1) * (p * dev).sum(-1, keepdim=True)
+    logp_bound = tile_u * (xk.gather(1, tc).squeeze(1) + (grow * p * xk).sum(-1)) + gemm
+    logp_bound += 4 * u32 * (log_z.abs() + z.gather(1, tc).squeeze(1).abs() + math.log2(v))
+    ent_bound = tile_u * (grow * p * xk * spread).sum(-1) + gemm * (p * dev).sum(-1)
+    ent_bound += 4 * u32 * (log_z.abs() + mu.abs() + math.log2(v))
+    top2 = x.topk(2, dim=1).values
+    gap = top2[:, 0] - top2[:, 1]
+    # the two largest can swap where a tile rounding (u·|x| each, 16-bit tiles) or the GEMM's fp32 error moves them
+    decided = (gap == 0) | (gap > 4 * tile_u * x.abs().amax(1) + 4 * gemm / k)
+    top1 = (targets >= 0) & ((x if scale > 0 else -x).argmax(1) == targets)
+    return logp_bound, ent_bound, x_rms, top1, decided
+
+
+def rel_norm(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def assert_matches(out: dict, ref: Reference, targets, what="", slack=1.0):
+    """``out``: logp, entropy, is_top1 (None: skipped), grad_h/grad_w/grad_b (None: no gradient), loss (optional)."""
+    valid = targets >= 0
+    assert out["logp"].dtype == torch.float32 and (out["logp"][~valid] == 0).all(), what
+    err = (out["logp"].double() - ref.logp).abs()
+    assert (err <= slack * ref.logp_bound)[valid].all(), (what, "logp", (err / ref.logp_bound)[valid].max().item())
+    if out.get("entropy") is not None:
+        ent = (out["entropy"].double() - ref.entropy).abs()
+        assert (out["entropy"][~valid] == 0).all(), what
+        worst = (ent / ref.ent_bound)[valid].max().item()
+        assert (ent <= slack * ref.ent_bound)[valid].all(), (what, "entropy", worst)
+    if out.get("is_top1") is not None:
+        assert out["is_top1"].dtype == torch.bool and not out["is_top1"][~valid].any(), what
+        assert torch.equal(out["is_top1"][ref.decided], ref.top1[ref.decided]), (what, "is_top1")
+    if out.get("loss") is not None:
+        # a weighted sum of per-token errors (weights <= the loss scale)
+        bound = (ref.logp_bound[valid].sum() * abs(float(out.get("loss_scale", 1.0)))).item()
+        assert abs(out["loss"].item() - ref.loss.item()) <= slack * bound, (what, "loss")
+    for name, expected in ref.grads.items():
+        got = out.get(name)
+        assert (got is None) == (expected is None), (what, name)
+        if got is None:
+            continue
+        assert got.dtype == out["dtypes"][name], (what, name, got.dtype)
+        if name == "grad_h":
+            assert (got[~valid] == 0).all(), (what, "ignored rows' dh")
+        assert rel_norm(got, expected) <= slack * ref.grad_bounds[name], (what, name, rel_norm(got, expected))
+
+
+# ------------------------------------------------------------------------------------------ running the op
+def run_stats(hidden, weight, bias, targets, grads, entropy_grad=True, **options) -> dict:
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_(grads == "head")
+    b = None if bias is None else bias.clone().requires_grad_(grads != "frozen")
+    st = ops.token_stats(h, w, targets, bias=b, need_top1=True, entropy_grad=entropy_grad, **options)
+    g_logp, g_ent = (t.to(hidden.device) for t in upstream(hidden.shape[0]))
+    ((st.logp * g_logp).sum() + ((st.entropy * g_ent).sum() if entropy_grad else 0)).backward()
+    dtypes = {"grad_h": hidden.dtype, "grad_w": weight.dtype, "grad_b": None if bias is None else bias.dtype}
+    return dict(logp=st.logp.detach(), entropy=st.entropy.detach(), is_top1=st.is_top1, grad_h=h.grad, grad_w=w.grad,
+                grad_b=None if b is None else b.grad, dtypes=dtypes)  # fmt: skip
+
+
+def run_loss(hidden, weight, bias, targets, grads, loss_type="nll", loss_scale=1.0, need_h=True, **options) -> dict:
+    h = hidden.clone().requires_grad_(need_h)
+    w = weight.clone().requires_grad_(grads == "head")
+    b = None if bias is None else bias.clone().requires_grad_(grads != "frozen")
+    out = ops.head_loss(h, w, targets, bias=b, loss_type=loss_type, loss_scale=loss_scale, **options)
+    assert out.loss.requires_grad and not out.logp.requires_grad and not out.entropy.requires_grad
+    out.loss.backward()
+    dtypes = {"grad_h": hidden.dtype, "grad_w": weight.dtype, "grad_b": None if bias is None else bias.dtype}
+    return dict(logp=out.logp, entropy=out.entropy, is_top1=out.is_top1, loss=out.loss, loss_scale=loss_scale,
+                grad_h=h.grad, grad_w=w.grad, grad_b=None if b is None else b.grad, dtypes=dtypes)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- the tests
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_cols", [32768, 300])  # one vocab tile per row block, or several with a ragged last one
+@pytest.mark.parametrize("grads", GRADS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_token_stats_with_bias_match_fp64(case, grads, max_cols, dtype, monkeypatch):
+    monkeypatch.setattr(ops, "MAX_TILE_COLS", max_cols)
+    temperature, scale, softcap = case
+    hidden, weight, bias, targets = make_inputs(dtype=dtype)
+    options = dict(temperature=temperature, logit_scale=scale, softcap=softcap)
+    out = run_stats(hidden, weight, bias, targets, grads, tile_mib=1, backend="torch", **options)
+    ref = reference(hidden, weight, bias, targets, grads=grads, scale=scale, temperature=temperature, softcap=softcap)
+    assert ref.top1.any() and ((targets >= 0) & ~ref.top1).any()
+    assert_matches(out, ref, targets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [(4096, 32768), (40, 300), (16, 7)], ids=str)
+@pytest.mark.parametrize("scale", [1.0, -0.5], ids=["scale1", "negative_scale"])
+def test_is_top1_first_index_on_ties(tiles, dtype, scale, monkeypatch):
+    """torch's ``logits.argmax(-1) == target``: the first of several maxima wins, also across vocab tiles."""
+    monkeypatch.setattr(ops, "MAX_TILE_ROWS", tiles[0])
+    monkeypatch.setattr(ops, "MAX_TILE_COLS", tiles[1])
+    hidden, weight, targets, x = integer_inputs(0, 97, 701, 5, dtype, math.copysign(1.0, scale))
+    stats = ops.token_stats(hidden, weight, targets, logit_scale=scale, softcap=3.0, need_top1=True, backend="torch")
+    z = 3.0 * torch.tanh(x * scale / 3.0)  # the reference logits (the first index of their maximum is torch's argmax)
+    expected = (targets >= 0) & (z.argmax(1) == targets)
+    ties = (z == z.amax(1, keepdim=True)).sum(1) > 1
+    assert ties.sum() >= 10 and (expected & ties).any() and (~expected & ties & (targets >= 0)).any()
+    assert torch.equal(stats.is_top1, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["frozen", "head", "loss_head"])
+def test_reference_moves_past_far_logits(dtype, path, monkeypatch):
+    """Rows whose largest logit is far above the target's (logits up to ~300 nats apart): the reference moves up there,
+    within a tile and after earlier tiles were accumulated, and every result stays within the same bounds. fp16
+    (e^11 at most) moves it for most rows."""
+    monkeypatch.setattr(ops, "MAX_TILE_COLS", 300)
+    hidden, weight, bias, targets = spiked_inputs(dtype=dtype)
+    x = hidden.double() @ weight.double().T + bias.double()
+    gap = x.amax(1) - x.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    assert ((gap > 100) & (targets >= 0)).sum() >= 20 and ((gap > 100)[9:21] | (targets[9:21] == V - 5)).all()
+    options = dict(temperature=0.9, tile_mib=1, backend="torch")
+    if path == "loss_head":
+        out = run_loss(hidden, weight, bias, targets, "head", loss_scale=0.01, **options)
+        ref = reference(hidden, weight, bias, targets, temperature=0.9, loss="nll", loss_scale=0.01)
+    else:
+        out = run_stats(hidden, weight, bias, targets, path, **options)
+        ref = reference(hidden, weight, bias, targets, temperature=0.9, grads=path)
+    assert_matches(out, ref, targets, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tile_mib", [1, 64], ids=["4_chunks", "1_chunk"])  # 36 rows a chunk (ragged last), or all
+@pytest.mark.parametrize("grads", ["frozen", "bias", "head", "head_only"])
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_head_loss_matches_fp64(loss_type, grads, tile_mib, dtype):
+    """TRL's SFT loss: Σ -logp_i / num_items (nll) or Σ -logp_i·p_i.detach() / num_items (dft); a trainable head takes
+    the scalar path (gradients in the forward, row chunks of the whole vocabulary); head_only: hidden needs no grad."""
+    hidden, weight, bias, targets = make_inputs(seed=3, dtype=dtype)
+    num_items = torch.tensor(float((targets >= 0).sum() + 5))  # e.g. counted over every micro-batch of the step
+    options = dict(temperature=1.0, logit_scale=1.5, softcap=4.0, tile_mib=tile_mib, backend="torch")
+    need_h = grads != "head_only"
+    grads = "head" if grads == "head_only" else grads
+    out = run_loss(hidden, weight, bias, targets, grads, loss_type, 1 / num_items, need_h, **options)
+    ref = reference(hidden, weight, bias, targets, scale=1.5, softcap=4.0, loss=loss_type, grads=grads,
+                    loss_scale=1 / num_items.double())  # fmt: skip
+    if not need_h:
+        assert out["grad_h"] is None
+        out["grad_h"] = ref.grads["grad_h"].to(dtype)  # not computed: nothing to compare
+    assert_matches(out, ref, targets, f"{loss_type}-{grads}")
+
+
+def test_head_loss_trainable_equals_frozen_path():
+    """The scalar path's dh is the frozen path's (the same math through other GEMMs): within fp32 rounding."""
+    hidden, weight, bias, targets = make_inputs(seed=5, bias=False)
+    opts = dict(loss_type="dft", loss_scale=0.02, temperature=0.7, backend="torch")
+    scalar = run_loss(hidden, weight, None, targets, "head", **opts)
+    frozen = run_loss(hidden, weight, None, targets, "frozen", **opts)
+    assert torch.equal(scalar["is_top1"], frozen["is_top1"])
+    assert (scalar["logp"] - frozen["logp"]).abs().max() <= 1e-5
+    assert rel_norm(scalar["grad_h"], frozen["grad_h"]) <= 2e-6  # two fp32 routes: tens of u32 relative
+
+
+def test_head_loss_scales_by_incoming_gradient_and_retained_graph():
+    """The gradients computed in the forward are scaled by the loss's gradient, on every backward of a retained
+    graph (here 3·loss, backward twice: 6x one plain backward)."""
+    hidden, weight, bias, targets = make_inputs(seed=6)
+    once = run_loss(hidden, weight, bias, targets, "head", backend="torch")
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    out = ops.head_loss(h, w, targets, bias=b, backend="torch")
+    (3 * out.loss).backward(retain_graph=True)
+    (3 * out.loss).backward()
+    for got, ref in ((h.grad, once["grad_h"]), (w.grad, once["grad_w"]), (b.grad, once["grad_b"])):
+        torch.testing.assert_close(got, 6 * ref, rtol=4 * U[torch.float32], atol=0)
+
+
+def test_no_grad_builds_nothing(monkeypatch):
+    """Under no_grad autograd still reports needs_input_grad for inputs that require grad: the op must not prepare
+    d logp/dh, keep logits or take the scalar-loss path there."""
+    hidden, weight, bias, targets = make_inputs(seed=2)
+    modes: list = []
+    real_forward, real_loss = ops._forward, ops._loss_forward
+    monkeypatch.setattr(ops, "_forward", lambda *a: modes.append(("stats", a[5], a[6])) or real_forward(*a))
+    monkeypatch.setattr(ops, "_loss_forward", lambda *a: modes.append(("loss",)) or real_loss(*a))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.no_grad():
+        stats = ops.token_stats(h, w, targets, bias=bias, keep_logits_mib=1 << 20, backend="torch")
+        loss = ops.head_loss(h, w, targets, bias=bias, backend="torch")
+    assert modes == [("stats", False, False), ("stats", False, False)]
+    assert not stats.logp.requires_grad and not loss.loss.requires_grad
+    ref = reference(hidden, weight, bias, targets, loss="nll")
+    assert ((stats.logp.double() - ref.logp).abs() <= ref.logp_bound).all()
+    assert stats.is_top1 is None and loss.is_top1 is not None
+    assert ops.logp_entropy(hidden, weight, targets, bias=bias, backend="torch")[0].shape == (N,)
+
+
+def test_head_loss_rejects_bad_options():
+    hidden, weight, bias, targets = make_inputs(n=9, v=31, h=8)
+    with pytest.raises(ValueError, match="loss_type"):
+        ops.head_loss(hidden, weight, targets, loss_type="chunked_nll")
+    with pytest.raises(TypeError, match="entropy_grad"):  # the loss has no entropy term
+        ops.head_loss(hidden, weight, targets, entropy_grad=True)
+    with pytest.raises(ValueError, match="logit_scale"):
+        ops.token_stats(hidden, weight, targets, logit_scale=0.0)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda b: b[:-1], "bias must be"),
+        (lambda b: b.to(torch.int32), "bias must be floating point"),
+        (lambda b: b.to("meta"), "one device"),
+    ],
+)
+def test_bad_bias_raises_before_launch(bad, match):
+    from leantrain.lm_head._checks import UnsupportedInput
+
+    hidden, weight, bias, targets = make_inputs(n=9, v=31, h=8)
+    with pytest.raises(UnsupportedInput, match=match):
+        ops.token_stats(hidden, weight, targets, bias=bad(bias), backend="torch")
+
+
+def test_triton_declines_vocabularies_beyond_its_grid():
+    from leantrain.lm_head._checks import MAX_FOLD_BLOCKS, input_reasons
+
+    hidden, weight = torch.zeros(2, 4), torch.zeros(2, 4)
+    targets = torch.zeros(2, dtype=torch.long)
+    big = torch.empty_strided((MAX_FOLD_BLOCKS * 64 + 1, 4), (0, 1))  # no memory behind it
+    assert not any("column blocks" in r for r in input_reasons(hidden, weight, targets, "triton", torch.float32))
+    reasons = input_reasons(hidden, big, targets, "triton", torch.float32, fold_block=64)
+    assert any("column blocks" in r for r in reasons)
+
+
+def test_plan_rows_fits_the_budget():
+    assert ops.plan_rows(8192, 256000, 1024, 2) == 2048
+    assert ops.plan_rows(8192, 151936, 1024, 2) == 3520 // 64 * 64
+    assert ops.plan_rows(100, 1001, 1024, 2) == 100
+    assert ops.plan_rows(8192, 256000, 1, 2) == 16  # never fewer than 16 rows
+
+
+# --------------------------------------------------------------------------------- Triton, CPU interpreter
+SCENARIOS = {
+    # name: (inputs, options, kind, grads)
+    "frozen_entropy_grad": ("plain", dict(temperature=0.7), "stats", "frozen"),
+    "bias_trainable_softcap": ("plain", dict(temperature=0.7, softcap=5.0), "stats", "bias"),
+    "head_recompute": ("plain", dict(temperature=0.9), "stats", "head"),
+    "head_keep": ("plain", dict(temperature=0.9, keep_logits_mib=1 << 20), "stats", "head"),
+    "spiked_frozen": ("spiked", dict(temperature=0.9), "stats", "frozen"),
+    "loss_head_nll": ("plain", dict(softcap=5.0, loss_type="nll", loss_scale=0.05), "loss", "head"),
+    "loss_head_dft_spiked": ("spiked", dict(loss_type="dft", loss_scale=0.05), "loss", "head"),
+    "loss_frozen_dft": ("plain", dict(loss_type="dft", loss_scale=0.05), "loss", "frozen"),
+}
+SHAPE = dict(n=37, v=403, h=32)
+
+_TRITON_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from leantrain.lm_head import ops
+    from tests.parity import test_lm_head_ops as t
+    # 3 x 3 tiles with ragged last ones; fold blocks of 64 columns: several per tile, the last one ragged
+    ops.MAX_TILE_ROWS, ops.MAX_TILE_COLS, ops.FOLD_BLOCK = 16, 160, 64
+    saved = {}
+    for name, (inputs, options, kind, grads) in t.SCENARIOS.items():
+        data = (t.make_inputs if inputs == "plain" else t.spiked_inputs)(seed=4, **t.SHAPE)
+        run = t.run_stats if kind == "stats" else t.run_loss
+        for backend in ("torch", "triton"):
+            saved[(name, backend)] = run(*data, grads, tile_mib=1, backend=backend, **options)
+    ih, iw, it, _ = t.integer_inputs(1, 41, 403, 5, torch.float32)
+    for backend in ("torch", "triton"):
+        saved[("ties", backend)] = ops.token_stats(ih, iw, it, need_top1=True, backend=backend).is_top1
+    torch.save(saved, sys.argv[1])
+    """
+)
+
+
+@pytest.mark.slow
+def test_triton_matches_fp64_in_interpreter(tmp_path):
+    """The Triton kernels (CPU interpreter) within the same bounds of fp64 as the torch backend (several fold blocks
+    per tile, ragged tiles, references that move, the scalar loss), and the same top-1 flags bitwise (same tiles)."""
+    pytest.importorskip("triton")
+    saved = run_interpreted(_TRITON_SCRIPT, tmp_path / "lm_head.pt")
+    assert torch.equal(saved[("ties", "torch")], saved[("ties", "triton")])
+    for name, (inputs, options, kind, grads) in SCENARIOS.items():
+        hidden, weight, bias, targets = (make_inputs if inputs == "plain" else spiked_inputs)(seed=4, **SHAPE)
+        ref_opts = {k: options[k] for k in ("temperature", "softcap") if k in options}
+        if kind == "loss":
+            ref_opts.update(loss=options["loss_type"], loss_scale=options["loss_scale"])
+        ref = reference(hidden, weight, bias, targets, grads=grads, **ref_opts)
+        for backend in ("torch", "triton"):
+            assert_matches(saved[(name, backend)], ref, targets, f"{name} {backend}")
+        assert torch.equal(saved[(name, "torch")]["is_top1"], saved[(name, "triton")]["is_top1"]), name
