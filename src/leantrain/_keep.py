@@ -5,7 +5,9 @@ same ``{"value": ..., "source": ...}`` shape as the record that ``save_model()``
 ``auto`` (or ``true`` for an opt-in one that was asked for) where the run was faster or leaner with the same losses,
 ``false`` where it was not. ``leantrain run`` reads those entries (and only those: a record of a past run in the
 same folder changes nothing) below the command line and the environment: command line > ``LEANTRAIN_*`` >
-``leantrain.json`` > default. With the kill switch on (``LEANTRAIN_DISABLE=1``) the file is not read.
+``leantrain.json`` > default. An entry that neither sets joins the command line's options (``cli`` in the report;
+``leantrain run`` announces which). With the kill switch on (``LEANTRAIN_DISABLE=1`` or ``--opt disable=1``) the
+file is not read.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def read(path: str = KEEP_FILE) -> dict[str, Any]:
     }
 
 
-def _kill_switch(environ: Mapping[str, str]) -> bool:
-    raw = environ.get(LeantrainConfig.env_name("disable"), "")
-    return raw.strip().lower() in ("1", "on", "yes", "true")
+def _kill_switch(options: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+    """On from the environment or the command line (``--opt disable=1``): then nothing kept is read."""
+    return resolve_config({}, environ, cli=options).config.disable
 
 
 def with_kept(
@@ -67,13 +69,13 @@ def with_kept(
         raise SystemExit(f"leantrain run: error: {error}") from None
     if not kept:
         return dict(options)
-    if _kill_switch(environ):
+    if _kill_switch(options, environ):
         announce(f"leantrain run: {path} (leantrain compare --keep) not read: the kill switch is on")
         return dict(options)
     take = {n: v for n, v in kept.items() if n not in options and LeantrainConfig.env_name(n) not in environ}
     merged = {**take, **options}
     try:
-        resolve_config(merged, environ)
+        resolve_config({}, environ, cli=merged)
     except (TypeError, ValueError) as error:
         raise SystemExit(f"leantrain run: error: {path} (leantrain compare --keep): {error}") from None
     if take:

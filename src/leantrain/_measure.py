@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -253,7 +253,8 @@ class StepMeter:
     def _add_tokens(self, inputs: Any) -> None:
         import torch
 
-        if not isinstance(inputs, dict) or not torch.is_tensor(inputs.get("input_ids")):
+        # a plain Trainer's collators return a BatchEncoding: a Mapping, not a dict
+        if not isinstance(inputs, Mapping) or not torch.is_tensor(inputs.get("input_ids")):
             return
         mask = inputs.get("attention_mask")
         count = mask.sum() if torch.is_tensor(mask) else torch.tensor(inputs["input_ids"].numel())
