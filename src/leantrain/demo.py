@@ -21,11 +21,13 @@ summary into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,20 @@ def _run(
     return result, eval_loss
 
 
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars from the datasets library while the four runs build their trainers (one line per run)."""
+    import datasets
+
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
 def _cell(value: float | None, fmt: str) -> str:
     return NO_VALUE if value is None or value != value else format(value, fmt)  # value != value: nan
 
@@ -298,11 +314,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     recorded = Completions("record") if grpo else None
     progress = compare.Progress()
     runs, evals = [], []
-    for index in range(len(compare.ORDER)):
-        completions = recorded if index == 0 or recorded is None else Completions("replay", calls=recorded.calls)
-        result, eval_loss = _run(args, index, progress, completions)
-        runs.append(result)
-        evals.append(eval_loss)
+    with _quiet_datasets():
+        for index in range(len(compare.ORDER)):
+            completions = recorded if index == 0 or recorded is None else Completions("replay", calls=recorded.calls)
+            result, eval_loss = _run(args, index, progress, completions)
+            runs.append(result)
+            evals.append(eval_loss)
     result = compare.verdict(runs, args.warmup)
     print("\n== what leantrain applied (the leantrain runs' patch report) ==\n" + compare.report_text(runs))
     if grpo:
