@@ -234,7 +234,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="also run CGGR (opt-in, changes which tokens train: the loss curves are no longer expected to match)",
     )
     parser.add_argument(
-        "--smoke", action="store_true", help="tiny shapes and 3 steps per run (tests; about a minute on 2 CPU cores)"
+        "--smoke", action="store_true", help="tiny shapes and 3 steps per run (tests; under a minute on 2 CPU cores)"
     )
     parser.add_argument("--out", type=Path, default=Path("leantrain-demo"), help="where the PNG and JSON go")
     parser.add_argument("--seq", type=int, default=None, help="max sequence length (sft; default 128, --smoke 32)")
