@@ -706,8 +706,9 @@ def write(rows: list[Row], out_dir: Path) -> None:
     plot(out_dir / f"{NAME}.png", rows)
 
 
-def existing(out_dir: Path) -> list[Row]:
-    for path in (out_dir / f"{NAME}.json", RESULTS / f"{NAME}.json"):
+def existing(out_dir: Path, smoke: bool) -> list[Row]:
+    """The rows a run adds to: never the measured ones for a smoke run (tiny CPU shapes are not results)."""
+    for path in (out_dir / f"{NAME}.json",) if smoke else (out_dir / f"{NAME}.json", RESULTS / f"{NAME}.json"):
         if path.exists():
             return read_rows(path)
     return []
@@ -746,7 +747,7 @@ def main() -> None:
         for r in runs:
             print(r)
         return
-    old = existing(out_dir)
+    old = existing(out_dir, args.smoke)
 
     def save(results: list[dict[str, Any]]) -> None:
         write(merge(old, [row for res in results for row in to_rows(res)]), out_dir)

@@ -292,7 +292,8 @@ def main() -> None:
             measure(layout, shape.strip(), args.smoke, tokens, rows)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    old = next((read_rows(p) for p in (out_dir / f"{NAME}.json", RESULTS / f"{NAME}.json") if p.exists()), [])
+    sources = (out_dir / f"{NAME}.json",) if args.smoke else (out_dir / f"{NAME}.json", RESULTS / f"{NAME}.json")
+    old = next((read_rows(p) for p in sources if p.exists()), [])  # a smoke run never joins the measured rows
     write(merge(old, rows), out_dir)
 
 

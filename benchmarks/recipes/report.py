@@ -311,6 +311,14 @@ TIMED_TEXT = (
 )
 
 
+def sources(rows: Sequence[Row]) -> list[str]:
+    """One line per recipe and run that measured it: device, date, commit."""
+    seen: dict[tuple[str, str, str, str], None] = {}
+    for r in rows:
+        seen.setdefault((r.mode, r.device, r.date[:10], r.commit))
+    return [f"- {recipe}: {device}, {date}, commit {commit}" for recipe, device, date, commit in seen]
+
+
 def markdown(rows: Sequence[Row]) -> str:
     text = (
         "What `patch_trainer` changes in a training step, measured: random-init public shapes (real vocab sizes), "
@@ -321,6 +329,7 @@ def markdown(rows: Sequence[Row]) -> str:
         + "\n\n"
         + table(rows)
     )
+    text += "\n\nMeasured (the header above names the first row's):\n\n" + "\n".join(sources(rows))
     diffs, extra = differences(rows), notes(rows)
     if diffs:
         text += "\n\nDifferences (parts that moved by more than 2% of the baseline step):\n\n" + "\n".join(diffs)

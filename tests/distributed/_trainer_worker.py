@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from tests._optimizations import only
+
 
 STEPS = 2
 WORLD = 2
@@ -304,7 +306,7 @@ def record_cggr(trainer) -> dict[str, list]:
 
 def sft_cggr(engine: str, out: Path, batch: int, **overrides: Any) -> dict[str, Any]:
     trainer = sft_trainer(engine, out, batch, **overrides)
-    patched = patch(trainer, cggr=True, cggr_warmup_steps=0, cggr_min_tokens_ratio=0.5)
+    patched = patch(trainer, **only("cggr"), cggr_warmup_steps=0, cggr_min_tokens_ratio=0.5)
     records = record_cggr(trainer)
     train_quietly(trainer)
     return finish(trainer, patched=patched, **records)
@@ -322,11 +324,34 @@ def sft_stock(engine: str, out: Path, batch: int) -> dict[str, Any]:
     return finish(trainer)
 
 
+def sft_fused_ce(engine: str, out: Path, batch: int) -> dict[str, Any]:
+    """SFT with the fused LM-head loss alone; counts the fused op's calls (every micro-batch's loss)."""
+    from leantrain.lm_head import ops
+
+    trainer = sft_trainer(engine, out, batch)
+    patched = patch(trainer, **only("fused_ce"))
+    calls: list[str] = []
+    real = {name: getattr(ops, name) for name in ("token_stats", "head_loss")}
+    for name, fn in real.items():
+
+        def spy(*args: Any, _fn: Callable = fn, _name: str = name, **kwargs: Any):
+            calls.append(_name)
+            return _fn(*args, **kwargs)
+
+        setattr(ops, name, spy)
+    try:
+        train_quietly(trainer)
+    finally:
+        for name, fn in real.items():
+            setattr(ops, name, fn)
+    return finish(trainer, patched=patched, fused_calls=calls)
+
+
 def sft_osft(engine: str, out: Path, batch: int) -> dict[str, Any]:
     from leantrain.osft import frozen_overlap, osft_layers
 
     trainer = sft_trainer(engine, out, batch)
-    patched = patch(trainer, osft=True)
+    patched = patch(trainer, **only("osft"))
     train_quietly(trainer)
     trainable = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
     layers = osft_layers(trainer.model).values()
@@ -415,7 +440,7 @@ def grpo_fused(engine: str, out: Path, batch: int) -> dict[str, Any]:
 
     completions: list = []
     trainer = grpo_trainer(engine, out, batch, completions)
-    patched = patch(trainer, grpo_logps=True)
+    patched = patch(trainer, **only("grpo_logps"))
     calls: list = []
     recomputes: list = []
     real_op, real_recompute = ops.logp_entropy, ops._backward_recompute
@@ -517,7 +542,7 @@ def moe4bit(engine: str, out: Path, batch: int) -> dict[str, Any]:
 
     _grouped.grouped_forward = spy  # read when the patch is applied: the patched forward calls the spy
     try:
-        patched = patch(trainer, moe4bit=True, grpo_logps=False)
+        patched = patch(trainer, **only("moe4bit"))
     finally:
         _grouped.grouped_forward = real
     train_quietly(trainer)
@@ -527,6 +552,7 @@ def moe4bit(engine: str, out: Path, batch: int) -> dict[str, Any]:
 CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "sft_cggr": sft_cggr,
     "sft_cggr_local_norm": sft_cggr_local_norm,
+    "sft_fused_ce": sft_fused_ce,
     "grpo_fused": grpo_fused,
     "sft_osft": sft_osft,
     "sft_stock": sft_stock,

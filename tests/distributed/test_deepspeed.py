@@ -43,8 +43,8 @@ pytestmark = base.pytestmark  # distributed, slow, needs torch.distributed
 
 ENGINES = tuple(worker.ZERO_STAGES)
 MOE_SKIP = worker.moe_skip_reason()
-CASES = ("grpo_stock", "grpo_fused", "sft_cggr", "sft_osft") + (() if MOE_SKIP else ("moe4bit",))
-REFERENCES = ("grpo_fused", "sft_cggr", "sft_stock") + (() if MOE_SKIP else ("moe4bit",))  # single-process runs
+CASES = ("grpo_stock", "grpo_fused", "sft_cggr", "sft_osft", "sft_fused_ce") + (() if MOE_SKIP else ("moe4bit",))
+REFERENCES = ("grpo_fused", "sft_cggr", "sft_stock", "sft_fused_ce") + (() if MOE_SKIP else ("moe4bit",))  # 1 process
 # Tolerances: base's (derived in its module; MOE_PARAM_MAX_ATOL for the MoE). Measured under ZeRO-2 / ZeRO-3 vs one
 # process: loss <= 1.2e-7 relative, grad norm <= 4.3e-6 relative, parameters max |diff| <= 8.2e-6 and mean <= 4.5e-10
 # (GRPO, CGGR, stock SFT); MoE max 1.05e-4 (ZeRO-2) / 3.3e-5 (ZeRO-3), mean <= 4.6e-10.
@@ -137,6 +137,20 @@ def test_cggr_applies_and_matches_single_process(runs, engine):
     base.check_cggr_routing(reference, ranks)
     print(f"sft_cggr/{engine}: {base.summary(reference, ranks[0])}")
     assert base.trajectory_mismatches(reference, ranks[0]) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fused_ce_applies_and_matches_single_process_and_stock(runs, engine):
+    """The fused LM-head loss applies on both stages and serves every micro-batch (ZeRO-3: the head is gathered for
+    the op); the trajectory matches the single process and stock SFT (it keeps the math)."""
+    ranks = runs(engine)["sft_fused_ce"]
+    assert_deepspeed(ranks, engine)
+    assert_applied(ranks, "fused_ce")
+    reference = runs("single")["sft_fused_ce"]
+    assert reference["fused_calls"] and all(r["fused_calls"] == reference["fused_calls"] for r in ranks)
+    print(f"sft_fused_ce/{engine}: {base.summary(reference, ranks[0])}")
+    assert base.trajectory_mismatches(reference, ranks[0]) == []
+    assert base.trajectory_mismatches(runs("single")["sft_stock"], ranks[0]) == []
 
 
 @pytest.mark.parametrize("engine", ENGINES)

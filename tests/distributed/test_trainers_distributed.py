@@ -36,7 +36,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed"),
 ]
 
-CASES = {"sft_cggr": "cggr", "grpo_fused": "grpo_logps", "sft_osft": "osft"}  # case -> optimization it applies
+CASES = {"sft_cggr": "cggr", "grpo_fused": "grpo_logps", "sft_osft": "osft", "sft_fused_ce": "fused_ce"}
+# (case -> the optimization it applies, every other one off)
 ENGINES = ("ddp", "fsdp2")
 CONTROL = "sft_cggr_local_norm"
 LR = 1e-3  # the worker's learning rate
@@ -165,6 +166,16 @@ def test_matches_single_process(runs, case, engine):
         assert torch.equal(value, ranks[1]["params"][name_]), name_
     print(f"{case}/{engine}: {summary(reference, ranks[0])}")
     assert trajectory_mismatches(reference, ranks[0]) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fused_ce_serves_every_micro_batch_on_every_rank(runs, engine):
+    """The fused LM-head loss computes each rank's loss in every training forward, as many calls as the single
+    process makes (same steps and accumulation; each rank holds half of the rows)."""
+    reference = runs("single")["sft_fused_ce"]["fused_calls"]
+    assert reference and set(reference) <= {"token_stats", "head_loss"}, reference
+    for rank, result in enumerate(runs(engine)["sft_fused_ce"]):
+        assert result["fused_calls"] == reference, rank
 
 
 @pytest.mark.parametrize("engine", ENGINES)

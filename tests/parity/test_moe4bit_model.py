@@ -215,8 +215,8 @@ def test_recompute_default_per_layout_and_the_option_overrides(tmp_path, monkeyp
         recompute.Verdict("stacked", True, "a measured recompute win"),
     )
     monkeypatch.setattr(recompute, "VERDICTS", table)
-    cases = [({}, False, "stacked saved stacks: on (measured: a measured saved-stacks win)")]
-    cases += [({"moe_recompute": True}, True, "stacked recompute: on (set by moe_recompute")]
+    cases = [({}, False, "stacked recompute off, saved stacks (measured: a measured saved-stacks win)")]
+    cases += [({"moe_recompute": True}, True, "stacked recompute on (set by moe_recompute")]
     for options, expected, words in cases:
         trainer = make_trainer(make_model("qwen3_moe", "stacked"), tmp_path)
         report = leantrain.patch_trainer(trainer, moe4bit=True, environ={}, **ONLY_MOE, **options)

@@ -415,7 +415,7 @@ def detail(plan: CePlan) -> str:
     }[plan.path]
     what = "loss" if plan.path == "trainer" else "loss, entropy and mean_token_accuracy"
     if plan.path == "trl_fused":
-        what += "; the log-probs carry the op's scalar-loss gradient" if plan.settings.trl_loss_type else ""
+        what += "; the log-probs hold the op's scalar-loss gradient" if plan.settings.trl_loss_type else ""
     if plan.path in ("full_logits", "dft", "trainer"):
         what += "; an evaluation that reads logits runs the stock forward"
     model = plan.model

@@ -62,5 +62,5 @@ def choose(layout: str, stack_bytes: int, explicit: bool | None) -> tuple[bool, 
 
 
 def describe(recompute: bool, why: str) -> str:
-    """The report's words: ``recompute: on (measured: ...)`` or ``saved stacks: on (...)``."""
-    return f"recompute: on ({why})" if recompute else f"saved stacks: on ({why})"
+    """The report's words: ``recompute on (measured: ...)`` or ``recompute off, saved stacks (...)``."""
+    return f"recompute on ({why})" if recompute else f"recompute off, saved stacks ({why})"
