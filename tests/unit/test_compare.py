@@ -397,3 +397,12 @@ def test_tokens_are_counted_from_a_batch_encoding():
     meter._add_tokens(batch)
     meter._add_tokens({"input_ids": torch.ones(1, 4, dtype=torch.long)})  # no mask: every position
     assert int(meter._inputs_tokens) == 8 + 4
+
+
+def test_stock_runs_get_none_of_the_run_options():
+    """A flag such as --cggr overrides LEANTRAIN_DISABLE=1 (an explicit request): the stock runs must not get it."""
+    req = compare.parse(["--cggr", "--opt", "cggr_scoring=margin", TARGET, "--out", "x"], environ={})
+    stock = compare._child_command(req, "stock", "spec.json")
+    lean = compare._child_command(req, "leantrain", "spec.json")
+    assert stock[stock.index("run") + 1 :] == ["--measure=spec.json", "--", TARGET, "--out", "x"]
+    assert lean[lean.index("run") + 1 :] == [*req.run_options, "--measure=spec.json", "--", TARGET, "--out", "x"]
