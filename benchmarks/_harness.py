@@ -25,6 +25,16 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def only(name: str) -> dict[str, bool]:
+    """patch_trainer keywords that require ``name`` and turn every other optimization off (from the one list of
+    names, so a new optimization never leaks into another's benchmark)."""
+    from leantrain.config import OPTIMIZATIONS
+
+    if name not in OPTIMIZATIONS:
+        raise ValueError(f"{name!r} is not an optimization: {', '.join(OPTIMIZATIONS)}")
+    return {other: other == name for other in OPTIMIZATIONS}
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)

@@ -37,12 +37,12 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, Row, markdown_table, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, only, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 
 
-OFF = {"moe4bit": False, "grpo_logps": False, "osft": False, "fused_ce": False}
+OFF = {k: v for k, v in only("cggr").items() if k != "cggr"}
 SCORINGS = ("entropy", "margin", "loss", "combined")
 START = time.perf_counter()
 

@@ -43,7 +43,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests._moe4bit_models (the per-expert layout)
-from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, bar_plot, markdown_table, only, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain.moe4bit import _adapters, ops  # noqa: E402
@@ -299,7 +299,7 @@ def whole_model(s: Setup, layout_patch: bool, tmp: str):
     args = transformers.TrainingArguments(output_dir=tmp, report_to=[], use_cpu=s.device == "cpu", save_strategy="no")
     trainer = transformers.Trainer(model=model, args=args)
     if layout_patch:
-        report = leantrain.patch_trainer(trainer, moe4bit=True, cggr=False, grpo_logps=False, osft=False)
+        report = leantrain.patch_trainer(trainer, **only("moe4bit"))
         print(report, flush=True)
     ids = torch.randint(3, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=s.device)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -43,7 +43,7 @@ import transformers
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, Row, markdown_table, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, only, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 
@@ -139,7 +139,7 @@ def trainer_for(model, tmp: str, s: Setup) -> transformers.Trainer:
 def patch(trainer: transformers.Trainer) -> str:
     """``leantrain.patch_trainer`` (moe4bit only); a decline stops the run (it would time the stock path under
     leantrain's name)."""
-    report = leantrain.patch_trainer(trainer, moe4bit=True, cggr=False, grpo_logps=False, osft=False)
+    report = leantrain.patch_trainer(trainer, **only("moe4bit"))
     if report["moe4bit"].status.value != "applied":
         raise SystemExit(f"moe4bit did not apply: {report['moe4bit'].reasons}")
     return str(report)

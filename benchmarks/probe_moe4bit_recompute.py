@@ -50,7 +50,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 import shapes  # noqa: E402
-from _harness import RESULTS, Row, markdown_table, peak_memory, read_rows, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, only, peak_memory, read_rows, time_fn, write_results  # noqa: E402
 from recipes.runner import init_parameter  # noqa: E402
 from recipes.settings import TINY_GPT_OSS, TINY_QWEN3_MOE  # noqa: E402
 
@@ -59,7 +59,6 @@ import leantrain  # noqa: E402
 
 NAME = "moe4bit_recompute"
 GIB = 2**30
-OFF = dict(cggr=False, grpo_logps=False, osft=False)
 FASTER = 0.97  # off must be at least 3% faster than on
 ROUNDING = 0.05  # of a gate_up stack: allocator rounding allowed over the budget
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -126,7 +125,7 @@ def providers(layout: str, trainer: Any):
     for recompute in (True, False):
         name = f"leantrain recompute {'on' if recompute else 'off'}"
         try:
-            report = leantrain.patch_trainer(trainer, **OFF, moe4bit=True, moe_recompute=recompute)
+            report = leantrain.patch_trainer(trainer, **only("moe4bit"), moe_recompute=recompute)
         except leantrain.NotReadyError as error:
             yield name, f"not served: {error}"[:300], ""
             continue
