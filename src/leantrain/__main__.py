@@ -1,5 +1,6 @@
-"""Command line: `leantrain demo` (stock vs patched training on a tiny local model), `leantrain env`, and
-`leantrain run` (patch the trainers of an unmodified script, module or console script)."""
+"""Command line: `leantrain demo` (stock vs patched training on a tiny local model), `leantrain env`,
+`leantrain run` (patch the trainers of an unmodified script, module or console script) and `leantrain compare`
+(train a script stock and with leantrain, a few steps each, and say what it buys)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from .launch import main as run_main
 
         return run_main(argv[1:])
+    if argv[:1] == ["compare"]:  # the same: the target's arguments pass through untouched
+        from .compare import main as compare_main
+
+        return compare_main(argv[1:])
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     from .demo import build_parser, run_demo
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     build_parser(sub.add_parser("demo", help="train a tiny local model stock vs patched and compare"))
     sub.add_parser("env", help="versions, device, readiness of each optimization, and the LEANTRAIN_* variables set")
     sub.add_parser("run", help="run a script, -m module or console script with its trainers patched", add_help=False)
+    sub.add_parser("compare", help="train a script a few steps stock and with leantrain: what it buys", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "env":
         try:  # first, and exactly as `run` and patch_trainer would: a bad variable fails before anything loads

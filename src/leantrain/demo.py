@@ -1,100 +1,49 @@
-"""`python -m leantrain demo`: train a tiny model twice, stock and patched with leantrain's defaults, and compare.
+"""`leantrain demo`: train a tiny model stock and patched with leantrain's defaults, measured as `leantrain compare`
+measures a run, and say what it buys.
 
 The default shows what ``patch_trainer(trainer)`` does with no options: a tiny gpt-oss MoE whose 32 experts are
 frozen nf4 ``Linear4bit`` lists (the layout of community pre-quantized gpt-oss checkpoints) trains with the grouped
-4-bit experts (moe4bit) in place of the per-expert loop; the loss curves match stock within a printed bound and the
-per-step time drops. CGGR changes which tokens train: it runs only with ``--cggr``.
+4-bit experts (moe4bit) in place of the per-expert loop. CGGR changes which tokens train: it runs only with
+``--cggr``. ``--trainer grpo`` trains with TRL's GRPOTrainer, where the fused log-probs (grpo_logps) apply too.
+
+Four runs in one process, in the order stock, leantrain, leantrain, stock (neither mode always meets the first-time
+costs), each measured by the clock of ``leantrain compare`` (``_measure``): step time after warm-up, peak memory,
+tokens/s, per-step losses. The verdict is compare's: a speed claim only outside the measured spread, the losses
+against a bound derived from the dtype's rounding, "nothing applied" when nothing did. GRPO samples its completions:
+every run trains on the completions the first stock run sampled (each run still samples, so its step time includes
+generation), so the losses compare what the optimizations change and not which tokens were sampled.
 
 Everything is local: the model is built from a config (random init), the tokenizer is trained on Python's own
-documentation, and the training text is the same documentation. Prints the patch report and a side-by-side table,
-and writes a loss-curve PNG and a JSON summary into ``--out``.
+documentation, and the training text is the same documentation. Writes a PNG (loss curves, step times) and a JSON
+summary into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib.util
 import json
 import os
-import threading
-import time
-from dataclasses import asdict, dataclass, field
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import tiny
+from . import compare, tiny
+from ._measure import Completions, Measurement, measure_run
 from .entry import current_report, patch_trainer, unpatch_trainer
 
 
 DEMO_MODELS = {"llama": "llama", "gpt2": "gpt2", "gpt-oss": "gpt_oss"}
 NO_VALUE = "—"  # a table cell with nothing to show (a GRPO run has no eval loss): never "nan"
-# Stock and patched losses agree within this share of the loss. leantrain's grouped path equals the stock per-expert
-# loop up to the fp32 summation order (a few ulps, eps 1.2e-7, per step), and Adam carries that through the later
-# steps. On CPU the stock bitsandbytes 4-bit layers add more: their first training forward in the Trainer came out up
-# to ~3e-5 of the loss off the same layers' later forwards on the same inputs (measured, 32 experts; leantrain's
-# path equals the later ones), and 20 steps carried that to <= 3.3e-4 of the loss. 1e-3 covers it with room for
-# other x86 kernels, and stays well below what a wrong expert output does (the loss moves by > 1e-2 per step here).
-LOSS_RTOL = 1e-3
-
-
-@dataclass
-class RunResult:
-    name: str
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    rewards: list[tuple[int, float]] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-    tokens: int = 0
-    peak_mib: float | None = None
-    eval_loss: float | None = None  # held-out texts, every token (evaluation is never masked); None for GRPO
-    report: str = ""
-    applied: list[str] = field(default_factory=list)
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds and self.tokens else None
-
-    @property
-    def final_loss(self) -> float | None:
-        tail = [loss for _, loss in self.losses[-5:]]
-        return sum(tail) / len(tail) if tail else None
-
-    @property
-    def step_time(self) -> float | None:
-        """Median seconds per optimizer step, the first (warm-up) step left out: robust to a shared CPU's noise."""
-        times = sorted(self.step_seconds[1:] or self.step_seconds)
-        return times[len(times) // 2] if times else None
-
-
-class _PeakRSS:
-    """Samples this process's resident memory in a thread: the CPU stand-in for CUDA's peak-memory counter."""
-
-    def __init__(self, interval: float = 0.02) -> None:
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-    def _rss(self) -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * self._page
-        except OSError:
-            return 0
-
-    def __enter__(self) -> _PeakRSS:
-        self.peak = self._rss()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._rss())
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
+# Defaults: (sft, grpo, --smoke). A GRPO step samples its completions token by token, and on CPU that dominates
+# the step (the per-expert loop runs for every sampled token): fewer steps and experts keep it to minutes.
+SIZES = {"steps": (10, 6, 3), "seq": (128, 128, 32), "experts": (32, 8, 8), "vocab": (2048, 2048, 512)}
+MIN_VOCAB = 259  # the tokenizer's 256 byte tokens and its 3 special tokens
 
 
 def _dataset(tokenizer, n: int, held_out: bool = False, n_eval: int = 64):
@@ -121,11 +70,6 @@ def _model(args: argparse.Namespace, vocab_size: int):
     family = DEMO_MODELS[args.model]
     if family != "gpt_oss":
         return tiny.tiny_model(family, seed=args.seed, vocab_size=vocab_size, hidden=args.hidden, layers=4).train()
-    if not importlib.util.find_spec("bitsandbytes"):
-        raise SystemExit(
-            'the gpt-oss demo trains frozen 4-bit experts: install bitsandbytes (pip install -e ".[bnb]"), '
-            "or run a dense model: leantrain demo --model llama"
-        )
     # Many small experts, each row a whole number of bitsandbytes' 64-element blocks: on CPU the per-expert loop's
     # cost grows with the expert count while the grouped path's barely does.
     model = tiny.tiny_model(
@@ -137,23 +81,25 @@ def _model(args: argparse.Namespace, vocab_size: int):
         num_local_experts=args.experts,
         intermediate_size=64,
     ).train()
-    tiny.linear4bit_experts(model)  # the same frozen nf4 experts in both runs
+    tiny.linear4bit_experts(model)  # the same frozen nf4 experts in every run
     tiny.settle_4bit(model)
     return model
 
 
-def _make_trainer(args: argparse.Namespace, out: Path, run_name: str):
+def _make_trainer(args: argparse.Namespace, output_dir: str):
     tokenizer = tiny.train_tokenizer(args.vocab)
     model = _model(args, len(tokenizer))
+    cuda = torch.cuda.is_available()
     common = dict(
-        output_dir=str(out / run_name),
+        output_dir=output_dir,
+        bf16=cuda,  # fp32 on CPU (TRL's configs default to bf16, which a CPU without bf16 units runs slowly)
         max_steps=args.steps,
         learning_rate=args.lr,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not cuda,
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
@@ -191,186 +137,166 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(cggr=True, cggr_warmup_steps=max(1, args.steps // 4), cggr_min_tokens_ratio=0.5)
 
 
-def _run(args: argparse.Namespace, out: Path, patched: bool) -> RunResult:
-    name = "leantrain" if patched else "stock"
+def _run(
+    args: argparse.Namespace, index: int, progress: compare.Progress, completions: Completions | None
+) -> tuple[Measurement, float | None]:
+    """One run (ORDER[index]): build, patch (leantrain runs), train measured, evaluate; (measurement, eval loss)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    trainer = _make_trainer(args, out, name)
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
-    result = RunResult(name)
-    trainer.add_callback(_Progress(f"{name:>9}", result.step_seconds, quiet=args.smoke))
-    report = None
-    if patched:
-        report = patch_trainer(trainer, **_options(args))
-        print(report, flush=True)
-    print(f"\n== {name} run: {args.steps} steps of {args.trainer} on a tiny {args.model} ==", flush=True)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    with _PeakRSS() as rss:
-        start = time.perf_counter()
-        trainer.train()
-        result.seconds = time.perf_counter() - start
-    result.peak_mib = (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else rss.peak) / 2**20
-    for entry in trainer.state.log_history:
-        if "loss" in entry:
-            result.losses.append((entry["step"], float(entry["loss"])))
-        if "reward" in entry:
-            result.rewards.append((entry["step"], float(entry["reward"])))
-    result.tokens = int(trainer.state.num_input_tokens_seen or 0) or _count_tokens(trainer)
-    if trainer.eval_dataset is not None:
-        result.eval_loss = float(trainer.evaluate()["eval_loss"])
-    if patched:
-        report = current_report(trainer) or report  # after training: a runtime fallback shows as "failed"
-        result.report, result.applied = str(report), list(report.applied)
-        unpatch_trainer(trainer)
-    return result
+    mode = compare.ORDER[index]
+    label = f"{mode} {1 + compare.ORDER[:index].count(mode)}"
+    head = f"[{index + 1}/{len(compare.ORDER)}] {mode}"
+    with tempfile.TemporaryDirectory(prefix="leantrain-demo-") as output_dir:  # the trainers save nothing
+        trainer = _make_trainer(args, output_dir)
+        trainer.remove_callback(ProgressCallback)
+        trainer.remove_callback(PrinterCallback)
+        if mode == "leantrain":
+            patch_trainer(trainer, **_options(args))
+
+        def show(k: int, n: int, result: Measurement) -> None:
+            progress.show(f"{head}: step {k} of {n} ({result.step_ms[-1]:.0f} ms)")
+
+        result = measure_run(
+            trainer,
+            trainer.train,
+            args.steps,
+            label,
+            show,
+            completions,
+            report=lambda: current_report(trainer),
+        )
+        eval_loss = float(trainer.evaluate()["eval_loss"]) if trainer.eval_dataset is not None else None
+        if mode == "leantrain":
+            unpatch_trainer(trainer)
+    median = compare.quantile(result.step_ms[args.warmup :], 0.5)
+    progress.done(f"{head}: {len(result.step_ms)} steps, median {median:.0f} ms after warm-up")
+    gc.collect()
+    return result, eval_loss
 
 
-def _count_tokens(trainer) -> int:
-    # TRL logs the running count of input tokens as `num_tokens`.
-    return int(max((e.get("num_tokens", 0) for e in trainer.state.log_history), default=0))
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars from the datasets library while the four runs build their trainers (one line per run)."""
+    import datasets
 
-
-class _Progress:
-    """A one-line progress bar with the latest loss, in place of the Trainer's per-step log dump; records each
-    optimizer step's wall time into ``step_seconds``."""
-
-    def __new__(cls, name: str, step_seconds: list[float], quiet: bool = False):
-        from tqdm.auto import tqdm
-        from transformers import TrainerCallback
-
-        class Progress(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                self.bar = tqdm(total=state.max_steps, desc=name, unit="step", dynamic_ncols=True, disable=quiet)
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                self.start = time.perf_counter()
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs:
-                    extra = {"reward": f"{logs['reward']:.3f}"} if "reward" in logs else {}
-                    self.bar.set_postfix(loss=f"{logs['loss']:.3f}", **extra)
-
-            def on_step_end(self, args, state, control, **kwargs):
-                step_seconds.append(time.perf_counter() - self.start)
-                self.bar.update(state.global_step - self.bar.n)
-
-            def on_train_end(self, args, state, control, **kwargs):
-                self.bar.close()
-
-        return Progress()
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
 
 
 def _cell(value: float | None, fmt: str) -> str:
     return NO_VALUE if value is None or value != value else format(value, fmt)  # value != value: nan
 
 
-def _mean_tail(points: list[tuple[int, float]]) -> float | None:
-    tail = [v for _, v in points[-5:]]
+def _mean_tail(values: list[float | None]) -> float | None:
+    tail = [v for v in values[-5:] if v is not None]
     return sum(tail) / len(tail) if tail else None
 
 
-def loss_agreement(stock: RunResult, lean: RunResult) -> tuple[float, float]:
-    """(max |stock - leantrain| train loss over the logged steps, the bound LOSS_RTOL x the largest loss)."""
-    pairs = list(zip((v for _, v in stock.losses), (v for _, v in lean.losses)))
-    if not pairs:
-        return float("inf"), 0.0
-    return max(abs(a - b) for a, b in pairs), LOSS_RTOL * max(max(abs(a), abs(b)) for a, b in pairs)
-
-
-def _table(stock: RunResult, lean: RunResult, mem_label: str) -> str:
-    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
-    rows = [
-        ("train loss (mean of last 5 logs)", _cell(stock.final_loss, ".4f"), _cell(lean.final_loss, ".4f"), ""),
-        ("eval loss, held-out, all tokens", _cell(stock.eval_loss, ".4f"), _cell(lean.eval_loss, ".4f"), ""),
-        (
-            "time per step (s, median)",
-            _cell(stock.step_time, ".3f"),
-            _cell(lean.step_time, ".3f"),
-            _cell(ratio(stock.step_time, lean.step_time), ".2f") + "x faster",
-        ),
-        ("train time (s)", _cell(stock.seconds, ".1f"), _cell(lean.seconds, ".1f"), ""),
-        ("tokens/s", _cell(stock.tokens_per_s, ",.0f"), _cell(lean.tokens_per_s, ",.0f"), ""),
-        (mem_label, _cell(stock.peak_mib, ",.0f"), _cell(lean.peak_mib, ",.0f"), ""),
-    ]
-    if stock.rewards:
-        rows.append(
-            (
-                "reward (mean of last 5 logs)",
-                _cell(_mean_tail(stock.rewards), ".3f"),
-                _cell(_mean_tail(lean.rewards), ".3f"),
-                "",
-            )
-        )
-    header = ("", "stock", "leantrain", "ratio")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows])
-
-
-def _plot(stock: RunResult, lean: RunResult, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("losses", "training loss")] + ([("rewards", "mean reward")] if stock.rewards else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
-    for ax, (attr, label) in zip(axes[0], panels):
-        for run in (stock, lean):
-            points = getattr(run, attr)
-            if points:
-                steps, values = zip(*points)
-                style = dict(linestyle="-", linewidth=3, alpha=0.5) if run.name == "stock" else dict(linestyle="--")
-                ax.plot(steps, values, label=run.name, **style)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(label)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def extra_rows(runs: list[Measurement], evals: list[float | None]) -> list[tuple[str, str, str]]:
+    """The demo's rows beyond compare's table: held-out eval loss, and GRPO's reward."""
+    first = {m: compare.ORDER.index(m) for m in compare.MODES}
+    rows = [("eval loss, held-out, all tokens", *(_cell(evals[first[m]], ".4f") for m in compare.MODES))]
+    if any("reward" in r.metrics for r in runs):
+        rewards = (_cell(_mean_tail(runs[first[m]].metrics.get("reward", [])), ".3f") for m in compare.MODES)
+        rows.append(("reward (mean of last 5 steps)", *rewards))
+    return rows
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="leantrain demo")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 20; --smoke 3)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per run, 4 runs (default 10, grpo 6; --smoke 3; at least 3)",
+    )
     parser.add_argument(
         "--model",
         choices=sorted(DEMO_MODELS),
         default="gpt-oss",
         help="gpt-oss (default): a MoE with frozen 4-bit experts, where the defaults' grouped experts pay off",
     )
-    parser.add_argument("--trainer", choices=("sft", "grpo"), default="sft")
+    parser.add_argument(
+        "--trainer",
+        choices=("sft", "grpo"),
+        default="sft",
+        help="sft (default): TRL SFTTrainer on text; grpo: TRL GRPOTrainer with a toy reward, where the fused "
+        "log-probs apply too",
+    )
     parser.add_argument(
         "--cggr",
         action="store_true",
         help="also run CGGR (opt-in, changes which tokens train: the loss curves are no longer expected to match)",
     )
-    parser.add_argument("--smoke", action="store_true", help="a few seconds: tiny shapes and 3 steps (tests)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes and 3 steps per run (tests; under a minute on 2 CPU cores)"
+    )
     parser.add_argument("--out", type=Path, default=Path("leantrain-demo"), help="where the PNG and JSON go")
     parser.add_argument("--seq", type=int, default=None, help="max sequence length (sft; default 128, --smoke 32)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (sft)")
-    parser.add_argument("--experts", type=int, default=None, help="experts per layer (gpt-oss; default 32)")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of 64 for gpt-oss)")
-    parser.add_argument("--vocab", type=int, default=None, help="tokenizer vocabulary (default 2048, --smoke 512)")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--experts", type=int, default=None, help="experts per layer (gpt-oss; default 32, grpo 8; --smoke 8)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=64, help="hidden size: a multiple of 32 (of 64 for gpt-oss); default 64"
+    )
+    parser.add_argument(
+        "--vocab", type=int, default=None, help=f"tokenizer vocabulary, >= {MIN_VOCAB} (default 2048, --smoke 512)"
+    )
+    parser.add_argument("--lr", type=float, default=2e-3, help="learning rate (default 2e-3)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the model's initialization and the Trainer (default 0)"
+    )
     return parser
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Every size checked before anything is built: a clear message instead of a traceback from deep inside."""
+    problems = []
+    if args.steps < 3:
+        problems.append(f"--steps must be >= 3 (a warm-up step and 2 timed steps per run), got {args.steps}")
+    multiple = 64 if args.model == "gpt-oss" else 32
+    if args.hidden < multiple or args.hidden % multiple:
+        why = " (bitsandbytes' 4-bit blocks)" if multiple == 64 else " (attention heads of 32)"
+        problems.append(f"--hidden must be a multiple of {multiple} for --model {args.model}{why}, got {args.hidden}")
+    if args.seq < 8:
+        problems.append(f"--seq must be >= 8, got {args.seq}")
+    if args.batch < 1:
+        problems.append(f"--batch must be >= 1, got {args.batch}")
+    if args.experts < 2:
+        problems.append(f"--experts must be >= 2 (each token picks 2), got {args.experts}")
+    if args.vocab < MIN_VOCAB:
+        problems.append(f"--vocab must be >= {MIN_VOCAB} (256 bytes and 3 special tokens), got {args.vocab}")
+    if not args.lr > 0:
+        problems.append(f"--lr must be > 0, got {args.lr}")
+    if args.model == "gpt-oss" and not importlib.util.find_spec("bitsandbytes"):
+        problems.append(
+            'the gpt-oss demo trains frozen 4-bit experts: install bitsandbytes (pip install -e ".[bnb]"), '
+            "or run a dense model: leantrain demo --model llama"
+        )
+    if problems:
+        raise SystemExit("leantrain demo: error: " + "; ".join(problems))
+
+
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the defaults that --smoke shrinks."""
+    """Fill the defaults that --smoke shrinks, then check every size."""
     smoke = bool(getattr(args, "smoke", False))
-    for name, full, small in (("steps", 20, 3), ("seq", 128, 32), ("experts", 32, 8), ("vocab", 2048, 512)):
+    args.trainer = getattr(args, "trainer", None) or "sft"
+    for name, (sft, grpo, small) in SIZES.items():
         if getattr(args, name, None) is None:
-            setattr(args, name, small if smoke else full)
+            setattr(args, name, small if smoke else grpo if args.trainer == "grpo" else sft)
     args.smoke, args.cggr = smoke, bool(getattr(args, "cggr", False))
     args.eval_texts = 16 if smoke else 64
-    if getattr(args, "batch", None) is None:
-        args.batch = 8
-    if args.steps < 1:
-        raise SystemExit("--steps must be >= 1")
+    for name, default in (("batch", 8), ("hidden", 64), ("lr", 2e-3), ("seed", 0), ("model", "gpt-oss")):
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    _check(args)
+    args.warmup = 1 if args.steps < 6 else 2
     return args
 
 
@@ -379,31 +305,51 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    stock = _run(args, out, patched=False)
-    lean = _run(args, out, patched=True)
-    mem_label = "peak CUDA memory (MiB)" if torch.cuda.is_available() else "peak process RSS (MiB)"
-    print("\n" + lean.report + "\n")
-    print(_table(stock, lean, mem_label))
-    diff, bound = loss_agreement(stock, lean)
-    if args.cggr:
-        verdict = "CGGR is on (opt-in, changes which tokens train): the curves are not expected to match"
-    else:
-        verdict = "match" if diff <= bound else "DIFFER (please report this)"
     print(
-        f"\ntrain loss, stock vs leantrain: max |difference| over {len(lean.losses)} steps = {diff:.2e} "
-        f"(bound {bound:.2e} = {LOSS_RTOL:g} x loss): {verdict}"
+        f"leantrain demo: {args.steps} steps of {args.trainer} on a tiny {args.model}, 4 runs in this order: "
+        f"{', '.join(compare.ORDER)} (the first {args.warmup} steps of each not timed)",
+        flush=True,
     )
-    png = out / "loss_curve.png"
-    title = f"leantrain demo: tiny {args.model}, {args.trainer}, {args.steps} steps"
-    _plot(stock, lean, png, title + (" (CGGR on)" if args.cggr else " (defaults)"))
+    grpo = args.trainer == "grpo"
+    recorded = Completions("record") if grpo else None
+    progress = compare.Progress()
+    runs, evals = [], []
+    with _quiet_datasets():
+        for index in range(len(compare.ORDER)):
+            completions = recorded if index == 0 or recorded is None else Completions("replay", calls=recorded.calls)
+            result, eval_loss = _run(args, index, progress, completions)
+            runs.append(result)
+            evals.append(eval_loss)
+    result = compare.verdict(runs, args.warmup)
+    print("\n== what leantrain applied (the leantrain runs' patch report) ==\n" + compare.report_text(runs))
+    if grpo:
+        print("\nGRPO: every run trained on the completions the first stock run sampled (each run still samples)")
+    print(f"\n== measured ({runs[1].device}, {runs[1].dtype}; 2 runs per mode) ==")
+    print(compare.table(runs, result, args.warmup, extra_rows(runs, evals)))
+    losses = result["losses"]
+    diffs = [d for d in losses["diff"] if d is not None]
+    worst = max(range(len(diffs)), key=lambda k: diffs[k] / (losses["bound"][k] or 1e-30)) if diffs else None
+    if worst is not None:
+        print(
+            f"\ntrain loss, stock vs leantrain: max |difference| over {len(diffs)} steps = {max(diffs):.2e}; "
+            f"closest to its bound at step {worst + 1}: {diffs[worst]:.2e} of {losses['bound'][worst]:.2e} "
+            f"({losses['rule']})"
+        )
+    for line in compare.metric_lines(result):
+        print(line)
+    if args.cggr:
+        print("CGGR is on (opt-in, changes which tokens train): the curves are not expected to match")
+    print(f"\nverdict: {result['text']}")
+    png = out / "demo.png"
+    title = f"leantrain demo: tiny {args.model}, {args.trainer}, {args.steps} steps per run"
+    compare.plot(runs, result, args.warmup, str(png), title + (" (CGGR on)" if args.cggr else " (defaults)"))
     summary = {
         "args": {k: str(v) for k, v in vars(args).items()},
-        "stock": asdict(stock),
-        "leantrain": asdict(lean),
-        "loss_max_abs_diff": diff,
-        "loss_bound": bound,
-        "step_time_ratio": stock.step_time / lean.step_time if stock.step_time and lean.step_time else None,
+        "order": list(compare.ORDER),
+        "runs": [r.to_json() for r in runs],
+        "eval_loss": evals,
+        "verdict": result,
     }
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
-    print(f"\nloss curve: {png}\nsummary:    {out / 'demo.json'}")
+    print(f"\nplot:    {png}\nsummary: {out / 'demo.json'}")
     return summary

@@ -30,6 +30,7 @@ from importlib import metadata
 from importlib.util import find_spec
 from typing import Any
 
+from . import _keep, _measure
 from .config import OPTIMIZATIONS, resolve_config
 from .entry import NotReadyError, command_line, current_report, patch_trainer
 
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="any patch_trainer option, e.g. --opt cggr_min_tokens_ratio=0.3 (repeatable)",
     )
+    # leantrain compare's children: --measure=SPEC (one token) measures the first trainer's train(); see _measure
+    parser.add_argument("--measure", metavar="SPEC", help=argparse.SUPPRESS)
     return parser
 
 
@@ -176,10 +179,15 @@ def _is_rank_zero(trainer: Any) -> bool:
 
 
 @contextlib.contextmanager
-def trainers_patched(options: Mapping[str, Any], announce: Callable[[str], None] | None = None) -> Iterator[list[Any]]:
+def trainers_patched(
+    options: Mapping[str, Any],
+    announce: Callable[[str], None] | None = None,
+    around: Callable[..., Any] | None = None,
+) -> Iterator[list[Any]]:
     """Within the block, each Trainer's first ``train()`` patches it first; yields the trainers patched so far.
 
-    A trainer the target patched itself is left as it is. ``announce`` gets the report (rank 0 only).
+    A trainer the target patched itself is left as it is. ``announce`` gets the report (rank 0 only). ``around``
+    (``leantrain compare``'s measurement) runs that first ``train()`` as ``around(trainer, original, *args)``.
     """
     from transformers import Trainer
 
@@ -197,6 +205,8 @@ def trainers_patched(options: Mapping[str, Any], announce: Callable[[str], None]
                 patched.append(self)
                 if _is_rank_zero(self):
                     announce(str(report))
+            if around is not None:
+                return around(self, original, *args, **kwargs)
         return original(self, *args, **kwargs)
 
     train.__leantrain_original__ = original  # type: ignore[attr-defined]
@@ -301,9 +311,14 @@ def _exit_code(result: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     request = parse(list(sys.argv[1:] if argv is None else argv))
+    spec = _measure.spec_from_prefix(request.prefix)
+    options = request.options if spec is not None and spec.mode == "stock" else _keep.with_kept(request.options)
+    around = _measure.measured_train(spec) if spec is not None else None
     try:
-        with trainers_patched(request.options), launchers_followed(request):
+        with trainers_patched(options, around=around), launchers_followed(request):
             result = run_target(request.target)
+    except _measure.MeasureDone:  # a compare child: the first trainer was measured, the rest of the script skipped
+        return 0
     except NotReadyError as error:
         print(f"leantrain run: error: {error} (nothing was trained)", file=sys.stderr, flush=True)
         return 1

@@ -1,10 +1,11 @@
 """The package's shape, checked from the source: which module may import which (ARCHITECTURE.md says why).
 
-Layers, top to bottom: the entry point (``leantrain``, ``entry``, ``launch``, ``__main__``, ``demo``), the
-optimizations (one package each, named in ``config.OPTIMIZATIONS``), the framework (interface, undo, options, report,
-model adapters, versions) and the shared math (every other subpackage, e.g. ``lm_head``). An import may only run down;
-math takes plain values and imports no framework module. Which modules of an optimization are its math is read from
-ARCHITECTURE.md's package table (the "math" column), plus what those modules import inside the package."""
+Layers, top to bottom: the entry point (``leantrain``, ``entry``, ``launch``, ``__main__``, ``demo``, ``compare``,
+``_measure``), the optimizations (one package each, named in ``config.OPTIMIZATIONS``), the framework (interface,
+undo, options, report, model adapters, versions) and the shared math (every other subpackage, e.g. ``lm_head``).
+An import may only run down; math takes plain values and imports no framework module. Which modules of an
+optimization are its math is read from ARCHITECTURE.md's package table (the "math" column), plus what those modules
+import inside the package."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ from leantrain.config import OPTIMIZATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "leantrain"
-ENTRY = {"leantrain", "leantrain.entry", "leantrain.launch", "leantrain.__main__", "leantrain.demo"}
+ENTRY = {
+    "leantrain",
+    "leantrain.entry",
+    "leantrain.launch",
+    "leantrain.__main__",
+    "leantrain.demo",
+    "leantrain.compare",
+    "leantrain._measure",
+}
 # Math that several optimizations share: every subpackage that is not an optimization. Plain values, and no
 # optimization, framework or entry point above it.
 SHARED_MATH = tuple(

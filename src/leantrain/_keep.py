@@ -1,0 +1,109 @@
+"""What ``leantrain compare --keep`` decided, kept for ``leantrain run``: ``leantrain.json`` in the working directory.
+
+``--keep`` writes one entry per optimization the compared run applied, in the ``options`` section of the file (the
+same ``{"value": ..., "source": ...}`` shape as the record that ``save_model()`` writes), with source ``compare``:
+``auto`` (or ``true`` for an opt-in one that was asked for) where the run was faster or leaner with the same losses,
+``false`` where it was not. ``leantrain run`` reads those entries (and only those: a record of a past run in the
+same folder changes nothing) below the command line and the environment: command line > ``LEANTRAIN_*`` >
+``leantrain.json`` > default. An entry that neither sets joins the command line's options (``cli`` in the report;
+``leantrain run`` announces which). With the kill switch on (``LEANTRAIN_DISABLE=1`` or ``--opt disable=1``) the
+file is not read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .config import LeantrainConfig, resolve_config
+
+
+KEEP_FILE = "leantrain.json"
+SOURCE = "compare"
+
+
+def _value(value: Any) -> Any:
+    return "auto" if value is None else value
+
+
+def read(path: str = KEEP_FILE) -> dict[str, Any]:
+    """``{name: value}`` of the entries ``leantrain compare --keep`` wrote; {} when there is no such file."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not readable as JSON ({error})") from None
+    options = data.get("options") if isinstance(data, dict) else None
+    if not isinstance(options, dict):
+        return {}
+    return {
+        name: entry.get("value")
+        for name, entry in options.items()
+        if isinstance(entry, dict) and entry.get("source") == SOURCE
+    }
+
+
+def _kill_switch(options: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+    """On from the environment or the command line (``--opt disable=1``): then nothing kept is read."""
+    return resolve_config({}, environ, cli=options).config.disable
+
+
+def with_kept(
+    options: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    path: str = KEEP_FILE,
+    announce: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """``options`` (the command line's) plus the kept entries that neither the command line nor a ``LEANTRAIN_*``
+    variable sets. A kept value that no longer parses exits with status 2, as a bad command-line option does."""
+    environ = os.environ if environ is None else environ
+    announce = announce or _stderr
+    try:
+        kept = read(path)
+    except ValueError as error:
+        raise SystemExit(f"leantrain run: error: {error}") from None
+    if not kept:
+        return dict(options)
+    if _kill_switch(options, environ):
+        announce(f"leantrain run: {path} (leantrain compare --keep) not read: the kill switch is on")
+        return dict(options)
+    take = {n: v for n, v in kept.items() if n not in options and LeantrainConfig.env_name(n) not in environ}
+    merged = {**take, **options}
+    try:
+        resolve_config({}, environ, cli=merged)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"leantrain run: error: {path} (leantrain compare --keep): {error}") from None
+    if take:
+        listed = ", ".join(f"{n}={_value(v)}" for n, v in take.items())
+        announce(f"leantrain run: options kept by leantrain compare in {path}: {listed}")
+    return merged
+
+
+def write(decisions: Mapping[str, Any], summary: Mapping[str, Any], path: str = KEEP_FILE) -> None:
+    """Merge ``decisions`` ({name: True / False / None}) into ``path``'s options (other entries and keys stay),
+    with the compare summary under ``"compare"``."""
+    data: dict[str, Any] = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+        data = loaded if isinstance(loaded, dict) else {}
+    options = data.get("options") if isinstance(data.get("options"), dict) else {}
+    for name, value in decisions.items():
+        options[name] = {"value": _value(value), "source": SOURCE}
+    data["options"] = options
+    data["compare"] = dict(summary)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2)
+        handle.write("\n")
+    os.replace(tmp, path)
+
+
+def _stderr(text: str) -> None:
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        print(text, file=sys.stderr, flush=True)

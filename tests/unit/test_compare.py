@@ -1,0 +1,408 @@
+"""``leantrain compare``: bad input refused before anything runs; the verdict's rules on made-up runs (speed only
+outside the measured spread, losses against the derived bound, nothing applied); and end to end over a tiny
+Trainer script (tests/unit/_compare_target.py) in child processes: a forced slow path (a sleep injected into every
+leantrain step), a forced loss difference, a no-op (the kill switch); the JSON, the PNG, ``--keep`` and
+``leantrain run`` reading what ``--keep`` wrote."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leantrain import _keep, compare, launch
+from leantrain._measure import Measurement
+
+
+REPO = Path(__file__).resolve().parents[2]
+TARGET = str(Path(__file__).with_name("_compare_target.py"))
+RUN_TARGET = str(Path(__file__).with_name("_run_target.py"))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The children import this checkout's leantrain, one thread each, and see no LEANTRAIN_* of the caller."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    env.update(extra)
+    return env
+
+
+# --- bad input: exit 2 with a message, before anything runs ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        ([], {}, "missing TARGET"),
+        (["--steps", "3", TARGET], {}, "--steps 3 leaves fewer than 2 timed steps after --warmup 2"),
+        (["--warmup", "-1", TARGET], {}, "--warmup must be >= 0"),
+        (["--json", "/no/such/dir/c.json", TARGET], {}, "does not exist"),
+        (["--plot", str(REPO), TARGET], {}, "is a directory"),
+        (["--no-such-flag", TARGET], {}, "unrecognized arguments: --no-such-flag"),
+        (["--opt", "cggr_ratio=0.5", TARGET], {}, "unknown option 'cggr_ratio'"),
+        (["missing_script.py"], {}, "target 'missing_script.py' not found"),
+        ([TARGET], {"RANK": "1", "WORLD_SIZE": "2"}, "outside torchrun / accelerate launch"),
+        (["torchrun", "--nproc-per-node", "2", TARGET], {}, "torchrun starts its workers as plain python"),
+        (["--measure=x.json", TARGET], {}, "internal option"),
+    ],
+)
+def test_bad_input_exits_2_before_anything_runs(capsys, argv, environ, message):
+    with pytest.raises(SystemExit) as exit_info:
+        compare.parse(argv, environ=environ)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "leantrain compare: error:" in err, err
+
+
+def test_unwritable_keep_file_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / _keep.KEEP_FILE).mkdir()
+    with pytest.raises(SystemExit):
+        compare.parse(["--keep", TARGET], environ={})
+    assert "--keep:" in capsys.readouterr().err
+
+
+def test_python_m_leantrain_compare_reports_bad_input(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "leantrain", "compare", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=child_env(),
+    )
+    assert done.returncode == 2 and "missing TARGET" in done.stderr, done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_parse_splits_compare_run_and_target_options():
+    req = compare.parse(
+        ["--steps=6", "--cggr", "--opt", "cggr_scoring=margin", "--warmup", "1", TARGET, "--steps", "9", "--keep"],
+        environ={},
+    )
+    assert (req.steps, req.warmup, req.keep) == (6, 1, False)
+    assert req.run_options == ("--cggr", "--opt", "cggr_scoring=margin")
+    assert req.target == (TARGET, "--steps", "9", "--keep")
+    assert req.options == {"cggr": True, "cggr_scoring": "margin"}
+    module = compare.parse(["-m", "tests.unit._compare_target", "--out", "x"], environ={})
+    assert module.target == ("-m", "tests.unit._compare_target", "--out", "x")
+
+
+# --- the verdict's rules, on made-up runs ------------------------------------------------------------------------
+
+
+def run(label: str, step_ms, losses=None, applied=(), peak=1000, dtype="fp32", layers=2, **kw) -> Measurement:
+    n = len(step_ms)
+    losses = list(losses) if losses is not None else [5.0 - 0.1 * k for k in range(n)]
+    return Measurement(
+        label=label,
+        steps=list(range(1, n + 1)),
+        step_ms=list(step_ms),
+        losses=losses,
+        tokens=[100] * n,
+        peak_bytes=peak,
+        applied=list(applied),
+        dtype=dtype,
+        layers=layers,
+        **kw,
+    )
+
+
+def four(stock_ms, lean_ms, lean_losses=None, applied=("moe4bit",), **kw) -> list[Measurement]:
+    """ORDER: stock, leantrain, leantrain, stock."""
+    return [
+        run("stock 1", stock_ms[0], **kw),
+        run("leantrain 1", lean_ms[0], lean_losses, applied, **kw),
+        run("leantrain 2", lean_ms[1], lean_losses, applied, **kw),
+        run("stock 2", stock_ms[1], **kw),
+    ]
+
+
+WARM = [500.0, 400.0]  # two warm-up steps, left out
+
+
+def test_faster_needs_separated_spreads_and_every_run_ahead():
+    runs = four([WARM + [100, 102, 98, 101], WARM + [99, 103, 100, 100]], [WARM + [70, 71, 69, 72]] * 2)
+    result = compare.verdict(runs, 2)
+    assert result["speed"]["verdict"] == "faster" and result["text"].startswith("faster by 1.4")
+    assert result["text"].endswith("same losses") and result["helped"]
+    # one leantrain run as slow as stock: the modes' medians differ, but not every run is ahead
+    mixed = four([WARM + [100, 102, 98, 101]] * 2, [WARM + [70, 71, 69, 72], WARM + [101, 100, 99, 102]])
+    assert compare.verdict(mixed, 2)["text"] == "within noise: no claim"
+
+
+def test_overlapping_spreads_are_no_claim_even_with_a_different_median():
+    runs = four([WARM + [100, 140, 90, 130]] * 2, [WARM + [95, 125, 85, 120]] * 2)
+    result = compare.verdict(runs, 2)
+    assert result["speed"]["ratio"] > 1.04  # stock's median is higher ...
+    assert result["text"] == "within noise: no claim" and not result["helped"]  # ... inside the spread
+
+
+def test_slower_and_leaner():
+    runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [150, 151, 149, 152]] * 2)
+    assert compare.verdict(runs, 2)["text"].startswith("slower by 1.5")
+    lean = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [100, 101, 99, 100]] * 2)
+    for r in lean[1:3]:
+        r.peak_bytes = 800
+    result = compare.verdict(lean, 2)
+    assert result["text"] == "step time within noise, 20% less peak memory, same losses" and result["helped"]
+
+
+def test_nothing_applied_is_never_a_claim():
+    runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [50, 51, 49, 50]] * 2, applied=())
+    result = compare.verdict(runs, 2)
+    assert result["speed"]["verdict"] == "faster"  # what the clock alone says ...
+    assert result["text"] == "nothing applied: no claim" and not result["helped"]  # ... is not a claim
+
+
+def test_losses_differ_names_the_step_where_they_split():
+    losses = [5.0, 4.9, 4.8 + 1e-3, 4.7]
+    runs = four([WARM + [100, 101]] * 2, [WARM + [50, 51]] * 2, lean_losses=losses)
+    result = compare.verdict(runs, 2)
+    assert result["losses"]["split_step"] == 3 and result["text"] == "losses differ from step 3: no claim"
+    # a math-changing optimization (CGGR) is not held to the bound
+    runs = four([WARM + [100, 101]] * 2, [WARM + [50, 51]] * 2, losses, ("cggr",), changes_math=["cggr"])
+    assert compare.verdict(runs, 2)["text"].startswith("faster by 1.99x (losses not compared: cggr")
+
+
+def test_grad_norm_and_entropy_are_held_to_the_same_rule():
+    """GRPO with beta 0: the loss value is the advantages' alone; what the log-probs change shows in grad_norm."""
+    runs = four([WARM + [100, 101]] * 2, [WARM + [50, 51]] * 2)
+    for r in runs:
+        r.metrics = {"grad_norm": [1.0, 1.1, 1.2, 1.3], "entropy": [6.0, 6.0, 6.0, 6.0]}
+    assert compare.verdict(runs, 2)["text"] == "faster by 1.99x, same losses"
+    for r in runs[1:3]:
+        r.metrics = {**r.metrics, "grad_norm": [1.0, 1.1, 1.25, 1.3]}
+    result = compare.verdict(runs, 2)
+    assert result["text"] == "grad_norm differs from step 3: no claim" and not result["helped"]
+    assert result["metrics"]["entropy"]["same"]
+
+
+def test_stock_runs_that_applied_something_are_no_claim():
+    runs = four([WARM + [100, 101]] * 2, [WARM + [50, 51]] * 2)
+    runs[0].applied = ["cggr"]
+    assert "despite the kill switch" in compare.verdict(runs, 2)["text"]
+
+
+def test_loss_bound_is_derived_from_the_unit_roundoff_and_the_loss():
+    """8·u·√(2L+2)·(|loss| + Σ|Δloss|): at step 1 the parity suite's one-forward bound, then the loss's movement."""
+    rel = 8 * 2.0**-24 * math.sqrt(2 * 2 + 2)
+    assert compare.loss_bounds([4.0, 3.0, 3.5], "fp32", 2) == pytest.approx(
+        [rel * 4, rel * (3 + 1), rel * (3.5 + 1.5)]
+    )
+    assert compare.loss_bounds([4.0], "bf16", 2)[0] == pytest.approx(8 * 2.0**-8 * math.sqrt(6) * 4)
+    assert compare.loss_bounds([1.0], "fp32", None)[0] == pytest.approx(8 * 2.0**-24 * math.sqrt(66))  # L = 32
+
+
+def test_run_to_run_spread_widens_the_bound():
+    """A nondeterministic stack (stock differs from stock): leantrain may differ from stock by twice as much."""
+    stock = [[5.0, 4.0], [5.0, 4.0 + 1e-3]]
+    lean = [[5.0, 4.0 + 1.5e-3]] * 2
+    check = compare.loss_check(stock, lean, "fp32", 2)
+    assert check["same"] and check["bound"][1] > 2e-3
+    assert not compare.loss_check([[5.0, 4.0]] * 2, lean, "fp32", 2)["same"]
+
+
+def test_keep_decisions():
+    req = compare.parse(["--cggr", TARGET], environ={})
+    helped = {"applied": ["moe4bit", "cggr"], "changes_math": ["cggr"], "helped": True}
+    assert compare.keep_decisions(req, helped) == {"moe4bit": None, "cggr": True}
+    assert compare.keep_decisions(req, {**helped, "helped": False}) == {"moe4bit": False, "cggr": False}
+
+
+# --- leantrain run reads what --keep wrote -----------------------------------------------------------------------
+
+
+def test_kept_options_rank_below_the_command_line_and_the_environment(tmp_path):
+    path = str(tmp_path / _keep.KEEP_FILE)
+    _keep.write({"cggr": True, "moe4bit": False}, {"verdict": "x"}, path)
+    notes: list[str] = []
+    assert _keep.with_kept({}, {}, path, notes.append) == {"cggr": True, "moe4bit": False}
+    assert "cggr=True, moe4bit=False" in notes[0]
+    assert _keep.with_kept({"cggr": False}, {}, path, notes.append) == {"cggr": False, "moe4bit": False}
+    assert _keep.with_kept({}, {"LEANTRAIN_MOE4BIT": "1"}, path, notes.append) == {"cggr": True}
+    assert _keep.with_kept({}, {"LEANTRAIN_DISABLE": "1"}, path, notes.append) == {}
+    assert "kill switch" in notes[-1]
+    assert _keep.with_kept({"disable": "1"}, {}, path, notes.append) == {"disable": "1"}  # --opt disable=1
+    assert "kill switch" in notes[-1]
+
+
+def test_a_record_of_a_past_run_is_not_read(tmp_path):
+    """save_model() writes leantrain.json too: its options (source kwarg / env / default) are not decisions."""
+    path = tmp_path / _keep.KEEP_FILE
+    path.write_text(json.dumps({"options": {"cggr": {"value": True, "source": "env"}}}))
+    assert _keep.read(str(path)) == {}
+    _keep.write({"moe4bit": None}, {}, str(path))
+    saved = json.loads(path.read_text())
+    assert saved["options"] == {
+        "cggr": {"value": True, "source": "env"},
+        "moe4bit": {"value": "auto", "source": "compare"},
+    }
+    assert _keep.read(str(path)) == {"moe4bit": "auto"}
+
+
+def test_leantrain_run_applies_the_kept_options(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for var in [v for v in os.environ if v.startswith("LEANTRAIN_")]:
+        monkeypatch.delenv(var)
+    _keep.write({"cggr": True}, {"verdict": "x"})
+    assert launch.main([RUN_TARGET, "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "result_rank0.json").read_text())["report"]
+    cggr = next(o for o in report["outcomes"] if o["name"] == "cggr")
+    assert cggr["status"] == "applied"
+    assert "options kept by leantrain compare" in capsys.readouterr().err
+
+
+# --- the GPU recipe target's smoke mode (benchmarks/compare_recipe.py) ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["moe_qlora", "sft"])
+def test_recipe_target_smoke_trains_under_leantrain_run(recipe, tmp_path, monkeypatch, capsys):
+    if recipe == "moe_qlora":
+        pytest.importorskip("bitsandbytes")
+    monkeypatch.chdir(tmp_path)
+    script = str(REPO / "benchmarks" / "compare_recipe.py")
+    assert launch.main([script, recipe, "--smoke", "--steps", "2"]) == 0
+    err = capsys.readouterr().err
+    assert bool(re.search(r"^moe4bit +applied ", err, re.M)) == (recipe == "moe_qlora"), err[-2000:]
+
+
+# --- end to end: four child processes over a tiny Trainer script --------------------------------------------------
+
+
+def compare_run(tmp: Path, argv: list[str], env: dict[str, str], sleep_ms=None) -> tuple[dict, str]:
+    cwd = os.getcwd()
+    os.chdir(tmp)  # --keep writes ./leantrain.json
+    try:
+        req = compare.parse(["--json", str(tmp / "c.json"), "--plot", str(tmp / "c.png"), *argv], environ=env)
+        lines: list[str] = []
+        data = compare.compare(req, out=lines.append, environ=env, sleep_ms=sleep_ms)
+    finally:
+        os.chdir(cwd)
+    return data, "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def slow_path(tmp_path_factory):
+    """CGGR applied (in its warm-up: every label trains) and a 1 s sleep inside every leantrain step."""
+    tmp = tmp_path_factory.mktemp("compare_slow")
+    argv = ["--steps", "4", "--warmup", "1", "--keep", "--cggr", "--opt", "cggr_warmup_steps=1000"]
+    data, out = compare_run(tmp, [*argv, TARGET, "--out", str(tmp / "target")], child_env(), {"leantrain": 1000.0})
+    return tmp, data, out
+
+
+@pytest.mark.slow
+def test_forced_slow_path_is_slower(slow_path):
+    tmp, data, out = slow_path
+    verdict = data["verdict"]
+    assert verdict["speed"]["verdict"] == "slower", out
+    assert verdict["text"].startswith("slower by") and "losses not compared: cggr" in verdict["text"]
+    assert "cggr" in verdict["applied"] and f"verdict: {verdict['text']}" in out
+    assert "== what leantrain applied" in out and re.search(r"^cggr +applied ", out, re.M)
+
+
+@pytest.mark.slow
+def test_json_holds_both_modes_and_the_verdict(slow_path):
+    tmp, data, _ = slow_path
+    saved = json.loads((tmp / "c.json").read_text())
+    assert saved["order"] == ["stock", "leantrain", "leantrain", "stock"]
+    for mode in ("stock", "leantrain"):
+        got = saved[mode]
+        assert len(got["step_ms"]) == len(got["losses"]) == len(got["tokens"]) == len(got["peak_bytes"]) == 2
+        assert all(len(run) == 4 for run in (*got["step_ms"], *got["losses"], *got["tokens"]))
+        assert all(isinstance(p, int) and p > 0 for p in got["peak_bytes"])
+        assert all(t == 32 for run in got["tokens"] for t in run)  # 2 rows x 16 tokens per step
+        assert got["report"]["trainer_kind"] == "trainer"
+    stock_cggr = next(o for o in saved["stock"]["report"]["outcomes"] if o["name"] == "cggr")
+    assert stock_cggr["status"] == "disabled" and "LEANTRAIN_DISABLE=1" in stock_cggr["reasons"][0]
+    assert saved["stock"]["losses"][0] == saved["stock"]["losses"][1]  # deterministic on CPU
+    assert min(saved["leantrain"]["step_ms"][0][1:]) >= 1000  # the injected sleep is inside the step
+    assert saved["verdict"]["text"] == data["verdict"]["text"]
+
+
+@pytest.mark.slow
+def test_png_and_no_files_of_the_target(slow_path):
+    tmp, _, _ = slow_path
+    assert (tmp / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp / "c.png").stat().st_size > 10_000
+    written = [p for p in (tmp / "target").rglob("*")] if (tmp / "target").exists() else []
+    assert not written, written  # no save_steps=1 checkpoints (the Trainer may make the empty output_dir)
+
+
+@pytest.mark.slow
+def test_keep_turns_off_what_did_not_help(slow_path):
+    tmp, data, out = slow_path
+    kept = json.loads((tmp / _keep.KEEP_FILE).read_text())
+    applied = data["verdict"]["applied"]  # cggr, and what applies by default to a plain Trainer (fused_ce)
+    assert kept["options"] == {name: {"value": False, "source": "compare"} for name in applied}
+    assert kept["compare"]["verdict"].startswith("slower by")
+    assert "kept in ./leantrain.json for leantrain run: " + ", ".join(f"{n}=False" for n in applied) in out
+
+
+@pytest.mark.slow
+def test_forced_loss_difference(tmp_path):
+    data, out = compare_run(
+        tmp_path, ["--steps", "4", "--warmup", "1", TARGET, "--out", str(tmp_path / "t"), "--differ"], child_env()
+    )
+    assert data["verdict"]["text"] == "losses differ from step 2: no claim", out
+    diff, bound = data["verdict"]["losses"]["diff"], data["verdict"]["losses"]["bound"]
+    assert diff[0] <= bound[0] and diff[1] > bound[1]  # step 1 is before any update: the defaults keep the math
+
+
+@pytest.mark.slow
+def test_kill_switch_is_nothing_applied(tmp_path):
+    data, out = compare_run(
+        tmp_path,
+        ["--steps", "4", "--warmup", "1", TARGET, "--out", str(tmp_path / "t")],
+        child_env(LEANTRAIN_DISABLE="1"),
+    )
+    assert data["verdict"]["text"] == "nothing applied: no claim", out
+    assert data["verdict"]["losses"]["same"] and all(d == 0 for d in data["verdict"]["losses"]["diff"])
+
+
+@pytest.mark.slow
+def test_defaults_on_a_plain_trainer_keep_the_losses(tmp_path):
+    """What applies by default to a plain Trainer (the fused LM-head loss) keeps the math: the verdict holds its
+    losses to the bound at every step and never says they differ, nor that nothing applied."""
+    data, out = compare_run(
+        tmp_path, ["--steps", "4", "--warmup", "1", TARGET, "--out", str(tmp_path / "t")], child_env()
+    )
+    verdict = data["verdict"]
+    assert "fused_ce" in verdict["applied"] and not verdict["changes_math"], out
+    assert verdict["losses"]["same"] and verdict["losses"]["compared_steps"] == 4, out
+    assert "differ" not in verdict["text"] and "nothing applied" not in verdict["text"], out
+    assert all(d <= b for d, b in zip(verdict["losses"]["diff"], verdict["losses"]["bound"]))
+    assert data["stock"]["applied"] == []  # stock is the kill switch: nothing patched
+
+
+def test_tokens_are_counted_from_a_batch_encoding():
+    """A plain Trainer's collators (DataCollatorWithPadding and the like) hand over a BatchEncoding, not a dict."""
+    import torch
+    from transformers import BatchEncoding
+
+    from leantrain._measure import StepMeter
+
+    meter = StepMeter(1)
+    batch = BatchEncoding(
+        {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])}
+    )
+    meter._add_tokens(batch)
+    meter._add_tokens({"input_ids": torch.ones(1, 4, dtype=torch.long)})  # no mask: every position
+    assert int(meter._inputs_tokens) == 8 + 4
+
+
+def test_stock_runs_get_none_of_the_run_options():
+    """A flag such as --cggr overrides LEANTRAIN_DISABLE=1 (an explicit request): the stock runs must not get it."""
+    req = compare.parse(["--cggr", "--opt", "cggr_scoring=margin", TARGET, "--out", "x"], environ={})
+    stock = compare._child_command(req, "stock", "spec.json")
+    lean = compare._child_command(req, "leantrain", "spec.json")
+    assert stock[stock.index("run") + 1 :] == ["--measure=spec.json", "--", TARGET, "--out", "x"]
+    assert lean[lean.index("run") + 1 :] == [*req.run_options, "--measure=spec.json", "--", TARGET, "--out", "x"]
