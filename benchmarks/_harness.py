@@ -25,14 +25,19 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def only(name: str) -> dict[str, bool]:
-    """patch_trainer keywords that require ``name`` and turn every other optimization off (from the one list of
-    names, so a new optimization never leaks into another's benchmark)."""
+def others_off(name: str) -> dict[str, bool]:
+    """patch_trainer keywords that turn every optimization but ``name`` off, from the one list of names (so a new
+    optimization never leaks into another's benchmark); ``name`` is left to the caller."""
     from leantrain.config import OPTIMIZATIONS
 
     if name not in OPTIMIZATIONS:
         raise ValueError(f"{name!r} is not an optimization: {', '.join(OPTIMIZATIONS)}")
-    return {other: other == name for other in OPTIMIZATIONS}
+    return {other: False for other in OPTIMIZATIONS if other != name}
+
+
+def only(name: str) -> dict[str, bool]:
+    """``name`` required, every other optimization off."""
+    return {**others_off(name), name: True}
 
 
 def device_name() -> str:
@@ -193,6 +198,15 @@ def bar_plot(path: Path, title: str, groups: Sequence[str], series: dict[str, Se
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def previous_rows(name: str, out_dir: Path, smoke: bool) -> list[Row]:
+    """The rows a run of benchmark ``name`` adds to: those already in ``out_dir``, else the committed ones in
+    ``benchmarks/results/``; a smoke run never joins the measured rows (tiny CPU shapes are not results)."""
+    for path in (out_dir / f"{name}.json",) if smoke else (out_dir / f"{name}.json", RESULTS / f"{name}.json"):
+        if path.exists():
+            return read_rows(path)
+    return []
 
 
 def read_rows(path: Path) -> list[Row]:

@@ -29,13 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
-from _harness import RESULTS, Row, bar_plot, markdown_table, only, peak_memory, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, bar_plot, markdown_table, others_off, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain.cggr.ops import select_topk, targets_of  # noqa: E402
 
 
-OFF = {k: v for k, v in only("cggr").items() if k != "cggr"}
+OFF = others_off("cggr")
 SHAPES = {  # (config class, fields): the released models' sizes (benchmarks/shapes.py), tied embeddings
     name: (shapes.shape(name).cls, shapes.config(name)) for name in ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b")
 }

@@ -37,12 +37,12 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, Row, markdown_table, only, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, others_off, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 
 
-OFF = {k: v for k, v in only("cggr").items() if k != "cggr"}
+OFF = others_off("cggr")
 SCORINGS = ("entropy", "margin", "loss", "combined")
 START = time.perf_counter()
 

@@ -57,7 +57,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, Row, markdown_table, read_rows, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, previous_rows, read_rows, write_results  # noqa: E402
 from recipes import settings as recipe_settings  # noqa: E402
 
 
@@ -706,14 +706,6 @@ def write(rows: list[Row], out_dir: Path) -> None:
     plot(out_dir / f"{NAME}.png", rows)
 
 
-def existing(out_dir: Path, smoke: bool) -> list[Row]:
-    """The rows a run adds to: never the measured ones for a smoke run (tiny CPU shapes are not results)."""
-    for path in (out_dir / f"{NAME}.json",) if smoke else (out_dir / f"{NAME}.json", RESULTS / f"{NAME}.json"):
-        if path.exists():
-            return read_rows(path)
-    return []
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
@@ -747,7 +739,7 @@ def main() -> None:
         for r in runs:
             print(r)
         return
-    old = existing(out_dir, args.smoke)
+    old = previous_rows(NAME, out_dir, args.smoke)
 
     def save(results: list[dict[str, Any]]) -> None:
         write(merge(old, [row for res in results for row in to_rows(res)]), out_dir)

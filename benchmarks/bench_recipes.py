@@ -84,7 +84,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
-from _harness import RESULTS, Row, read_rows  # noqa: E402
+from _harness import RESULTS, Row, previous_rows, read_rows  # noqa: E402
 from recipes import dense_sft, grpo, moe_experts, moe_qlora, osft, sft  # noqa: E402
 from recipes.report import markdown, merge, to_rows, write_all  # noqa: E402
 from recipes.runner import NAME, RECIPES, Budget, log  # noqa: E402
@@ -192,10 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records += RECIPE_FNS[recipe](s, Budget(s.budget_s), args)
         log(f"=== {recipe} done in {time.perf_counter() - t0:.0f} s")
     new = [row for rec in records for row in to_rows(rec)]
-    existing = out_dir / f"{NAME}.json"
-    if not existing.exists() and not args.smoke:
-        existing = RESULTS / f"{NAME}.json"
-    rows = merge(read_rows(existing), new)
+    rows = merge(previous_rows(NAME, out_dir, args.smoke), new)
     write_all(rows, out_dir)
     print(markdown([r for r in rows if r.mode in recipes]), flush=True)
     failed = [r for r in records if r["status"] == "failed" and r["kind"] in ("stock", "leantrain")]

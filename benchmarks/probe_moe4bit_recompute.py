@@ -50,7 +50,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 import shapes  # noqa: E402
-from _harness import RESULTS, Row, markdown_table, only, peak_memory, read_rows, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, only, peak_memory, previous_rows, read_rows, time_fn, write_results  # noqa: E402
 from recipes.runner import init_parameter  # noqa: E402
 from recipes.settings import TINY_GPT_OSS, TINY_QWEN3_MOE  # noqa: E402
 
@@ -291,9 +291,7 @@ def main() -> None:
             measure(layout, shape.strip(), args.smoke, tokens, rows)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    sources = (out_dir / f"{NAME}.json",) if args.smoke else (out_dir / f"{NAME}.json", RESULTS / f"{NAME}.json")
-    old = next((read_rows(p) for p in sources if p.exists()), [])  # a smoke run never joins the measured rows
-    write(merge(old, rows), out_dir)
+    write(merge(previous_rows(NAME, out_dir, args.smoke), rows), out_dir)
 
 
 def write(rows: list[Row], out_dir: Path) -> None:
