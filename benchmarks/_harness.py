@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import subprocess
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -232,26 +233,52 @@ def stacked_bar_panels(
     import matplotlib.pyplot as plt
 
     groups = [g for g, bars in panels.items() if bars]
-    widths = [max(2, len(panels[g])) for g in groups]
-    fig, axes = plt.subplots(
-        1, max(1, len(groups)), figsize=(max(6, 0.9 * sum(widths) + 1.5), 4.8), squeeze=False,
-        gridspec_kw={"width_ratios": widths or [1]},
-    )  # fmt: skip
+    widths = {g: max(3, len(panels[g])) for g in groups}
+    lines = _wrap(groups, widths, ROW_BARS)
+    span = max((sum(widths[g] for g in line) for line in lines), default=2)
+    fig = plt.figure(figsize=(max(6, 0.9 * span + 1.5), 4.6 * max(1, len(lines)) + 0.4))
+    subfigs = fig.subfigures(max(1, len(lines)), 1, squeeze=False)[:, 0]
     colors = plt.get_cmap("tab10").colors
-    for ax, group in zip(axes[0], groups):
-        bars = panels[group]
-        bottom = [0.0] * len(bars)
-        for k, part in enumerate(parts):
-            values = [bars[b].get(part, 0.0) for b in bars]
-            ax.bar(range(len(bars)), values, 0.7, bottom=bottom, color=colors[k % len(colors)], label=part)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_xticks(range(len(bars)), list(bars), rotation=60, ha="right", fontsize=7)
-        ax.set_title(group, fontsize=9)
-        ax.tick_params(axis="y", labelsize=7)
-    axes[0][0].set_ylabel(ylabel)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", fontsize=7, ncol=len(parts))
-    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
-    fig.savefig(path, dpi=120)
+    first = None
+    for subfig, line in zip(subfigs, lines):
+        # a row shorter than the widest keeps the same width per bar: pad it with an empty slot
+        ratios = [widths[g] for g in line] + ([span - sum(widths[g] for g in line)] if len(lines) > 1 else [])
+        ratios = [r for r in ratios if r > 0]
+        axes = subfig.subplots(1, len(ratios), squeeze=False, width_ratios=ratios)[0]
+        for ax in axes[len(line) :]:
+            ax.axis("off")
+        for ax, group in zip(axes, line):
+            _stack(ax, panels[group], parts, colors)
+            ax.set_title(textwrap.fill(group, 7 * widths[group]), fontsize=9)
+        first = first if first is not None else axes[0]
+    if first is not None:
+        first.set_ylabel(ylabel)
+        handles, labels = first.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper right", fontsize=7, ncol=len(parts))
+    fig.suptitle(title, fontsize=10, x=0.01, y=1.02, ha="left")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+# Bars per row of panels before the next panel starts a new row: a figure stays readable at page width.
+ROW_BARS = 24
+
+
+def _wrap(groups: Sequence[str], widths: dict[str, int], limit: int) -> list[list[str]]:
+    lines: list[list[str]] = []
+    for g in groups:
+        if lines and sum(widths[x] for x in lines[-1]) + widths[g] <= limit:
+            lines[-1].append(g)
+        else:
+            lines.append([g])
+    return lines
+
+
+def _stack(ax: Any, bars: dict[str, dict[str, float]], parts: Sequence[str], colors: Sequence[Any]) -> None:
+    bottom = [0.0] * len(bars)
+    for k, part in enumerate(parts):
+        values = [bars[b].get(part, 0.0) for b in bars]
+        ax.bar(range(len(bars)), values, 0.7, bottom=bottom, color=colors[k % len(colors)], label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(bars)), list(bars), rotation=60, ha="right", fontsize=7)
+    ax.tick_params(axis="y", labelsize=7)

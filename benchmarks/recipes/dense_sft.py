@@ -34,7 +34,6 @@ from .runner import (
     run_group,
     selected,
     sft_trainer,
-    short_shape,
     token_dataset,
     trainer_args,
 )
@@ -202,7 +201,7 @@ def _shape(
             )  # fmt: skip
 
         settings = {**base, "trainer": "SFTTrainer", "loss_path": path, **sft_args}
-        cases.append((f"{short_shape(shape)} {label} {size}", settings, make_sft, label == "sft"))
+        cases.append((f"{shape} {label} {size}", settings, make_sft, label == "sft"))
 
     def make_plain(**extra: Any) -> Any:
         return plain_trainer(copy.deepcopy(pristine), labeled, tmp, steps, s, **extra)
@@ -210,7 +209,7 @@ def _shape(
     settings = {**base, "trainer": "Trainer", "loss_path": "the model's own loss over full logits (fp32 upcast)"}
     # the plain Trainer first: the budget projects a group from the longest variant so far, and the compile
     # provider (last of the SFT group) would make every later group look too long
-    cases.insert(0, (f"{short_shape(shape)} trainer logits {size}", settings, make_plain, False))
+    cases.insert(0, (f"{shape} trainer logits {size}", settings, make_plain, False))
     records = []
     for config, settings, make, compile_too in cases:
         group, liger = group_for(config, settings, make, s, compile_too)

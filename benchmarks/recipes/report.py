@@ -339,22 +339,16 @@ def markdown(rows: Sequence[Row]) -> str:
 
 
 def plot(rows: Sequence[Row], path: Path) -> None:
-    """One panel per recipe (the config in its title when it has one), a bar per variant, the split stacked."""
+    """One panel per (recipe, config), a bar per variant, the split stacked; panels wrap into rows."""
     main = main_rows(rows)
     panels: dict[str, dict[str, dict[str, float]]] = {}
-    for recipe in dict.fromkeys(r.mode for r in main):
-        mine = [r for r in main if r.mode == recipe]
-        configs = list(dict.fromkeys(r.x_value for r in mine))
-        title = f"{recipe}: {configs[0]}" if len(configs) == 1 else recipe
-        bars = panels.setdefault(title, {})
-        for r in mine:
-            label = r.provider if len(configs) == 1 else f"{r.x_value} | {r.provider}"
-            label += "" if r.metric == "speed" else f" ({r.metric})"
-            values = r.config["parts_ms"] if r.metric == "speed" else {}
-            bars[label] = {p: max(0.0, v) / 1e3 for p, v in values.items()}
-            if values.get("generation", 0.0) > 0:  # generation hides the rest: the same bars again without it
-                rest = panels.setdefault(f"{recipe}: without generation", {})
-                rest[label] = {p: max(0.0, v) / 1e3 for p, v in values.items() if p != "generation"}
+    for r in main:
+        label = r.provider + ("" if r.metric == "speed" else f" ({r.metric})")
+        values = r.config["parts_ms"] if r.metric == "speed" else {}
+        panels.setdefault(f"{r.mode}: {r.x_value}", {})[label] = {p: max(0.0, v) / 1e3 for p, v in values.items()}
+        if values.get("generation", 0.0) > 0:  # generation hides the rest: the same bars again without it
+            rest = panels.setdefault(f"{r.mode}: {r.x_value}, without generation", {})
+            rest[label] = {p: max(0.0, v) / 1e3 for p, v in values.items() if p != "generation"}
     title = "Training step time per recipe, stock vs leantrain (s, lower is better)"
     stacked_bar_panels(path, title, panels, PARTS, "s / step")
 
