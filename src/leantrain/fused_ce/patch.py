@@ -28,7 +28,7 @@ from transformers.utils import ModelOutput
 
 from ..fallback import RuntimeFallback
 from ..lm_head import ops
-from ..models import head_weight, zero3_gather
+from ..models import head_weight, trl_backbone_pass, zero3_gather
 
 
 PATHS = ("trl_fused", "chunked_nll", "full_logits", "dft", "trainer")
@@ -247,18 +247,7 @@ def trl_aux_loss(model: nn.Module, text_config: Any, router_logits: Any, attenti
 # ------------------------------------------------------------------------------------- TRL >= 1.15 fused head
 def trl_fused_forward(model: nn.Module, st: HeadSettings, op, output_class, *args: Any, **kwargs: Any):
     """TRL's ``fused_lm_head=True`` forward with leantrain's op in place of TRL's kernel."""
-    kwargs.pop("fused_lm_head", None)
-    labels = kwargs.pop("labels", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    kwargs["use_cache"] = False
-    if getattr(st.text_config, "output_router_logits", False):
-        kwargs.setdefault("output_router_logits", True)
-    out = getattr(model, st.backbone_attr)(*args, **kwargs)
-    if shift_labels is None:
-        hidden, targets = out.last_hidden_state[:, :-1], labels[:, 1:]
-    else:
-        hidden, targets = out.last_hidden_state, shift_labels
+    out, hidden, targets, num_items_in_batch = trl_backbone_pass(model, st.backbone_attr, st.text_config, args, kwargs)
     need = dict(need_entropy="entropy" in st.outputs, need_top1="is_top1" in st.outputs)
     if st.trl_loss_type is None:  # per-token log-probs with their own gradient
         stats = score(model, st, op, hidden, targets, **need)

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..fallback import RuntimeFallback
 from ..lm_head import ops
-from ..models import head_weight, zero3_gather
+from ..models import head_weight, trl_backbone_pass, zero3_gather
 from . import nograd
 
 
@@ -97,20 +97,9 @@ def uses_trl_head(model: nn.Module, call: FusedCall) -> bool:
 def fused_forward(model: nn.Module, call: FusedCall, *args: Any, **kwargs: Any):
     """TRL's ``fused_lm_head=True`` forward with leantrain's op in place of ``ChunkedLogProbFunction``."""
     st = call.settings
-    kwargs.pop("fused_lm_head", None)
-    labels = kwargs.pop("labels", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    kwargs["use_cache"] = False
-    if getattr(st.text_config, "output_router_logits", False):
-        kwargs.setdefault("output_router_logits", True)
-    backbone_out = getattr(model, st.backbone_attr)(*args, **kwargs)
-    if shift_labels is None:
-        hidden = backbone_out.last_hidden_state[:, :-1]
-        labels = labels[:, 1:]
-    else:
-        hidden = backbone_out.last_hidden_state
-        labels = shift_labels
+    backbone_out, hidden, labels, num_items_in_batch = trl_backbone_pass(
+        model, st.backbone_attr, st.text_config, args, kwargs
+    )
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise RuntimeError("LM head has a bias")  # the probe declines these; reaching here means the model changed
