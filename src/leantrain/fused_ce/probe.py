@@ -102,11 +102,9 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     verdict, plan.dispatch_why = dispatch.choose(
         DISPATCH_PATH[path], plan.head, *_head_shape(model), _dtype_name(trainer, plan.settings)
     )
-    if verdict == "stock":
-        if ctx.config.config.fused_ce is not True:  # auto: the faster head stays (nothing to gain here)
-            why = f"{_replaced(path)} stays: {plan.dispatch_why}; pass fused_ce=True to use leantrain's op anyway"
-            return Readiness.not_applicable(why)
-        plan.dispatch_why += "; leantrain's op because fused_ce=True"
+    if verdict == "stock":  # auto keeps the faster head (nothing to gain here); fused_ce=True applies the op anyway
+        evidence = f"the dispatch rule prefers {_replaced(path)} ({plan.dispatch_why})"
+        return Readiness.slower(evidence, detail(plan), plan)
     return Readiness(detail=detail(plan), plan=plan)
 
 

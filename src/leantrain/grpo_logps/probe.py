@@ -211,4 +211,4 @@ def nograd_detail(heads: list[tuple[str, nn.Module]]) -> str:
         parts.append(f"{'policy' if label == 'model' else label.replace('_', ' ')} H={h} V={v} (any N)")
     if not parts:
         return ""
-    return f"no-grad calls at {', '.join(parts)} use TRL's own head (measured faster: {nograd.SOURCE})"
+    return f"no-grad calls at {', '.join(parts)} use TRL's own head (measured faster: {nograd.EVIDENCE})"
