@@ -23,6 +23,11 @@ class Verdict:
     max_stack_mib: float | None = None
 
 
+def _h100(detail: str) -> Evidence:
+    """Every verdict below: measured on an H100 on 2026-11-25."""
+    return Evidence("recompute", "H100", "2026-11-25", detail)
+
+
 # H100, 2026-11-25 (benchmarks/results/moe4bit_recompute.md): saved stacks were 2-25% faster a layer at every measured
 # point (gpt-oss-20b and Qwen3-30B-A3B layers, 2048 and 4096 tokens) but held 0.6-1.0 GiB more, as much as
 # transformers' own grouped_mm over the same 4-bit stacks. leantrain promises one dequantized bf16 stack alive at a
@@ -32,10 +37,7 @@ VERDICTS: tuple[Verdict, ...] = (
     Verdict(
         "linear4bit",
         True,
-        Evidence(
-            "recompute",
-            "H100",
-            "2026-11-25",
+        _h100(
             "gpt-oss-20b layer, 4096 tokens: 10.08 ms / 1.41 GiB peak; saved stacks 9.57 ms / 2.45 GiB "
             "(moe_recompute=0 when the memory is there)",
         ),
@@ -43,10 +45,7 @@ VERDICTS: tuple[Verdict, ...] = (
     Verdict(
         "stacked",
         True,
-        Evidence(
-            "recompute",
-            "H100",
-            "2026-11-25",
+        _h100(
             "Qwen3-30B-A3B layer, 4096 tokens: 5.78 ms / 0.97 GiB peak; saved stacks 5.31 ms / 1.82 GiB, "
             "transformers' grouped_mm on the same 4-bit stacks 5.39 ms / 1.77 GiB (moe_recompute=0 when the memory "
             "is there)",
@@ -55,10 +54,7 @@ VERDICTS: tuple[Verdict, ...] = (
     Verdict(
         "expert_mlps",
         True,
-        Evidence(
-            "recompute",
-            "H100",
-            "2026-11-25",
+        _h100(
             "Qwen3-30B-A3B layer, 4096 tokens: 5.58 ms / 0.99 GiB peak; saved stacks 4.72 ms / 1.83 GiB",
         ),
     ),
