@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -71,8 +72,6 @@ def fused_forward_of(model: nn.Module) -> Callable[..., Any] | None:
 
 def closure(fwd: Callable[..., Any], required: tuple[str, ...]) -> dict[str, Any] | str:
     """The names ``fwd`` closes over, or a reason naming those of ``required`` that are missing."""
-    import inspect
-
     names = inspect.getclosurevars(fwd).nonlocals
     missing = [n for n in required if n not in names]
     if missing:
