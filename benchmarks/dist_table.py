@@ -1,12 +1,15 @@
-"""Rows and a markdown table for ``gpu_dist.sh``: recipes (SFT, GRPO, OSFT) under DDP, FSDP2, ZeRO-2 and ZeRO-3,
-stock vs leantrain.
+"""Rows and a markdown table for ``gpu_dist.sh``: recipes (dense LoRA SFT, full SFT, GRPO, MoE QLoRA, OSFT, CGGR)
+under DDP, FSDP2, ZeRO-2 and ZeRO-3, stock vs leantrain.
 
 Input: the per-rank JSON files the example scripts write (``examples/_common.py``), one directory per run named
 ``<recipe>.<engine>.<variant>`` (variant ``stock`` = ``LEANTRAIN_DISABLE=1``, or ``leantrain``). Output, into
 ``--out`` (default ``benchmarks/results/distributed``): ``dist_<device>_<date>_<commit>.json`` (one row per run:
 step time, tokens/s per GPU, peak memory per rank, applied / declined / failed optimizations with reasons, loss and
 KL agreement with the stock run of the same recipe and engine) and the same name ``.md`` (device, versions, date,
-commit, the table).
+commit, the table). The opt-in recipes (``OPT_IN``: they change what trains) have no stock launch of their own: they
+are compared with the stock run of the recipe they modify, and their loss difference is a measurement, not a bound.
+A ``launches.tsv`` beside the run directories (written by ``gpu_dist.sh``) adds a row for every launch that failed
+or was skipped without leaving rank rows, with its reason.
 
     python3 benchmarks/dist_table.py /tmp/out/dist --out benchmarks/results/distributed
 """
@@ -24,6 +27,8 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "distributed"
 VARIANTS = ("stock", "leantrain")
+# opt-in recipe -> the recipe whose stock run is its baseline (same script, shape and steps without the opt-in)
+OPT_IN = {"osft": "sft_full", "cggr": "sft_full"}
 RUN_NAME = re.compile(r"^(?P<recipe>[a-z0-9_]+)\.(?P<engine>[a-z0-9_]+)\.(?P<variant>stock|leantrain)$")
 
 
@@ -98,11 +103,72 @@ def summarize(runs: dict[tuple[str, str, str], list[dict[str, Any]]]) -> list[di
             "loss_max_rel_diff_vs_stock": None,
             "kl_max_abs_diff_vs_stock": None,
         }
-        stock = runs.get((recipe, engine, "stock"))
+        stock = runs.get((OPT_IN.get(recipe, recipe), engine, "stock"))
         if variant != "stock" and stock:
+            row["stock_run"] = f"{OPT_IN.get(recipe, recipe)}.{engine}.stock"
             row["loss_max_rel_diff_vs_stock"] = _max_rel_diff(row["losses"], stock[0].get("losses") or [])
             row["kl_max_abs_diff_vs_stock"] = _max_abs_diff(row["kl"], stock[0].get("kl") or [])
+            row["step_ratio_vs_stock"] = _ratio(stock, step_ms)
+            row["loss_within_bound"] = None if recipe in OPT_IN else _within_bound(row, stock[0])
         rows.append(row)
+    return rows
+
+
+def _within_bound(row: dict[str, Any], stock0: dict[str, Any]) -> bool | None:
+    """Every step's |loss - stock loss| within ``leantrain compare``'s bound (``compare.loss_bounds``: a few unit
+    roundoffs of the run's dtype per rounding depth of its layers, carried along the loss's movement); None when
+    there is nothing to compare or leantrain is not importable."""
+    try:
+        from leantrain.compare import loss_bounds
+    except ImportError:
+        return None
+    ref = stock0.get("losses") or []
+    if not row["losses"] or not ref:
+        return None
+    bounds = loss_bounds(ref, stock0.get("dtype") or "bf16", stock0.get("layers"))
+    return all(b is None or abs(a - r) <= b for a, r, b in zip(row["losses"], ref, bounds))
+
+
+def _ratio(stock: list[dict[str, Any]], step_ms: float | None) -> float | None:
+    """stock's step time / this run's (slowest ranks): > 1 means faster than stock."""
+    ref = max((r["step_ms_p50"] for r in stock if r.get("step_ms_p50") is not None), default=None)
+    return ref / step_ms if ref and step_ms else None
+
+
+def launch_rows(root: Path, have: set[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """A row for each launch in ``root/launches.tsv`` that left no rank rows: failed (rc, last error line), timed
+    out or skipped (time budget)."""
+    path = Path(root) / "launches.tsv"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines()[1:]:
+        name, rc, secs, why = (line.split("\t") + ["", "", ""])[:4]
+        key = parse_run(name)
+        if key is None or key in have or rc == "0":
+            continue
+        state = "skipped" if rc == "skipped" else f"launch failed (rc {rc})"
+        recipe, engine, variant = key
+        rows.append(
+            {
+                "recipe": recipe,
+                "engine": engine,
+                "variant": variant,
+                "world_size": None,
+                "ranks_reported": 0,
+                "step_ms_p50": None,
+                "tokens_per_s_per_gpu": None,
+                "peak_gib_per_rank": [],
+                "applied": [],
+                "declined": [],
+                "failed": [f"{state}: {why}" if why else state],
+                "losses": [],
+                "kl": [],
+                "loss_max_rel_diff_vs_stock": None,
+                "kl_max_abs_diff_vs_stock": None,
+                "seconds": secs,
+            }
+        )
     return rows
 
 
@@ -112,10 +178,16 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def _loss(r: dict[str, Any]) -> str:
+    within = {True: " (yes)", False: " (NO)", None: ""}[r.get("loss_within_bound")]
+    return _fmt(r["loss_max_rel_diff_vs_stock"], ".2e") + within
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     header = (
-        "| recipe | engine | variant | step ms (p50, slowest rank) | tokens/s per GPU | peak GiB per rank | "
-        "loss max rel diff vs stock | KL max abs diff vs stock | applied | declined / failed (why) |"
+        "| recipe | engine | variant | step ms (p50, slowest rank) | speed-up vs stock | tokens/s per GPU | "
+        "peak GiB per rank | loss max rel diff vs stock (within bound) | KL max abs diff vs stock | applied | "
+        "declined / failed (why) |"
     )
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for r in rows:
@@ -123,10 +195,20 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         why = "<br>".join(r["declined"] + [f"FAILED {f}" for f in r["failed"]]) or "—"
         lines.append(
             f"| {r['recipe']} | {r['engine']} | {r['variant']} | {_fmt(r['step_ms_p50'], '.1f')} | "
-            f"{_fmt(r['tokens_per_s_per_gpu'], ',.0f')} | {peaks} | {_fmt(r['loss_max_rel_diff_vs_stock'], '.2e')} | "
+            f"{_fmt(r.get('step_ratio_vs_stock'), '.2f')} | {_fmt(r['tokens_per_s_per_gpu'], ',.0f')} | {peaks} | "
+            f"{_loss(r)} | "
             f"{_fmt(r['kl_max_abs_diff_vs_stock'], '.2e')} | {', '.join(r['applied']) or '—'} | {why} |"
         )
     return "\n".join(lines)
+
+
+NOTES = (
+    "Each row is its own `accelerate launch` (one process per GPU). Speed-up: the stock run's step time over this "
+    "run's, both the slowest rank's median after 2 warm-up steps. osft and cggr are opt-in (they change what "
+    "trains): their baseline is sft_full's stock run, and their loss difference is a measurement, not a bound. "
+    "Loss within bound: every step's difference from stock within the bound `leantrain compare` derives (unit "
+    "roundoff of the dtype times the rounding depth of the layers, carried along the loss's movement)."
+)
 
 
 def write(rows: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> tuple[Path, Path]:
@@ -139,7 +221,7 @@ def write(rows: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> tu
     versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
     md_path.write_text(
         f"# Distributed recipes: stock vs leantrain\n\nDevice: {meta.get('device')} x {meta.get('world_size')}. "
-        f"Date: {meta['date']}. Commit: {meta['commit']}.\nVersions: {versions}.\n\n{markdown(rows)}\n"
+        f"Date: {meta['date']}. Commit: {meta['commit']}.\nVersions: {versions}.\n\n{markdown(rows)}\n\n{NOTES}\n"
     )
     return json_path, md_path
 
@@ -163,13 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="default: $BENCH_COMMIT or 'unknown'")
     args = parser.parse_args(argv)
     runs = load(args.root)
-    if not runs:
-        print(f"dist_table: no <recipe>.<engine>.<variant>/*_rank*.json under {args.root}")
+    rows = summarize(runs) + launch_rows(args.root, set(runs))
+    if not rows:
+        print(f"dist_table: no <recipe>.<engine>.<variant>/*_rank*.json (nor launches.tsv) under {args.root}")
         return 1
-    rows = summarize(runs)
     meta = {
-        "device": rows[0]["device"],
-        "world_size": max(r["world_size"] for r in rows),
+        "device": rows[0].get("device"),  # rank-row runs come first; launch-only rows have none
+        "world_size": max(r["world_size"] or 0 for r in rows),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit or os.environ.get("BENCH_COMMIT", "unknown"),
         "versions": _versions(),
