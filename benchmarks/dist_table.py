@@ -11,7 +11,7 @@ are compared with the stock run of the recipe they modify, and their loss differ
 A ``launches.tsv`` beside the run directories (written by ``gpu_dist.sh``) adds a row for every launch that failed
 or was skipped without leaving rank rows, with its reason.
 
-    python3 benchmarks/dist_table.py /tmp/out/dist --out benchmarks/results/distributed
+    python3 benchmarks/dist_table.py /tmp/d1 [/tmp/d2 ...] --out benchmarks/results/distributed
 """
 
 from __future__ import annotations
@@ -178,6 +178,10 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+# Declines that only say the optimization is not for this kind of recipe (kept in the JSON rows, left out of the table)
+NOT_FOR_RECIPE = ("does not apply to ", "has no MoE experts")
+
+
 def _loss(r: dict[str, Any]) -> str:
     within = {True: " (yes)", False: " (NO)", None: ""}[r.get("loss_within_bound")]
     return _fmt(r["loss_max_rel_diff_vs_stock"], ".2e") + within
@@ -192,7 +196,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for r in rows:
         peaks = ", ".join(_fmt(p, ".2f") for p in r["peak_gib_per_rank"]) or "—"
-        why = "<br>".join(r["declined"] + [f"FAILED {f}" for f in r["failed"]]) or "—"
+        declined = [d for d in r["declined"] if not any(phrase in d for phrase in NOT_FOR_RECIPE)]
+        why = "<br>".join(declined + [f"FAILED {f}" for f in r["failed"]]) or "—"
         lines.append(
             f"| {r['recipe']} | {r['engine']} | {r['variant']} | {_fmt(r['step_ms_p50'], '.1f')} | "
             f"{_fmt(r.get('step_ratio_vs_stock'), '.2f')} | {_fmt(r['tokens_per_s_per_gpu'], ',.0f')} | {peaks} | "
@@ -226,6 +231,24 @@ def write(rows: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> tu
     return json_path, md_path
 
 
+DOCS_BEGIN, DOCS_END = "<!-- dist-table:begin -->", "<!-- dist-table:end -->"
+
+
+def into_docs(page: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Replace what is between ``page``'s markers with the setting line, the table and its notes."""
+    text = page.read_text()
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        raise SystemExit(f"dist_table: {page} has no {DOCS_BEGIN} ... {DOCS_END} markers")
+    head, rest = text.split(DOCS_BEGIN, 1)
+    _, tail = rest.split(DOCS_END, 1)
+    versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items() if k != "leantrain")
+    body = (
+        f"{meta.get('device')} x {meta.get('world_size')}, measured {str(meta['date'])[:10]} ({versions}).\n\n"
+        f"{markdown(rows)}\n\n{NOTES}"
+    )
+    page.write_text(f"{head}{DOCS_BEGIN}\n{body}\n{DOCS_END}{tail}")
+
+
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
@@ -240,14 +263,25 @@ def _versions() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("root", type=Path, help="the directory holding one sub-directory per run")
+    parser.add_argument(
+        "roots", type=Path, nargs="+", help="directories holding one sub-directory per run (several calls' runs)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--commit", default=None, help="default: $BENCH_COMMIT or 'unknown'")
+    parser.add_argument(
+        "--docs", type=Path, default=None, help="also put the table into this page between its markers"
+    )
     args = parser.parse_args(argv)
-    runs = load(args.root)
-    rows = summarize(runs) + launch_rows(args.root, set(runs))
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for root in args.roots:  # a run measured in a later directory replaces an earlier one
+        runs.update(load(root))
+    failed: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for root in args.roots:
+        failed.update({(r["recipe"], r["engine"], r["variant"]): r for r in launch_rows(root, set(runs))})
+    rows = summarize(runs) + list(failed.values())
     if not rows:
-        print(f"dist_table: no <recipe>.<engine>.<variant>/*_rank*.json (nor launches.tsv) under {args.root}")
+        roots = " ".join(map(str, args.roots))
+        print(f"dist_table: no <recipe>.<engine>.<variant>/*_rank*.json (nor launches.tsv) under {roots}")
         return 1
     meta = {
         "device": rows[0].get("device"),  # rank-row runs come first; launch-only rows have none
@@ -257,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _versions(),
     }
     json_path, md_path = write(rows, args.out, meta)
+    if args.docs is not None:
+        into_docs(args.docs, rows, meta)
     print(md_path.read_text())
     print(f"rows: {json_path}\ntable: {md_path}")
     return 0

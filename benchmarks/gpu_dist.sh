@@ -13,16 +13,18 @@
 # engine, recipe.engine or recipe.engine.variant.
 # Every launch has its own timeout (LAUNCH_TIMEOUT, 150 s) and the whole script a time budget (BUDGET seconds from
 # its start, default 500): a launch that would not fit is skipped and listed so. One failing launch never stops the
-# others. Per-rank JSON rows go to $OUT/dist/<recipe>.<engine>.<variant>/, each launch's log beside them, and
-# $OUT/dist/launches.tsv lists every launch (rc, seconds, why). After every launch $OUT/dist.tgz is rewritten (a
-# call cut off at its limit keeps what finished); at the end benchmarks/dist_table.py prints the table.
+# others. Per-rank JSON rows go to /tmp/dist/<recipe>.<engine>.<variant>/, each launch's log beside them, and
+# launches.tsv lists every launch (rc, seconds, why). After every launch $OUT/dist.tgz (all of /tmp/dist) and
+# $OUT/launches.tsv are rewritten (a call cut off at its limit keeps what finished); at the end
+# benchmarks/dist_table.py writes the table ($OUT/dist_table.md) and the script prints it.
 #
 # On the GPU machine, from the repo root (carry .whl_core .whl_ds .whl_bnb .whl_osft and .bench_commit):
 #   git rev-parse --short HEAD > .bench_commit        # the device copy's .git is not this one
 #   bash benchmarks/gpu_dist.sh call1 2>&1 | tee $OUT/gpu_dist.log
-# Locally, the fetched tarballs into the committed results (several calls' tarballs into one directory):
-#   mkdir -p /tmp/dist && tar xzf dist.tgz -C /tmp/dist && \
-#     python3 benchmarks/dist_table.py /tmp/dist --out benchmarks/results/distributed --commit <commit>
+# Locally, the fetched tarballs into the committed results (each call's tarball in its own directory):
+#   mkdir -p /tmp/d1 /tmp/d2 && tar xzf <call 1>/dist.tgz -C /tmp/d1 && tar xzf <call 2>/dist.tgz -C /tmp/d2 && \
+#     PYTHONPATH=src python3 benchmarks/dist_table.py /tmp/d1 /tmp/d2 --out benchmarks/results/distributed \
+#     --commit $(cat .bench_commit)
 # Wheels (installed with --no-deps into /tmp/site from whichever of .whl .whl_core .whl_ds .whl_bnb is there):
 # .whl_core: trl, peft, accelerate, transformers, datasets, liger-kernel, cut-cross-entropy; .whl_bnb:
 # bitsandbytes; .whl_ds: DeepSpeed, pure Python (the Trainer's torch AdamW is handed to it: no op is built) with
@@ -42,7 +44,10 @@ SMOKE=0
 if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
-export BENCH_RESULTS=$OUT/dist BENCH_COMMIT=${BENCH_COMMIT:-$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The run directories stay out of $OUT (a device call brings back 8 files): $OUT gets dist.tgz, dist_table.md and
+# launches.tsv. The smoke keeps them under $OUT/dist for its test to read.
+DIST_DIR=${DIST_DIR:-$([ $SMOKE = 1 ] && echo "$OUT/dist" || echo /tmp/dist)}
+export BENCH_RESULTS=$DIST_DIR BENCH_COMMIT=${BENCH_COMMIT:-$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$BENCH_RESULTS"
 PY=${PYTHON:-python3}
 START=$(date +%s)
@@ -66,7 +71,10 @@ fi
 status=0
 PORT=$((29500 + RANDOM % 300))
 left() { echo $(( BUDGET - RESERVE - ($(date +%s) - START) )); }
-pack() { tar czf "$OUT/dist.tgz" --exclude=init-model -C "$BENCH_RESULTS" . 2>/dev/null; }
+pack() {
+  tar czf "$OUT/dist.tgz" --exclude=init-model --exclude=compare_run -C "$BENCH_RESULTS" . 2>/dev/null
+  cp "$BENCH_RESULTS/launches.tsv" "$OUT/launches.tsv" 2>/dev/null
+}
 record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$BENCH_RESULTS/launches.tsv"; }
 
 run() {  # run <name> <command...>: one launch in its own process group, under its own timeout
@@ -184,8 +192,12 @@ else
       --out "$BENCH_RESULTS/compare_run"'
   fi
 fi
-$PY benchmarks/dist_table.py "$BENCH_RESULTS" --out "$BENCH_RESULTS/results" || status=1
+$PY benchmarks/dist_table.py "$BENCH_RESULTS" --out "$BENCH_RESULTS/results" > "$BENCH_RESULTS/table.log" 2>&1 || status=1
+cat "$BENCH_RESULTS"/results/dist_*.md > "$OUT/dist_table.md" 2>/dev/null
 pack
+tail -n 3 "$BENCH_RESULTS/table.log"
+echo "=== the table ($OUT/dist_table.md), columns: recipe engine variant step-ms speed-up tokens/s/GPU peak-GiB loss KL"
+grep "^| [a-z]" "$OUT/dist_table.md" 2>/dev/null | cut -d'|' -f2-10
 echo "=== launches (rc, seconds, why):"; column -t -s $'\t' "$BENCH_RESULTS/launches.tsv" 2>/dev/null || cat "$BENCH_RESULTS/launches.tsv"
 echo "=== total $(( $(date +%s) - START )) s"
 exit $status

@@ -53,8 +53,11 @@ def build_model(shape: str, vocab_size: int, layers: int | None = None) -> trans
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)  # before any CUDA work: no context of this rank on another rank's GPU
+    with device:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).train()
 
 

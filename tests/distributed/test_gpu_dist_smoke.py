@@ -1,5 +1,7 @@
 """``bash benchmarks/gpu_dist.sh --smoke``: the two-GPU benchmark's plumbing on CPU (2 processes, gloo, tiny model,
-SFT stock vs leantrain under torchrun) down to its rows and markdown table. About 1 to 2 minutes on 2 cores."""
+torchrun standing in for accelerate launch) down to its rows, launches.tsv and markdown table: dense LoRA SFT stock
+vs leantrain, full SFT stock, and CGGR (opt-in, no stock launch of its own: compared with full SFT's stock run).
+About 2 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -17,23 +19,36 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None, reason="needs bash and setsid")
 def test_gpu_dist_smoke(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
+    pytest.importorskip("peft")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
     env.update(OUT=str(tmp_path), PYTHON=sys.executable, BENCH_COMMIT="smoke")
     result = subprocess.run(
-        ["bash", "benchmarks/gpu_dist.sh", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
+        ["bash", "benchmarks/gpu_dist.sh", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     (rows_path,) = (tmp_path / "dist" / "results").glob("dist_cpu*_smoke.json")
-    rows = {r["variant"]: r for r in json.loads(rows_path.read_text())["rows"]}
-    assert set(rows) == {"stock", "leantrain"}
-    assert rows["stock"]["applied"] == [] and rows["leantrain"]["applied"] == ["cggr"]
+    rows = {(r["recipe"], r["variant"]): r for r in json.loads(rows_path.read_text())["rows"]}
+    assert set(rows) == {
+        ("sft_lora", "stock"),
+        ("sft_lora", "leantrain"),
+        ("sft_full", "stock"),
+        ("cggr", "leantrain"),
+    }
+    assert all(r["applied"] == [] for key, r in rows.items() if key != ("cggr", "leantrain"))
+    assert rows[("cggr", "leantrain")]["applied"] == ["cggr"]
+    assert rows[("cggr", "leantrain")]["stock_run"] == "sft_full.ddp.stock"
     for row in rows.values():
         assert row["world_size"] == 2 and row["ranks_reported"] == 2 and row["step_ms_p50"] > 0
         assert row["tokens_per_s_per_gpu"] > 0 and row["losses"]
-    assert rows["leantrain"]["loss_max_rel_diff_vs_stock"] is not None
+    lora = rows[("sft_lora", "leantrain")]
+    # nothing applies to a tiny fp32 model on CPU: the losses are stock's to the bit, so within any bound
+    assert lora["loss_max_rel_diff_vs_stock"] == 0.0 and lora["loss_within_bound"] is True
+    launches = (tmp_path / "launches.tsv").read_text().splitlines()
+    assert launches[0] == "run\trc\tseconds\twhy" and len(launches) == 1 + 4
+    assert all(line.split("\t")[1] == "0" for line in launches[1:])
     assert (tmp_path / "dist.tgz").stat().st_size > 0
-    assert "| sft | ddp | leantrain |" in rows_path.with_suffix(".md").read_text()
+    assert "| sft_lora | ddp | leantrain |" in (tmp_path / "dist_table.md").read_text()

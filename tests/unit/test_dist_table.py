@@ -92,7 +92,10 @@ def test_markdown_and_files(tmp_path):
     assert "Device: NVIDIA H100 80GB HBM3 x 2" in md and "abc1234" in md
     table = [line for line in md.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 4 and all(line.count("|") == table[0].count("|") for line in table)
-    assert "nan" not in md and "FAILED grpo_logps" in md and "moe4bit: has no MoE experts module" in md
+    assert "nan" not in md and "FAILED grpo_logps" in md
+    # a decline that only says "not for this recipe" stays in the rows, out of the table
+    assert "has no MoE experts module" not in md
+    assert any("moe4bit: has no MoE experts module" in r["declined"] for r in data["rows"])
 
 
 def test_nothing_to_summarize(tmp_path):
@@ -152,3 +155,20 @@ def test_failed_and_skipped_launches_get_rows(tmp_path):
     assert dist_table.main([str(tmp_path), "--out", str(out), "--commit", "c"]) == 0
     md = next(out.glob("*.md")).read_text()
     assert "FAILED launch failed (rc 1): RuntimeError: NCCL error" in md and "FAILED skipped: time budget" in md
+
+
+def test_several_calls_directories(tmp_path):
+    """Two device calls' tarballs, each in its own directory: a launch that failed in the first and ran in the
+    second gets the second's row, never a failure row besides it."""
+    first, second = tmp_path / "d1", tmp_path / "d2"
+    _write_run(first, "sft_full.ddp.stock", [_rank(0, 100.0, [2.0, 1.0])])
+    (first / "launches.tsv").write_text("run\trc\tseconds\twhy\nsft_full.ddp.leantrain\tskipped\t0\ttime budget\n")
+    _write_run(second, "sft_full.ddp.leantrain", [_rank(0, 50.0, [2.0, 1.0])])
+    out = tmp_path / "out"
+    assert dist_table.main([str(first), str(second), "--out", str(out), "--commit", "c"]) == 0
+    rows = json.loads(next(out.glob("*.json")).read_text())["rows"]
+    assert [(r["variant"], r["step_ms_p50"], r["failed"]) for r in rows] == [
+        ("leantrain", 50.0, []),
+        ("stock", 100.0, []),
+    ]
+    assert rows[0]["step_ratio_vs_stock"] == 2.0
