@@ -52,3 +52,34 @@ def test_gpu_dist_smoke(tmp_path):
     assert all(line.split("\t")[1] == "0" for line in launches[1:])
     assert (tmp_path / "dist.tgz").stat().st_size > 0
     assert "| sft_lora | ddp | leantrain |" in (tmp_path / "dist_table.md").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None, reason="needs bash and setsid")
+def test_gpu_dist_smoke_grpo_osft_moe(tmp_path):
+    """The other recipes' plumbing, one leantrain launch each: GRPO (fused log-probs), OSFT (opt-in through the
+    environment) and MoE QLoRA (train_sft.py --moe-4bit: nf4 experts, LoRA on attention; moe4bit applies at patch
+    time; on CPU accelerate's prepare copies the model and the grouped path falls back once, see
+    test_moe4bit_distributed.py)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
+    env.update(OUT=str(tmp_path), PYTHON=sys.executable, BENCH_COMMIT="smoke")
+    selection = ["grpo.ddp.leantrain", "osft.ddp.leantrain", "moe_qlora.ddp.leantrain"]
+    result = subprocess.run(
+        ["bash", "benchmarks/gpu_dist.sh", "--smoke", *selection],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (rows_path,) = (tmp_path / "dist" / "results").glob("dist_cpu*_smoke.json")
+    rows = {r["recipe"]: r for r in json.loads(rows_path.read_text())["rows"]}
+    assert set(rows) == {"grpo", "osft", "moe_qlora"}
+    assert rows["grpo"]["applied"] == ["grpo_logps"] and rows["osft"]["applied"] == ["osft"]
+    moe = rows["moe_qlora"]
+    assert moe["applied"] == ["moe4bit"] or moe["failed"][0].startswith("moe4bit: packed expert stacks were moved")
+    for row in rows.values():
+        assert row["ranks_reported"] == 2 and row["losses"]

@@ -172,3 +172,25 @@ def test_several_calls_directories(tmp_path):
         ("stock", 100.0, []),
     ]
     assert rows[0]["step_ratio_vs_stock"] == 2.0
+
+
+def test_compatibility_engines_section_from_the_newest_gpu_table(tmp_path, monkeypatch):
+    """.ci/compat_table.py's engines section names, per engine, what the newest GPU table ran and what applied or
+    declined there; a CPU table (the smoke) never counts; with no GPU table it keeps the runs listed by hand."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "compat_table", Path(dist_table.__file__).parents[1] / ".ci" / "compat_table.py"
+    )
+    compat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compat)
+    monkeypatch.setattr(compat, "DIST_RESULTS", tmp_path / "results")
+    assert "2x H200 (NCCL) on 2026-11-24" in "\n".join(compat.engines())
+    _fixture(tmp_path / "in")
+    (tmp_path / "in" / "launches.tsv").write_text("run\trc\tseconds\twhy\ngrpo.zero2.leantrain\t1\t9\tboom\n")
+    assert dist_table.main([str(tmp_path / "in"), "--out", str(tmp_path / "results"), "--commit", "c"]) == 0
+    lines = {line.split(" | ")[0]: line for line in compat.engines() if line.startswith("| ")}
+    assert "2x NVIDIA H100 80GB HBM3 on " in lines["| DeepSpeed ZeRO-3"]
+    assert "sft (cggr)" in lines["| DeepSpeed ZeRO-3"]  # "has no MoE experts" is not a decline worth naming
+    assert "grpo (nothing applied; failed: grpo_logps)" in lines["| DDP"]  # it fell back at run time
+    assert "grpo (did not run)" in lines["| DeepSpeed ZeRO-2"] and lines["| FSDP2"].endswith("| not run |")
