@@ -92,6 +92,7 @@ def summarize(runs: dict[tuple[str, str, str], list[dict[str, Any]]]) -> list[di
             "ranks_reported": len(ranks),
             "distributed": rank0.get("distributed"),
             "device": rank0.get("device"),
+            "versions": rank0.get("versions"),  # what the run trained with (examples/_common.py)
             "step_ms_p50": step_ms,
             "tokens_per_s_per_gpu": per_gpu,
             "peak_gib_per_rank": [r.get("peak_gib") for r in ranks],
@@ -288,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         "world_size": max(r["world_size"] or 0 for r in rows),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit or os.environ.get("BENCH_COMMIT", "unknown"),
-        "versions": _versions(),
+        # the runs' own versions; this machine's only for rows written before the runs recorded them
+        "versions": next((r["versions"] for r in rows if r.get("versions")), None) or _versions(),
     }
     json_path, md_path = write(rows, args.out, meta)
     if args.docs is not None:

@@ -122,10 +122,20 @@ variant_env() {  # variant_env <variant> <leantrain settings...>: the environmen
   if [ "$1" = stock ]; then echo LEANTRAIN_DISABLE=1; else shift; echo LEANTRAIN_DISABLE=0 "$@"; fi
 }
 
-if [ $SMOKE = 1 ]; then
+if [ $SMOKE = 1 ] && [ "${SMOKE_ENGINES:-}" ]; then
+  # SMOKE_ENGINES="zero2 zero3": accelerate launch with the DeepSpeed configs on 2 CPU processes (fp32, DeepSpeed's
+  # CPU accelerator): the GPU path's launcher and configs, tiny shapes
+  launch() {
+    DS_ACCELERATOR=cpu $PY -m accelerate.commands.launch --config_file "examples/accelerate/deepspeed_$1.yaml" \
+      --mixed_precision no --main_process_port "$MAIN_PORT" "${@:2}"
+  }
+  ENGINES=$SMOKE_ENGINES
+elif [ $SMOKE = 1 ]; then
   # torchrun with 2 gloo ranks stands in for accelerate launch; engine "ddp" (what torchrun gives the Trainer)
   launch() { $PY -m torch.distributed.run --nproc-per-node 2 --master-port "$MAIN_PORT" "${@:2}"; }
   ENGINES=ddp
+fi
+if [ $SMOKE = 1 ]; then
   DENSE="--shape tiny-llama --steps 3 --batch 2 --seq 64"
   GRPO_ARGS="--shape tiny-llama --steps 3 --batch 4 --generations 4 --completion-length 8"
   MOE="--shape tiny-qwen3_moe --steps 3 --batch 2 --seq 64"
@@ -169,12 +179,11 @@ for e in $ENGINES; do
   for r in sft_lora sft_full grpo; do for v in stock leantrain; do recipe $r $e $v; done; done
 done
 if [ $SMOKE = 1 ]; then
-  recipe cggr ddp leantrain
-  recipe osft ddp leantrain
-  recipe moe_qlora ddp stock
-  recipe moe_qlora ddp leantrain
+  for e in $ENGINES; do
+    recipe cggr $e leantrain; recipe osft $e leantrain; recipe moe_qlora $e stock; recipe moe_qlora $e leantrain
+  done
 else
-  for e in ddp fsdp2 zero2; do for v in stock leantrain; do recipe moe_qlora $e $v; done; done
+  for e in ddp fsdp2; do for v in stock leantrain; do recipe moe_qlora $e $v; done; done
   for e in ddp fsdp2; do recipe cggr $e leantrain; recipe osft $e leantrain; done
   # The OSFT FSDP2 step benchmark (1.1B, 4 x 2048 per GPU) against mini_trainer, with a profile of 3 steps of each
   # variant (per-phase times and top kernels in osft_fsdp2_profile/).
@@ -183,6 +192,7 @@ else
     grep -h "tokens/s = " "$BENCH_RESULTS/bench_osft_fsdp2.md" 2>/dev/null
     for f in "$BENCH_RESULTS"/osft_fsdp2_profile/*.txt; do [ -f "$f" ] && head -n 7 "$f"; done
   fi
+  for v in stock leantrain; do recipe moe_qlora zero2 $v; done
   for e in zero2 zero3; do recipe cggr $e leantrain; done
   # ZeRO-3 partitions the experts (moe4bit declines), ZeRO-2/3 the OSFT factors (OSFT declines): one launch each
   # records the reason the user would see (the CPU tests check these declines already: last in line).

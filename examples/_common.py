@@ -112,6 +112,19 @@ def patch_train_record(trainer, out: Path, name: str) -> dict[str, Any]:
     return stats.write(out, name, trainer, leantrain.current_report(trainer))
 
 
+def versions() -> dict[str, str]:
+    """The versions this run trained with (the results name them; a table made elsewhere must not use its own)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "bitsandbytes", "liger-kernel"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 class StepStats:
     """Wall time per optimizer step (after 2 warm-up steps) and peak CUDA memory of this rank."""
 
@@ -154,6 +167,7 @@ class StepStats:
             "num_tokens": max((e.get("num_tokens", 0) for e in trainer.state.log_history), default=0),
             "steps": trainer.state.global_step,
             "report": report.to_dict() if report else None,
+            "versions": versions(),
         }
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}_rank{row['rank']}.json").write_text(json.dumps(row, indent=1))

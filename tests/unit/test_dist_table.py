@@ -194,3 +194,14 @@ def test_compatibility_engines_section_from_the_newest_gpu_table(tmp_path, monke
     assert "sft (cggr)" in lines["| DeepSpeed ZeRO-3"]  # "has no MoE experts" is not a decline worth naming
     assert "grpo (nothing applied; failed: grpo_logps)" in lines["| DDP"]  # it fell back at run time
     assert "grpo (did not run)" in lines["| DeepSpeed ZeRO-2"] and lines["| FSDP2"].endswith("| not run |")
+
+
+def test_versions_are_the_runs_own(tmp_path):
+    """A table made on another machine than the runs (the fetched tarball, tabled locally) names the versions the
+    runs trained with, not the local ones."""
+    gpu = {"torch": "2.11.0+cu130", "transformers": "5.23.0"}
+    _write_run(tmp_path / "in", "sft_full.ddp.stock", [_rank(0, 100.0, [2.0]) | {"versions": gpu}])
+    out = tmp_path / "out"
+    assert dist_table.main([str(tmp_path / "in"), "--out", str(out), "--commit", "c"]) == 0
+    data = json.loads(next(out.glob("*.json")).read_text())
+    assert data["meta"]["versions"] == gpu and "torch 2.11.0+cu130" in next(out.glob("*.md")).read_text()
