@@ -123,10 +123,11 @@ variant_env() {  # variant_env <variant> <leantrain settings...>: the environmen
 }
 
 if [ $SMOKE = 1 ] && [ "${SMOKE_ENGINES:-}" ]; then
-  # SMOKE_ENGINES="zero2 zero3": accelerate launch with the DeepSpeed configs on 2 CPU processes (fp32, DeepSpeed's
-  # CPU accelerator): the GPU path's launcher and configs, tiny shapes
+  # SMOKE_ENGINES="fsdp2 zero2 zero3": accelerate launch with those configs on 2 CPU processes (fp32; DeepSpeed's
+  # CPU accelerator, which compiles its shared-memory op once, ~1-2 min): the GPU path's launcher and configs
   launch() {
-    DS_ACCELERATOR=cpu $PY -m accelerate.commands.launch --config_file "examples/accelerate/deepspeed_$1.yaml" \
+    local config=$1; case $1 in zero2|zero3) config=deepspeed_$1 ;; esac
+    DS_ACCELERATOR=cpu $PY -m accelerate.commands.launch --config_file "examples/accelerate/$config.yaml" \
       --mixed_precision no --main_process_port "$MAIN_PORT" "${@:2}"
   }
   ENGINES=$SMOKE_ENGINES
@@ -173,10 +174,11 @@ recipe() {  # recipe <recipe> <engine> <variant>: one launch, if wanted
 }
 
 # Priority order: what matters most runs first, so a budget that runs out cuts the least important launches:
-# engine by engine (DDP and FSDP2 first), every call-1 recipe on it. osft and cggr have no stock launch of their
-# own: they are compared with sft_full's stock run of the same engine.
-for e in $ENGINES; do
-  for r in sft_lora sft_full grpo; do for v in stock leantrain; do recipe $r $e $v; done; done
+# recipe by recipe (dense LoRA SFT, the default users meet most, on every engine first), engines in the order
+# DDP, FSDP2, ZeRO-2, ZeRO-3. osft and cggr have no stock launch of their own: they are compared with sft_full's
+# stock run of the same engine.
+for r in sft_lora sft_full grpo; do
+  for e in $ENGINES; do for v in stock leantrain; do recipe $r $e $v; done; done
 done
 if [ $SMOKE = 1 ]; then
   for e in $ENGINES; do
