@@ -43,6 +43,9 @@ set -uo pipefail
 SMOKE=0
 if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Everything is local (random-init models, the embedded corpus, a tokenizer trained on it): no hub look-up may wait
+# on a network the GPU machine does not have.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 OUT=${OUT:-/tmp/out}
 # The run directories stay out of $OUT (a device call brings back 8 files): $OUT gets dist.tgz, dist_table.md and
 # launches.tsv. The smoke keeps them under $OUT/dist for its test to read.
