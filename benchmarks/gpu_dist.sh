@@ -20,11 +20,13 @@
 #
 # On the GPU machine, from the repo root (carry .whl_core .whl_ds .whl_bnb .whl_osft and .bench_commit):
 #   git rev-parse --short HEAD > .bench_commit        # the device copy's .git is not this one
-#   bash benchmarks/gpu_dist.sh call1 2>&1 | tee $OUT/gpu_dist.log
-# Locally, the fetched tarballs into the committed results (each call's tarball in its own directory):
+#   BUDGET=500 bash benchmarks/gpu_dist.sh call1 > $OUT/gpu_dist.log 2>&1; sed -n '/^=== the table/,$p' $OUT/gpu_dist.log
+#   (the last lines name the launches skipped for time: put them first in the next call's selectors)
+# Locally, the fetched tarballs into the committed results, docs/distributed.md's table and COMPATIBILITY.md's
+# engines section (each call's tarball in its own directory):
 #   mkdir -p /tmp/d1 /tmp/d2 && tar xzf <call 1>/dist.tgz -C /tmp/d1 && tar xzf <call 2>/dist.tgz -C /tmp/d2 && \
 #     PYTHONPATH=src python3 benchmarks/dist_table.py /tmp/d1 /tmp/d2 --out benchmarks/results/distributed \
-#     --commit $(cat .bench_commit)
+#     --commit $(cat .bench_commit) --docs docs/distributed.md && python3 .ci/compat_table.py engines --write COMPATIBILITY.md
 # Wheels (installed with --no-deps into /tmp/site from whichever of .whl .whl_core .whl_ds .whl_bnb is there):
 # .whl_core: trl, peft, accelerate, transformers, datasets, liger-kernel, cut-cross-entropy; .whl_bnb:
 # bitsandbytes; .whl_ds: DeepSpeed, pure Python (the Trainer's torch AdamW is handed to it: no op is built) with
