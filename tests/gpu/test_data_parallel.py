@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leantrain import Status, patch_trainer, tiny
+from leantrain import NotReadyError, Status, patch_trainer, tiny
 from leantrain.config import OPTIMIZATIONS
 
 
@@ -76,18 +76,20 @@ def _losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def _only(name: str, value: bool | None) -> dict[str, bool | None]:
-    """``name`` set to ``value``, every other optimization off: the two runs differ in ``name`` alone (the defaults
-    fused_ce and layer_kernels would apply on one GPU and decline under DataParallel)."""
-    return {other: (value if other == name else False) for other in OPTIMIZATIONS}
+def _only(name: str) -> dict[str, bool]:
+    """``name`` required, every other optimization off: the two runs differ in ``name`` alone (the defaults fused_ce
+    and layer_kernels would apply on one GPU and decline under DataParallel)."""
+    return {other: other == name for other in OPTIMIZATIONS}
 
 
 def _applies_on_every_replica_or_declines(name: str, family: str, tmp_path, **options) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     dp = _trainer(family, tmp_path, one_device=False)
-    # auto (None), not required: a required optimization that declines raises NotReadyError at patch time, while
-    # this test wants the decline's reason from the report
-    outcome = patch_trainer(dp, **_only(name, None), **options)[name]
+    try:
+        outcome = patch_trainer(dp, **_only(name), **options)[name]
+    except NotReadyError as error:  # required and declined: the reason must name DataParallel
+        assert "DataParallel" in str(error), f"{name} declined without naming DataParallel: {error}"
+        return
     if outcome.status is Status.SKIPPED:
         reason = " ".join(outcome.reasons)
         assert "DataParallel" in reason, f"{name} declined without naming DataParallel: {reason}"
@@ -100,7 +102,7 @@ def _applies_on_every_replica_or_declines(name: str, family: str, tmp_path, **op
     after = current_report(dp)[name]
     assert after.status is Status.APPLIED, f"{name} fell back under DataParallel: {after.reasons}"
     one = _trainer(family, tmp_path, one_device=True)
-    assert patch_trainer(one, **_only(name, True), **options)[name].status is Status.APPLIED
+    assert patch_trainer(one, **_only(name), **options)[name].status is Status.APPLIED
     one.train()
     got, want = _losses(dp), _losses(one)
     assert len(got) == len(want) == STEPS
