@@ -3,6 +3,7 @@ optimization and records what leantrain's report says; the markdown is rendered 
 
     python .ci/compat_table.py record OUT.json              # in one venv: patch every scenario, write the outcomes
     python .ci/compat_table.py render A.json ... [--check F] # markdown to stdout, or fail if F differs from it
+    python .ci/compat_table.py engines --write COMPATIBILITY.md  # its engines section from the newest GPU results
 
 Each optimization is requested explicitly (``True``; the others off), so the table shows whether the installed
 versions can run it and, if not, the probe's reason. Auto mode declines further where an optimization would not
@@ -245,31 +246,99 @@ def render(records: list[dict[str, Any]]) -> str:
             for row in rec["rows"]:
                 if row["optimization"] == name:
                     lines.append(f"| `{rec['set']}` | {row['scenario']} | **{row['status']}**: {row['why']} |")
-    return "\n".join(lines + ENGINES) + "\n"
+    return "\n".join(lines + engines()) + "\n"
 
 
 # The engines the distributed tests run (tests/distributed, 2 CPU processes over gloo, latest set, in CI) and what
-# has run on GPUs; measured distances in benchmarks/results/distributed/cpu_engines.md.
-ENGINES = [
-    "",
-    "## Distributed engines",
-    "",
-    "| engine | run in CI (2 CPU processes, gloo, vs one process on the same global batch) | on GPUs |",
-    "| --- | --- | --- |",
-    "| DDP | CGGR, fused log-probs, OSFT, moe4bit | 2x H200 (NCCL) on 2026-11-24: SFT+CGGR, SFT+OSFT, GRPO |",
-    "| FSDP2 | CGGR, fused log-probs, OSFT (both V layouts), moe4bit (plan per call) | 2x H200 (NCCL) on 2026-11-24 |",
-    "| DeepSpeed ZeRO-2 | CGGR, fused log-probs (OSFT declines), `examples/train_sft.py` | "
-    "2x H200 on 2026-11-24: SFT+CGGR |",
-    "| DeepSpeed ZeRO-3 | CGGR, fused log-probs (partitioned head gathered; OSFT and moe4bit decline), "
-    "`examples/train_sft.py` | 2x H200 on 2026-11-24: GRPO |",
-    "| `nn.DataParallel` (one process, several GPUs) | CGGR and moe4bit decline (probe tests with n_gpu=2) | "
-    "`tests/gpu/test_data_parallel.py`: not run yet (needs 2 GPUs) |",
+# has run on GPUs; measured distances in benchmarks/results/distributed/cpu_engines.md. The "on GPUs" column comes
+# from the newest GPU table benchmarks/dist_table.py wrote (benchmarks/results/distributed/dist_*.json) where one
+# exists, else from the runs listed here by hand (GPU_BY_HAND).
+ENGINE_ROWS = [  # (engine key in the GPU table, engine, run in CI)
+    ("ddp", "DDP", "CGGR, fused log-probs, OSFT, moe4bit"),
+    ("fsdp2", "FSDP2", "CGGR, fused log-probs, OSFT (both V layouts), moe4bit (plan per call)"),
+    ("zero2", "DeepSpeed ZeRO-2", "CGGR, fused log-probs (OSFT declines), `examples/train_sft.py`"),
+    (
+        "zero3",
+        "DeepSpeed ZeRO-3",
+        "CGGR, fused log-probs (partitioned head gathered; OSFT and moe4bit decline), `examples/train_sft.py`",
+    ),
 ]
+GPU_BY_HAND = {
+    "ddp": "2x H200 (NCCL) on 2026-11-24: SFT+CGGR, SFT+OSFT, GRPO",
+    "fsdp2": "2x H200 (NCCL) on 2026-11-24",
+    "zero2": "2x H200 on 2026-11-24: SFT+CGGR",
+    "zero3": "2x H200 on 2026-11-24: GRPO",
+}
+DATA_PARALLEL_ROW = (
+    "| `nn.DataParallel` (one process, several GPUs) | CGGR and moe4bit decline (probe tests with n_gpu=2) | "
+    "`tests/gpu/test_data_parallel.py`: not run yet (needs 2 GPUs) |"
+)
+DIST_RESULTS = ROOT / "benchmarks" / "results" / "distributed"
+
+
+def _gpu_table() -> dict[str, Any] | None:
+    """The newest dist_*.json measured on a GPU (by its date, then name), or None."""
+    tables = []
+    for path in sorted(DIST_RESULTS.glob("dist_*.json")):
+        data = json.loads(path.read_text())
+        if str(data["meta"].get("device") or "cpu").lower() != "cpu":
+            tables.append((str(data["meta"]["date"]), path.name, data))
+    return max(tables)[2] if tables else None
+
+
+def _gpu_cell(data: dict[str, Any], engine: str) -> str:
+    """``<device> x<n> on <date>: recipe (applied; declined: name), ...`` for the leantrain runs of one engine."""
+    runs = []
+    for row in data["rows"]:
+        if row["engine"] != engine or row["variant"] != "leantrain":
+            continue
+        if not row.get("ranks_reported"):
+            runs.append(f"{row['recipe']} (did not run)")
+            continue
+        declined = [
+            d.split(":")[0] for d in row.get("declined", []) if "does not apply" not in d and "no MoE" not in d
+        ]
+        what = ", ".join(row.get("applied") or ["nothing applied"])
+        what += f"; declined: {', '.join(declined)}" if declined else ""
+        what += f"; failed: {', '.join(f.split(':')[0] for f in row['failed'])}" if row.get("failed") else ""
+        runs.append(f"{row['recipe']} ({what})")
+    if not runs:
+        return "not run"
+    meta = data["meta"]
+    return f"{meta['world_size']}x {meta['device']} on {str(meta['date'])[:10]}: " + ", ".join(runs)
+
+
+def engines() -> list[str]:
+    data = _gpu_table()
+    lines = [
+        "",
+        "## Distributed engines",
+        "",
+        "| engine | run in CI (2 CPU processes, gloo, vs one process on the same global batch) | on GPUs |",
+        "| --- | --- | --- |",
+    ]
+    for key, name, ci in ENGINE_ROWS:
+        lines.append(f"| {name} | {ci} | {_gpu_cell(data, key) if data else GPU_BY_HAND[key]} |")
+    return lines + [DATA_PARALLEL_ROW]
+
+
+def write_engines(page: Path) -> int:
+    """Replace the Distributed engines section (the page's last) with what ``engines()`` renders now: after new
+    two-GPU results are committed, without re-running the version matrix."""
+    text = page.read_text()
+    marker = "\n## Distributed engines\n"
+    if marker not in text:
+        print(f"{page} has no '## Distributed engines' section", file=sys.stderr)
+        return 1
+    page.write_text(text[: text.index(marker)] + "\n".join(engines()) + "\n")
+    return 0
 
 
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "record":
         return record(argv[1])
+    if len(argv) == 3 and argv[:2] == ["engines", "--write"]:
+        return write_engines(Path(argv[2]))
     if argv and argv[0] == "render":
         check = None
         if "--check" in argv:

@@ -111,9 +111,9 @@ def load_mini_trainer() -> tuple[Any, str]:
         return importlib.import_module("mini_trainer.osft_utils"), "installed"
     except Exception:
         sys.modules.pop("mini_trainer", None)
-    wheels = sorted((ROOT / ".whl").glob("rhai_innovation_mini_trainer-0.9.0-*.whl"))
+    wheels = sorted(ROOT.glob(".whl*/rhai_innovation_mini_trainer-0.9.0-*.whl"))  # .whl/ or .whl_osft/
     if not wheels:
-        return None, "not installed and no rhai_innovation_mini_trainer-0.9.0 wheel in .whl/"
+        return None, "not installed and no rhai_innovation_mini_trainer-0.9.0 wheel in .whl*/"
     target = Path(tempfile.mkdtemp(prefix="mini_trainer_"))
     with zipfile.ZipFile(wheels[-1]) as archive:
         archive.extractall(target)
@@ -378,11 +378,20 @@ def mt_overlap(model: nn.Module) -> float:
     return worst
 
 
+PROFILE: dict[str, Path] = {}  # {"dir": where --profile writes its summaries}; empty: no profiling
+
+
 def train_steps(
-    model: nn.Module, cfg: dict, before: Callable[[], None], after: Callable[[], None], autocast: bool = True
+    model: nn.Module,
+    cfg: dict,
+    before: Callable[[], None],
+    after: Callable[[], None],
+    autocast: bool = True,
+    profile_as: str | None = None,
 ) -> dict[str, float]:
     """Median step (forward, backward, ``before``, AdamW, ``after``); bf16 autocast over fp32 weights unless FSDP2's
-    mixed-precision policy already casts."""
+    mixed-precision policy already casts. With ``--profile`` (and a ``profile_as`` name) 3 more steps run under
+    the torch profiler after the timed ones: see ``profile_steps``."""
     dev = device()
     rank = dist.get_rank() if dist.is_initialized() else 0
     batch, length = cfg["batch"]
@@ -397,13 +406,17 @@ def train_steps(
 
     def step(i: int) -> None:
         ids = data[i % len(data)]
-        with cast:
+        with cast, torch.profiler.record_function("phase: forward"):
             loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        with torch.profiler.record_function("phase: backward"):
+            loss.backward()
         t0 = time.perf_counter()
-        before()
-        optimizer.step()
-        after()
+        with torch.profiler.record_function("phase: project gradients"):
+            before()
+        with torch.profiler.record_function("phase: optimizer"):
+            optimizer.step()
+        with torch.profiler.record_function("phase: project parameters"):
+            after()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         proj_ms.append((time.perf_counter() - t0) * 1e3)
@@ -416,7 +429,35 @@ def train_steps(
     t = time_fn(step, warmup=warmup, reps=timed)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     median_ms = sorted(proj_ms)[len(proj_ms) // 2]
+    if PROFILE and profile_as:
+        profile_steps(step, profile_as, rank)
     return {"timing": t, "peak_gib": peak, "loss": float(losses[-1]), "opt_proj_ms": median_ms}
+
+
+def profile_steps(step: Callable[[int], None], name: str, rank: int) -> None:
+    """3 steps under the torch profiler; rank 0 writes the top 30 ops and kernels by device time and the phases
+    (forward, backward, gradient projection, optimizer, parameter projection) to ``<dir>/profile_<name>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for i in range(3):
+            step(i)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    if rank != 0:
+        return
+    sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    events = prof.key_averages()
+    phases = [e for e in events if e.key.startswith("phase: ")]
+    lines = [f"# {name}: 3 steps; per phase, host and device time per step; the top 30 by self device time", ""]
+    lines += [
+        f"{e.key:<32} host {e.cpu_time_total / 3e3:8.1f} ms  device {getattr(e, 'device_time_total', 0) / 3e3:8.1f} ms"
+        for e in phases
+    ]
+    lines += ["", events.table(sort_by=sort, row_limit=30, max_name_column_width=70)]
+    PROFILE["dir"].mkdir(parents=True, exist_ok=True)
+    (PROFILE["dir"] / f"profile_{name}.txt").write_text("\n".join(lines))
 
 
 def bench_training(cfg: dict, rows: list[Row], mt: Any, mt_reason: str) -> None:
@@ -509,7 +550,7 @@ def bench_fsdp2(cfg: dict, mt: Any, mt_reason: str) -> list[Row]:
             rows.append(Row(BENCH, provider, "fsdp2 step", "quality", "max|cos|", "model", x, r["overlap"]))
 
     dense = shard(copy.deepcopy(base).train(), torch_fully_shard)
-    record("dense", train_steps(dense, cfg, nothing, nothing, autocast=False))
+    record("dense", train_steps(dense, cfg, nothing, nothing, autocast=False, profile_as="fsdp2_dense"))
     del dense
     cpu_layers = None
     variants = (
@@ -525,7 +566,14 @@ def bench_fsdp2(cfg: dict, mt: Any, mt_reason: str) -> list[Row]:
         shard(model, how)
         layers = list(osft_layers(model).values())
         projector = Projector(layers, cache_v_high=cache_v_high)
-        r = train_steps(model, cfg, projector.project_gradients, projector.project_parameters, autocast=False)
+        r = train_steps(
+            model,
+            cfg,
+            projector.project_gradients,
+            projector.project_parameters,
+            autocast=False,
+            profile_as=f"fsdp2_{provider}",
+        )
         r["overlap"] = max(frozen_overlap(layer) for layer in layers)
         record(provider, r)
         del model, conversion, layers, projector
@@ -533,7 +581,14 @@ def bench_fsdp2(cfg: dict, mt: Any, mt_reason: str) -> list[Row]:
     if mt is not None and cpu_layers is not None:
         try:
             mt_model = shard(mini_trainer_model(mt, base, cpu_layers).to(device()).train(), torch_fully_shard)
-            r = train_steps(mt_model, cfg, mt_model.project_gradients, mt_model.project_parameters, autocast=False)
+            r = train_steps(
+                mt_model,
+                cfg,
+                mt_model.project_gradients,
+                mt_model.project_parameters,
+                autocast=False,
+                profile_as="fsdp2_mini_trainer_shard0",
+            )
             r["overlap"] = mt_overlap(mt_model)
             record("mini_trainer_shard0", r)
         except Exception as error:
@@ -587,6 +642,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU-friendly, < 60 s")
     parser.add_argument("--fsdp2", action="store_true", help="FSDP2 training step under torchrun (2 GPUs)")
+    parser.add_argument("--profile", action="store_true", help="with --fsdp2: profile 3 steps of each variant")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: projection,linear,train")
     args = parser.parse_args()
     cfg = SMOKE if args.smoke else FULL
@@ -598,6 +654,8 @@ def main() -> None:
     peft, peft_reason = load_peft_osf()
     start = time.perf_counter()
     out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    if args.profile:
+        PROFILE["dir"] = out_dir / "osft_fsdp2_profile"
     if args.fsdp2:
         rows = bench_fsdp2(cfg, mt, mt_reason)
         if dist.get_rank() == 0:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run on the GPU machine from the repo root: install the pinned wheels carried in .whl/, then run the named
+# Run on the GPU machine from the repo root: install the pinned wheels carried in .whl*/ (install_wheels.sh), then run the named
 # benchmarks (and the CUDA parity tests with "parity"). Results are tarred into $OUT/results.tgz, logs into $OUT.
 #   bash benchmarks/gpu_run.sh parity grpo_logps moe4bit recipes=--recipe,grpo
 # "parity" pins one GPU (CUDA_VISIBLE_DEVICES=0 unless set): with two visible GPUs HF Trainer wraps the model in
@@ -12,7 +12,7 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
     "PyTorch); on a CPU machine the README's test command runs the suite (the gpu tests skip there)" >&2
   exit 2
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash benchmarks/install_wheels.sh || exit 2  # .whl .whl_core .whl_ds .whl_bnb, whichever were carried
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1
 # results go to /tmp and come back as one tarball: $OUT returns at most 8 files
 export BENCH_RESULTS=/tmp/bench_results BENCH_COMMIT=$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
