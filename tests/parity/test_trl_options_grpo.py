@@ -1,0 +1,47 @@
+"""GRPO and RLOO through ``patch_trainer`` against the unpatched trainer, over the options users set (the option
+names and values read from the installed TRL's configs; see tests/_trl_options.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import leantrain  # noqa: E402
+from tests import _trl_options as opts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return opts.save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def run_pair(kind, model_dir, tmp_path, **options):
+    stock, ours = opts.rl_pair(kind, model_dir, tmp_path, {"grpo_logps": True}, **options)
+    assert ours.report["grpo_logps"].status is leantrain.Status.APPLIED, ours.report["grpo_logps"].reasons
+    return stock, ours
+
+
+def test_top_entropy_quantile_ties(model_dir, tmp_path):
+    """Regression (GRPO trained on another loss under ``top_entropy_quantile``): the first completion token of every
+    generation of one prompt has the same logits, so the stock head gives them bitwise equal entropies, and TRL's
+    mask (entropy >= the quantile) keeps all or none of them. Entropies that depend on the sampled target in their
+    last bit split those ties: with one completion token per generation, the mask then keeps one generation of each
+    pair instead of both, and the step-1 loss (which cancels to ~0 over a pair) is off by a whole advantage. One prompt
+    a step, so the quantile of the two tied values is the tied value itself."""
+    if not opts.has_option(trl.GRPOConfig, "top_entropy_quantile"):
+        pytest.skip(f"trl {trl.__version__} has no top_entropy_quantile")
+    stock, ours = run_pair(
+        "grpo",
+        model_dir,
+        tmp_path,
+        max_completion_length=1,
+        per_device_train_batch_size=2,
+        top_entropy_quantile=0.5,
+        temperature=0.9,
+        beta=0.05,
+    )
+    opts.assert_same_logs(stock, ours)
+    opts.assert_same_params(stock, ours)
