@@ -9,12 +9,14 @@ TRL adds fails the classification test until someone decides whether the matrix 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import transformers
@@ -201,3 +203,43 @@ def rl_pair(kind: str, model_dir: str, out: Path, patch: dict[str, Any], **optio
     ours = train(trainer)
     ours.report = leantrain.current_report(trainer)
     return stock, ours
+
+
+# ------------------------------------------------------------------------------------------------ SFT
+def trl_routes_liger_per_call() -> bool:
+    """TRL <= 1.14 reads ``use_liger_kernel`` in every ``compute_loss`` call and hands the loss to Liger's forward
+    (``skip_logits``); TRL >= 1.15 applies Liger when the trainer is built."""
+    import trl
+
+    return "skip_logits" in inspect.getsource(trl.SFTTrainer.compute_loss)
+
+
+def liger_after_patch(out: Path, device: str) -> tuple[dict, Any, Any]:
+    """TRL's ``test_compute_loss_skip_logits_on_eval_without_metrics_with_liger`` through leantrain: the trainer built
+    and patched (fused_ce required), ``use_liger_kernel`` turned on afterwards, the model in eval mode, and one
+    ``compute_loss`` call on CPU input tensors with TRL's parent ``compute_loss`` mocked (as TRL's test does).
+    Returns (what the mock saw, the patch report, the report after the call)."""
+    import trl
+
+    import leantrain
+    from tests._fused_ce_trainers import OFF, greedy_rows, sft_trainer, tiny
+
+    model = tiny().to(device)
+    trainer = sft_trainer(model, out, greedy_rows(model), loss_type="nll", max_length=8)
+    report = leantrain.patch_trainer(trainer, **{**OFF, "fused_ce": True})
+    trainer.args.use_liger_kernel = True
+    trainer.model.eval()
+    captured: dict = {}
+
+    def parent_compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        captured["skip_logits"] = inputs.get("skip_logits")
+        outputs = mock.MagicMock(token_accuracy=None, logits=torch.randn(1, 5, model.config.vocab_size))
+        return torch.tensor(1.0, requires_grad=True), outputs
+
+    ids = torch.tensor([[1, 2, 3, 4, 5]])  # on CPU, as in TRL's test
+    inputs = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    base = trl.SFTTrainer.__mro__[1]
+    with mock.patch.object(base, "compute_loss", side_effect=parent_compute_loss), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a run-time fallback warns
+        trainer.compute_loss(trainer.model, inputs)
+    return captured, report, leantrain.current_report(trainer)
