@@ -175,6 +175,9 @@ def rl_trainer(
         learning_rate=0.05,
         save_strategy="no",
     )
+    if has_option(config_cls, "generation_kwargs"):
+        # EOS made likely (e^4 over a near-uniform 512): completions of every length, some truncated, some not
+        args["generation_kwargs"] = {"sequence_bias": [[[tok.eos_token_id], 4.0]]}
     args.update(options)
     trainer_cls = trl.GRPOTrainer if kind == "grpo" else trl.RLOOTrainer
     with warnings.catch_warnings():
@@ -188,19 +191,48 @@ def rl_trainer(
         )
 
 
-def rl_pair(kind: str, model_dir: str, out: Path, patch: dict[str, Any], **options: Any) -> tuple[Run, Run]:
+def tool_mask_pattern(completion_ids: torch.Tensor) -> torch.Tensor:
+    """A fixed stand-in for TRL's tool-calling mask (0 on tool-result tokens): every third completion position from
+    the second on, shifted by the row, is a tool token."""
+    rows, cols = completion_ids.shape
+    grid = (
+        torch.arange(cols, device=completion_ids.device)[None, :]
+        + torch.arange(rows, device=completion_ids.device)[:, None]
+    )
+    return (grid % 3 != 2).long()
+
+
+def inject_tool_mask(trainer: Any) -> None:
+    """Add TRL's ``tool_mask`` to every scored batch, as a tool-calling rollout would (the tiny tokenizer has no chat
+    template to call tools with): what the loss reads is the same as with real tools."""
+    original = trainer._generate_and_score_completions
+
+    def scored(*args: Any, **kwargs: Any) -> dict:
+        out = original(*args, **kwargs)
+        out["tool_mask"] = tool_mask_pattern(out["completion_ids"])
+        return out
+
+    trainer._generate_and_score_completions = scored
+
+
+def rl_pair(
+    kind: str, model_dir: str, out: Path, patch: dict[str, Any], tool_mask: bool = False, **options: Any
+) -> tuple[Run, Run]:
     """The stock run, then the patched one on the completions the stock run sampled (replayed: sampling is not what
     is compared, and a last-bit difference in a sampled logit must not change what the steps train on)."""
-    record = Completions("record")
-    stock_trainer = rl_trainer(kind, model_dir, out / "stock", **options)
-    record.install(stock_trainer)
-    stock = train(stock_trainer)
     import leantrain
 
-    trainer = rl_trainer(kind, model_dir, out / "ours", **options)
-    leantrain.patch_trainer(trainer, **patch)
-    Completions("replay", calls=record.calls).install(trainer)
-    ours = train(trainer)
+    runs = []
+    record = Completions("record")
+    for name in ("stock", "ours"):
+        trainer = rl_trainer(kind, model_dir, out / name, **options)
+        if name == "ours":
+            leantrain.patch_trainer(trainer, **patch)
+        (record if name == "stock" else Completions("replay", calls=record.calls)).install(trainer)
+        if tool_mask:
+            inject_tool_mask(trainer)
+        runs.append(train(trainer))
+    stock, ours = runs
     ours.report = leantrain.current_report(trainer)
     return stock, ours
 
@@ -243,3 +275,208 @@ def liger_after_patch(out: Path, device: str) -> tuple[dict, Any, Any]:
         warnings.simplefilter("error", RuntimeWarning)  # a run-time fallback warns
         trainer.compute_loss(trainer.model, inputs)
     return captured, report, leantrain.current_report(trainer)
+
+
+# ------------------------------------------------------------------------------------------------ classification
+# Every field a TRL config adds to TrainingArguments, in one of three classes: COVERED (a matrix case sets it; the
+# test files check that one does), IRRELEVANT (cannot change what leantrain computes: why), NOT_COVERED (could, but
+# the CPU matrix does not run it: why). A field a new TRL adds is in none, and the classification test fails naming
+# it, so the option is decided on instead of passing silently.
+COVERED = "covered"
+_SAMPLING = "sampling only: the patched run replays the stock run's completions"
+_VLLM = "vLLM generation, not on the CPU matrix"
+_VLLM_IS = "vLLM importance-sampling correction of the loss: needs vLLM's sampling log-probs, not on the CPU matrix"
+_LOGGING = "what is printed or uploaded, not what is computed"
+_LOADING = "how the model or data is loaded"
+_REWARD = "reward aggregation: both runs score the same completions with the same reward"
+_REF_SYNC = "reference-model refresh between steps: the reference forward is the beta case's path"
+_ENTROPY_CONTROL = (
+    "the adaptive entropy controller changes entropy_coef between steps; the loss path is entropy_coef's"
+)
+_MOE = "MoE router aux loss: the tiny dense model has no router (the fused head's aux loss: test_fused_ce_sft)"
+RL_FIELDS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "beta",
+            "epsilon",
+            "epsilon_high",
+            "importance_sampling_level",
+            "loss_type",
+            "mask_truncated_completions",
+            "num_iterations",
+            "scale_rewards",
+            "temperature",
+            "top_entropy_quantile",
+            "entropy_coef",
+            "off_policy_mask_threshold",
+            "delta",
+            "use_bias_correction_kl",
+            "cast_lm_head_to_fp32",
+            "num_generations",
+            "max_completion_length",
+            "generation_kwargs",
+            "steps_per_generation",
+            "pad_to_multiple_of",
+            "normalize_advantages",
+            "reward_clip_range",
+        ),
+        COVERED,
+    ),
+    "sapo_temperature_neg": "covered at its default by loss_type='sapo'",
+    "sapo_temperature_pos": "covered at its default by loss_type='sapo'",
+    "vespo_k_neg": "covered at its default by loss_type='vespo'",
+    "vespo_k_pos": "covered at its default by loss_type='vespo'",
+    "vespo_lambda_neg": "covered at its default by loss_type='vespo'",
+    "vespo_lambda_pos": "covered at its default by loss_type='vespo'",
+    "generation_batch_size": "the generation batch in other units: steps_per_generation's case",
+    **dict.fromkeys(
+        ("entropy_coef_delta", "entropy_coef_max", "entropy_coef_min", "entropy_target"), _ENTROPY_CONTROL
+    ),
+    "use_adaptive_entropy": _ENTROPY_CONTROL,
+    "router_aux_loss_coef": _MOE,
+    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"), _REF_SYNC),
+    **dict.fromkeys(("reward_weights", "multi_objective_aggregation"), _REWARD),
+    **dict.fromkeys(
+        (
+            "min_p",
+            "top_k",
+            "top_p",
+            "repetition_penalty",
+            "cache_implementation",
+            "use_transformers_paged",
+            "use_transformers_continuous_batching",
+            "transformers_continuous_batching_config",
+            "ds3_gather_for_generation",
+            "max_tool_calling_iterations",
+            "chat_template_kwargs",
+            "num_generations_eval",
+        ),
+        _SAMPLING,
+    ),
+    **dict.fromkeys(
+        (
+            "log_completions",
+            "log_completions_hub_repo",
+            "log_multimodal",
+            "log_unique_prompts",
+            "num_completions_to_print",
+            "wandb_log_unique_prompts",
+        ),
+        _LOGGING,
+    ),
+    **dict.fromkeys(("model_init_kwargs", "trust_remote_code", "shuffle_dataset"), _LOADING),
+    "disable_dropout": "the tiny models have no dropout",
+    **dict.fromkeys(
+        (
+            "use_vllm",
+            "vllm_enable_sleep_mode",
+            "vllm_gpu_memory_utilization",
+            "vllm_group_port",
+            "vllm_max_model_length",
+            "vllm_mode",
+            "vllm_model_impl",
+            "vllm_server_base_url",
+            "vllm_server_host",
+            "vllm_server_port",
+            "vllm_server_timeout",
+            "vllm_structured_outputs_regex",
+            "vllm_tensor_parallel_size",
+            "vllm_guided_decoding_regex",
+        ),
+        _VLLM,
+    ),
+    **dict.fromkeys(
+        (
+            "vllm_importance_sampling_cap",
+            "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_clip_min",
+            "vllm_importance_sampling_correction",
+            "vllm_importance_sampling_mode",
+        ),
+        _VLLM_IS,
+    ),
+}
+SFT_FIELDS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "completion_only_loss",
+            "packing",
+            "packing_strategy",
+            "padding_free",
+            "loss_type",
+            "max_length",
+            "eval_packing",
+            "pad_to_multiple_of",
+        ),
+        COVERED,
+    ),
+    "router_aux_loss_coef": _MOE,
+    "assistant_only_loss": (
+        "covered through what it produces: rows with assistant_masks (the 'assistant_masks' case); the flag itself "
+        "needs a chat template with generation tags, which the tiny tokenizer has not"
+    ),
+    "activation_offloading": "moves activations between devices: not on the CPU matrix (the values are the same)",
+    "truncation_mode": "which tokens a row keeps: the rows here fit max_length",
+    **dict.fromkeys(
+        (
+            "chat_template_path",
+            "dataset_kwargs",
+            "dataset_num_proc",
+            "dataset_text_field",
+            "eos_token",
+            "pad_token",
+            "model_init_kwargs",
+            "trust_remote_code",
+            "shuffle_dataset",
+        ),
+        _LOADING,
+    ),
+}
+
+
+def assert_classified(config_cls: type, classified: dict[str, str]) -> None:
+    new = unclassified(config_cls, classified)
+    assert not new, (
+        f"{config_cls.__name__} has option(s) the parity matrix has not classified: {', '.join(new)}. For each, add "
+        f"a case that sets it (and mark it COVERED) or say why not, in tests/_trl_options.py"
+    )
+
+
+def sft_run(
+    out: Path, patch: dict[str, Any] | None, *, trainer_kind: str = "sft", device: str = "cpu", **options: Any
+) -> Run:
+    """Two optimizer steps of an SFTTrainer (or a plain Trainer) on the fused-loss tests' rows and tiny Llama (SGD,
+    so final parameters are linear in the gradients), then ``evaluate`` on the same rows; ``patch`` None: stock.
+    ``options``: SFTConfig / TrainingArguments fields, plus ``masks`` ("completion" / "assistant" columns) and
+    ``compute_metrics`` (a callable for evaluate: the logits path)."""
+    import leantrain
+    from tests._fused_ce_trainers import greedy_rows, plain_trainer, sft_trainer, tiny
+
+    masks = options.pop("masks", None)
+    compute_metrics = options.pop("compute_metrics", None)
+    model = tiny().to(device)
+    rows = greedy_rows(model)
+    args = dict(max_steps=2, optim="sgd", learning_rate=0.1, eval_strategy="no", **options)
+    if trainer_kind == "sft":
+        trainer = sft_trainer(model, out, rows, masks=masks, **args)
+    else:
+        trainer = plain_trainer(model, out, rows, **args)
+    trainer.compute_metrics = compute_metrics
+    report = None if patch is None else leantrain.patch_trainer(trainer, **patch)
+    run = train(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.extra["eval"] = {
+            k: float(v)
+            for k, v in trainer.evaluate(trainer.train_dataset if trainer_kind == "sft" else None).items()
+            if isinstance(v, (int, float)) and not UNTIMED.search(k)
+        }
+    run.report = report
+    return run
+
+
+def mean_logit_metric(eval_prediction: Any) -> dict[str, float]:
+    """A compute_metrics that reads the logits (so evaluation keeps them: the stock path)."""
+    logits = eval_prediction.predictions
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return {"mean_logit": float(abs(logits).mean())}
