@@ -104,14 +104,6 @@ def test_trainer_matrix(tmp_path, options):
         assert value == pytest.approx(ours.extra["eval"][key], rel=opts.FP32_REL, abs=opts.FP32_ABS), key
 
 
-@pytest.mark.skipif(
-    opts.trl_routes_liger_per_call(), reason="this TRL declines Liger at patch time (test_fused_ce_sft)"
-)
-def test_use_liger_kernel_with_leantrain():
-    """use_liger_kernel=True on TRL >= 1.15: Liger's kernels run on CUDA only (the CUDA variant runs it)."""
-    pytest.skip("Liger's kernels run on CUDA: tests/gpu/test_trl_options_cuda.py::test_sft_use_liger_kernel")
-
-
 def test_every_option_is_classified():
     opts.assert_classified(trl.SFTConfig, opts.SFT_FIELDS)
 

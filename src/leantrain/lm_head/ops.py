@@ -37,9 +37,10 @@ each tile with ``e^(z-m)·f`` (target column zeroed, so ``1-p_y = s_other/s`` ke
 tokens), which is multiplied by the weight tile into an fp32 ``[rows, H]`` accumulator: one extra GEMM per tile, and
 the backward is an elementwise product with the incoming gradient (2 GEMMs in total instead of 3). The entropy gradient
 ``dH/dh = -k Σ p_j (z_j-μ) f_j W_j`` is accumulated the same way when asked for (``entropy_grad``; ``r`` is then the
-first tile's largest logit, one more read of that tile, see ``_tile_reference``). With any entropy asked for, ``m``
-and ``r`` start there instead of at the target logit, and the entropy's normalizer sums every column in one fold
-(``s_all``), so a row's entropy does not depend on its target: equal rows tie, as TRL's entropy thresholds expect.
+first tile's largest logit, one more read of that tile, see ``_tile_reference``). In the per-token op, with any
+entropy asked for, ``m`` and ``r`` start there instead of at the target logit, and the entropy's normalizer sums every
+column in one fold (``s_all``), so a row's entropy does not depend on its target: equal rows tie, as TRL's entropy
+thresholds expect (``head_loss``'s trainable path keeps the target reference: its entropy only feeds a mean metric).
 Trainable head (weight or bias requires grad), per-token API: the backward recomputes each tile and accumulates
 ``dW`` (and ``dh``, ``db``) in fp32: 4 GEMMs in all; with ``keep_logits_mib`` large enough for the whole ``[N, V]``
 logits the forward keeps them and the backward reuses them (3 GEMMs, ``N·V`` elements of memory until then).
