@@ -26,3 +26,29 @@ def _restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _fallback_fails_the_test(request, monkeypatch):
+    """A run-time fallback (``RuntimeFallback``: the first unexpected error of an optimized path warns and serves the
+    stock path) is a defect report, not a quiet success: the test fails unless it expects one
+    (``@pytest.mark.expect_fallback``). Subprocesses (the distributed workers, the Triton interpreter scripts) are
+    outside this net."""
+    from leantrain.fallback import RuntimeFallback
+
+    seen: list[str] = []
+    original = RuntimeFallback.fail
+
+    def fail(self, reason: str) -> None:
+        if self.failed is None:
+            seen.append(f"{self.name}: {reason}")
+        original(self, reason)
+
+    monkeypatch.setattr(RuntimeFallback, "fail", fail)
+    yield
+    if seen and request.node.get_closest_marker("expect_fallback") is None:
+        pytest.fail(
+            "leantrain fell back to the stock path at run time (" + "; ".join(seen) + "); mark the test "
+            "@pytest.mark.expect_fallback if it triggers that on purpose",
+            pytrace=False,
+        )

@@ -292,6 +292,7 @@ def test_model_step_patched_vs_stock(family, layout, dtype, dev, tmp_path):
     leantrain.unpatch_trainer(trainer)
 
 
+@pytest.mark.expect_fallback
 @pytest.mark.parametrize("layout", ["stacked", "linear4bit"])
 def test_patched_model_moved_after_patching_falls_back_once(layout, dev, tmp_path):
     """Patched on the device, then moved away and back: one run-time warning, the stock path from then on (no

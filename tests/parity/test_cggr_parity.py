@@ -554,6 +554,7 @@ def test_probe_decisions(tmp_path):
     assert "label smoothing" in report["cggr"].detail
 
 
+@pytest.mark.expect_fallback
 def test_runtime_fallback(tmp_path, monkeypatch):
     patched, stock, _ = patched_pair(tmp_path, ratio=0.25)
 
@@ -575,6 +576,7 @@ def test_runtime_fallback(tmp_path, monkeypatch):
     assert patched.state.global_step > 0
 
 
+@pytest.mark.expect_fallback
 def test_fallback_mid_window_divides_the_rest_by_the_stock_count(tmp_path, monkeypatch):
     """If scoring fails on micro-batch 2 of an accumulation window, that micro-batch is the stock loss over the
     window's full label count, not over the kept count handed out at the window's start."""

@@ -353,6 +353,7 @@ def test_forced_probe_failure_runs_stock(tmp_path, monkeypatch):
     assert all(torch.equal(ours["grads"][n], ref["grads"][n]) for n in ref["grads"])
 
 
+@pytest.mark.expect_fallback
 def test_runtime_fallback(tmp_path, monkeypatch):
     loss_type, _ = PATHS[0]
     patched, stock, report = pair(tmp_path, tiny(), loss_type)

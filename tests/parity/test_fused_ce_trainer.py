@@ -208,6 +208,7 @@ def test_forced_probe_failure_runs_stock(tmp_path, monkeypatch):
     assert torch.equal(ours["losses"], ref["losses"])
 
 
+@pytest.mark.expect_fallback
 def test_runtime_fallback(tmp_path, monkeypatch):
     patched, stock, _ = pair(tmp_path, tiny())
 

@@ -265,6 +265,7 @@ def test_triton_backend_declines_unsupported_inputs(monkeypatch):
     assert "unknown backend" in input_reasons(hidden, weight, targets, "cuda", torch.float32)[0]
 
 
+@pytest.mark.expect_fallback
 def test_unsupported_input_falls_back_to_torch(monkeypatch):
     """The trainer's op runner: a declined Triton call warns once and runs the torch backend, same result."""
     from leantrain.fallback import RuntimeFallback

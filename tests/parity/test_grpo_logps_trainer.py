@@ -215,6 +215,7 @@ def assert_bf16_trajectory(stock, ours, beta, scales, steps=3):
             assert abs(a[key] - b[key]) <= bounds[key], (step, key, a[key], b[key], bounds[key])
 
 
+@pytest.mark.expect_fallback
 @pytest.mark.slow
 def test_runtime_fallback(model_dir, tmp_path, monkeypatch):
     stock = trajectory(make_trainer(model_dir, tmp_path, bf16=False))
@@ -425,6 +426,7 @@ def old_trl_method(trainer, n_values):
     return method
 
 
+@pytest.mark.expect_fallback
 @needs_fused_head
 @pytest.mark.parametrize("n_values", [2, 3])
 def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
@@ -497,6 +499,7 @@ def _raise_injected(*args, **kwargs):
     raise RuntimeError("injected failure")
 
 
+@pytest.mark.expect_fallback
 @pytest.mark.skipif(HAS_FUSED_HEAD, reason=f"the real TRL <= 1.14 method: installed trl {trl.__version__}")
 def test_legacy_real_trl_method(model_dir, tmp_path, monkeypatch):
     """The installed TRL's own full-logits method (0.29: 2 values; GRPO 1.14: ``_full_logits_logps``, 3 values)."""

@@ -324,6 +324,7 @@ def test_activation_the_kernel_does_not_compute_leaves_the_mlp_out(tmp_path):
 # -- run-time fallback -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.expect_fallback
 def test_runtime_failure_falls_back_once_and_training_goes_on(tmp_path):
     from leantrain.layer_kernels import ops
 

@@ -414,6 +414,35 @@ def test_plan_rows_fits_the_budget():
     assert ops.plan_rows(8192, 256000, 1, 2) == 16  # never fewer than 16 rows
 
 
+def equal_rows(n: int = 12, v: int = 403, h: int = 32, seed: int = 5):
+    """``n`` copies of one hidden row with ``n`` different targets (the first completion token of each generation of
+    one GRPO prompt): the same logits, so the same entropy."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, h, generator=g).repeat(n, 1)
+    weight = torch.randn(v, h, generator=g) * 0.5
+    return hidden, weight, torch.randperm(v, generator=g)[:n]
+
+
+@pytest.mark.parametrize("max_cols", [32768, 160])
+@pytest.mark.parametrize("mode", ["no_grad", "frozen", "frozen_entropy_grad", "trainable"])
+def test_entropy_does_not_depend_on_the_target(mode, max_cols, monkeypatch):
+    """Bitwise: TRL thresholds entropies (GRPO's top_entropy_quantile keeps entropy >= a quantile), so rows with the
+    same logits must tie as they do under the stock head, whatever their targets (a reference at the target logit
+    gave each target its own last bits, and GRPO trained on other tokens)."""
+    monkeypatch.setattr(ops, "MAX_TILE_COLS", max_cols)
+    hidden, weight, targets = equal_rows()
+    hidden.requires_grad_(mode != "no_grad")
+    weight.requires_grad_(mode == "trainable")
+    with torch.set_grad_enabled(mode != "no_grad"):
+        entropy = ops.token_stats(
+            hidden, weight, targets, temperature=0.9, entropy_grad=mode == "frozen_entropy_grad", backend="torch"
+        ).entropy
+    assert len(set(entropy.tolist())) == 1, entropy.tolist()
+    z = (hidden[0].double() @ weight.double().T) / 0.9
+    expected = torch.distributions.Categorical(logits=z).entropy().item()
+    assert abs(entropy[0].item() - expected) <= 1e-5 * expected  # fp32 sums over 403 columns
+
+
 # --------------------------------------------------------------------------------- Triton, CPU interpreter
 SCENARIOS = {
     # name: (inputs, options, kind, grads)
@@ -445,6 +474,7 @@ _TRITON_SCRIPT = textwrap.dedent(
     ih, iw, it, _ = t.integer_inputs(1, 41, 403, 5, torch.float32)
     for backend in ("torch", "triton"):
         saved[("ties", backend)] = ops.token_stats(ih, iw, it, need_top1=True, backend=backend).is_top1
+        saved[("entropy_ties", backend)] = ops.token_stats(*t.equal_rows(), temperature=0.9, backend=backend).entropy
     torch.save(saved, sys.argv[1])
     """
 )
@@ -457,6 +487,8 @@ def test_triton_matches_fp64_in_interpreter(tmp_path):
     pytest.importorskip("triton")
     saved = run_interpreted(_TRITON_SCRIPT, tmp_path / "lm_head.pt")
     assert torch.equal(saved[("ties", "torch")], saved[("ties", "triton")])
+    for backend in ("torch", "triton"):  # rows with the same logits tie whatever their targets
+        assert len(set(saved[("entropy_ties", backend)].tolist())) == 1, backend
     for name, (inputs, options, kind, grads) in SCENARIOS.items():
         hidden, weight, bias, targets = (make_inputs if inputs == "plain" else spiked_inputs)(seed=4, **SHAPE)
         ref_opts = {k: options[k] for k in ("temperature", "softcap") if k in options}

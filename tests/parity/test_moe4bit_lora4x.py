@@ -339,6 +339,7 @@ def test_other_tuners_decline(tmp_path):
     assert report["moe4bit"].status is Status.SKIPPED and "LoRA only" in report["moe4bit"].reasons[0]
 
 
+@pytest.mark.expect_fallback
 def test_forward_hooks_and_injected_errors_fall_back(tmp_path, monkeypatch):
     """PEFT's mixed-adapter batches (per-layer forward hooks) and an error inside the grouped path fall back to the
     stock per-expert loop (warned once), with its result."""

@@ -124,6 +124,7 @@ def test_patch_unpatch_identity(tmp_path):
         assert len({w.data.untyped_storage().data_ptr() for w in ws}) == len(ws)  # private storage again
 
 
+@pytest.mark.expect_fallback
 def test_runtime_fallback_on_injected_error(tmp_path, monkeypatch):
     """An unexpected error in the grouped path warns once, serves the stock loop from then on, and is reported."""
     stock_loss = make_model("qwen3_moe", "stacked")(**batch()).loss

@@ -417,6 +417,7 @@ def test_trainer_train_runs_patched(tmp_path):
     assert len(losses[1]) == 3 and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(*losses)), losses
 
 
+@pytest.mark.expect_fallback
 def test_runtime_fallback_and_unpatch_identity(tmp_path, monkeypatch):
     """An error inside the grouped path warns once and serves the stock forward (same loss); unpatch restores the
     original forwards by identity."""

@@ -184,6 +184,7 @@ def test_unpatch_restores_modules_methods_and_callbacks(tmp_path):
     assert trainer.optimizer is None and trainer.lr_scheduler is None
 
 
+@pytest.mark.expect_fallback
 def test_runtime_failure_falls_back_to_the_simple_projection(tmp_path):
     trainer = plain_trainer(tmp_path, steps=3)
     leantrain.patch_trainer(trainer, osft=True)

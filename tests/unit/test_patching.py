@@ -221,6 +221,7 @@ def test_not_built_optimizations_are_skipped_not_crashing(tmp_path, fake):
     assert report["grpo_logps"].reasons == ("not available in this version",)
 
 
+@pytest.mark.expect_fallback
 def test_runtime_failure_falls_back_once_and_training_goes_on(tmp_path, fake):
     fake.fail_at_call = 2
     trainer = tiny_trainer(tmp_path, steps=4)

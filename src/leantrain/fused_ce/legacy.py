@@ -28,11 +28,18 @@ def make_compute_loss(
 
     def wrapped(model, inputs, return_outputs=False, num_items_in_batch=None):
         # prediction_step marks whether the evaluation loop reads the logits (TRL's `_prediction_loss_only`)
-        if (return_outputs and inputs.get("_prediction_loss_only") is not True) or "labels" not in inputs:
+        logits_read = return_outputs and inputs.get("_prediction_loss_only") is not True
+        if logits_read or "labels" not in inputs or _liger_serves(trainer):
             return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         return fallback.call(fast, original, model, inputs, return_outputs, num_items_in_batch)
 
     return wrapped
+
+
+def _liger_serves(trainer: Any) -> bool:
+    """This TRL reads ``use_liger_kernel`` in every call and hands the loss to Liger's forward then; the probe declines
+    the flag at patch time, but a user (or TRL's own tests) can turn it on afterwards: that call is TRL's."""
+    return bool(getattr(trainer.args, "use_liger_kernel", False))
 
 
 def compute_loss(trainer: Any, variant: SftVariant, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -23,9 +23,9 @@ def _z(x, scale, cap, inv_t, HAS_CAP: tl.constexpr):
 
 @triton.jit
 def fold_kernel(
-    tile_ptr, stride, e2_ptr, tgt_ptr, col0, m_ptr, r_ptr, zy_ptr, pm_ptr, pso_ptr, pu_ptr, pbest_ptr, pidx_ptr,
-    nb, n_cols, sign, big, scale, cap, inv_t, HAS_CAP: tl.constexpr, WRITE: tl.constexpr, HAS_E2: tl.constexpr,
-    HAS_TOP1: tl.constexpr, BLOCK: tl.constexpr,
+    tile_ptr, stride, e2_ptr, tgt_ptr, col0, m_ptr, r_ptr, zy_ptr, pm_ptr, pso_ptr, pu_ptr, pbest_ptr, psa_ptr,
+    pidx_ptr, nb, n_cols, sign, big, scale, cap, inv_t, HAS_CAP: tl.constexpr, WRITE: tl.constexpr,
+    HAS_E2: tl.constexpr, HAS_TOP1: tl.constexpr, HAS_SA: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -50,6 +50,8 @@ def fold_kernel(
         tl.store(pm_ptr + p, mb)
         tl.store(pso_ptr + p, tl.sum(e_other, axis=0))
         tl.store(pu_ptr + p, tl.sum(e * zr, axis=0))
+        if HAS_SA:  # every column, target included: the entropy's normalizer, the same whichever is the target
+            tl.store(psa_ptr + p, tl.sum(e, axis=0))
         if (local >= blk * BLOCK) & (local < blk * BLOCK + BLOCK) & (local < n_cols):
             tl.store(zy_ptr + row, tl.sum(tl.where(is_t, z, 0.0), axis=0))
         if HAS_TOP1:
@@ -75,10 +77,10 @@ def _rescale_row(ptr, n, factor, BLOCK: tl.constexpr):
 
 @triton.jit
 def combine_kernel(
-    tile_ptr, stride, e2_ptr, tgt_ptr, col0, m_ptr, so_ptr, u_ptr, best_ptr, idx_ptr, pm_ptr, pso_ptr, pu_ptr,
-    pbest_ptr, pidx_ptr, acc_ptr, acc_e_ptr, acc_stride, width, nb, n_cols, WRITE: tl.constexpr,
-    HAS_E2: tl.constexpr, HAS_TOP1: tl.constexpr, HAS_ACC: tl.constexpr, HAS_ACC_E: tl.constexpr,
-    NB: tl.constexpr, BLOCK: tl.constexpr,
+    tile_ptr, stride, e2_ptr, tgt_ptr, col0, m_ptr, so_ptr, u_ptr, best_ptr, idx_ptr, sa_ptr, pm_ptr, pso_ptr,
+    pu_ptr, pbest_ptr, psa_ptr, pidx_ptr, acc_ptr, acc_e_ptr, acc_stride, width, nb, n_cols, WRITE: tl.constexpr,
+    HAS_E2: tl.constexpr, HAS_TOP1: tl.constexpr, HAS_SA: tl.constexpr, HAS_ACC: tl.constexpr,
+    HAS_ACC_E: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(tgt_ptr + row)
@@ -95,6 +97,9 @@ def combine_kernel(
         resc = tl.exp(m - m_new)
         tl.store(so_ptr + row, tl.load(so_ptr + row) * resc + so_t)
         tl.store(u_ptr + row, tl.load(u_ptr + row) * resc + u_t)
+        if HAS_SA:
+            sa_t = tl.sum(fac * tl.load(psa_ptr + base + bo, mask=bmask, other=0.0), axis=0)
+            tl.store(sa_ptr + row, tl.load(sa_ptr + row) * resc + sa_t)
         tl.store(m_ptr + row, m_new)
         if HAS_TOP1:
             pb = tl.load(pbest_ptr + base + bo, mask=bmask, other=-float("inf"))

@@ -37,7 +37,10 @@ each tile with ``e^(z-m)·f`` (target column zeroed, so ``1-p_y = s_other/s`` ke
 tokens), which is multiplied by the weight tile into an fp32 ``[rows, H]`` accumulator: one extra GEMM per tile, and
 the backward is an elementwise product with the incoming gradient (2 GEMMs in total instead of 3). The entropy gradient
 ``dH/dh = -k Σ p_j (z_j-μ) f_j W_j`` is accumulated the same way when asked for (``entropy_grad``; ``r`` is then the
-first tile's largest logit, one more read of that tile, see ``_entropy_reference``).
+first tile's largest logit, one more read of that tile, see ``_tile_reference``). In the per-token op, with any
+entropy asked for, ``m`` and ``r`` start there instead of at the target logit, and the entropy's normalizer sums every
+column in one fold (``s_all``), so a row's entropy does not depend on its target: equal rows tie, as TRL's entropy
+thresholds expect (``head_loss``'s trainable path keeps the target reference: its entropy only feeds a mean metric).
 Trainable head (weight or bias requires grad), per-token API: the backward recomputes each tile and accumulates
 ``dW`` (and ``dh``, ``db``) in fp32: 4 GEMMs in all; with ``keep_logits_mib`` large enough for the whole ``[N, V]``
 logits the forward keeps them and the backward reuses them (3 GEMMs, ``N·V`` elements of memory until then).
@@ -186,7 +189,9 @@ def _head_tile(tile: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Te
 class _Stats:
     """Per-row fp32 fold state: reference ``m`` (fixed at the target logit unless a larger logit forces it up),
     ``s_other = Σ_{j≠y} e^(z_j-m)``, ``u = Σ_j e^(z_j-m)(z_j-r)`` with the fixed ``r`` (the first reference), the
-    target logit ``zy``, the running top-1 key ``best`` and its index ``idx``."""
+    target logit ``zy``, the running top-1 key ``best`` and its index ``idx``; with an entropy asked for, ``s_all =
+    Σ_j e^(z_j-m)`` over every column (target included), so the entropy never depends on which column is the target
+    (see ``_tile_reference``)."""
 
     m: torch.Tensor
     s_other: torch.Tensor
@@ -195,14 +200,16 @@ class _Stats:
     r: torch.Tensor
     best: torch.Tensor | None
     idx: torch.Tensor | None
+    s_all: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, n: int, device: torch.device, top1: bool) -> _Stats:
+    def empty(cls, n: int, device: torch.device, top1: bool, entropy: bool = False) -> _Stats:
         f32 = dict(device=device, dtype=torch.float32)
         best = torch.full((n,), -math.inf, **f32) if top1 else None
         idx = torch.full((n,), -1, device=device, dtype=torch.int64) if top1 else None
-        zeros = [torch.zeros(n, **f32) for _ in range(4)]
-        return cls(zeros[0], zeros[1], zeros[2], torch.full((n,), -math.inf, **f32), zeros[3], best, idx)
+        zeros = [torch.zeros(n, **f32) for _ in range(5)]
+        s_all = zeros[4] if entropy else None
+        return cls(zeros[0], zeros[1], zeros[2], torch.full((n,), -math.inf, **f32), zeros[3], best, idx, s_all)
 
     def rows(self, r0: int, r1: int) -> _Stats:
         return _Stats(*(None if t is None else t[r0:r1] for t in vars(self).values()))
@@ -220,14 +227,22 @@ def _start_rows(st: _Stats, h, weight, bias, targets, cfg: OpConfig) -> None:
     st.r.copy_(st.m)
 
 
-def _entropy_reference(tile: torch.Tensor, targets: torch.Tensor, st: _Stats, cfg: OpConfig) -> None:
-    """The entropy gradient's operand e·(z-r)·f is rounded to the tile dtype and its GEMM result enters
-    ``B - (μ - r)·C``: with r far from the softmax mean μ (the target logit of an unlikely token) that difference
-    cancels the rounding's large terms badly. The first tile's largest logit sits near where the mass is: r there
-    (one read of the first tile, only when the entropy gradient is prepared)."""
+def _tile_reference(tile: torch.Tensor, targets: torch.Tensor, st: _Stats, cfg: OpConfig) -> None:
+    """With an entropy asked for, ``m`` and ``r`` move to the first tile's largest logit (one more read of the first
+    tile), for two reasons.
+    - The entropy is a function of the row's logits alone: rows with the same logits and different targets must get
+      the same entropy to the last bit, as the logits-based stock head gives them, because TRL thresholds entropies
+      (GRPO's ``top_entropy_quantile`` keeps tokens with entropy >= a quantile, and equal rows, such as the first
+      completion token of every generation of one prompt, tie there). References at the target logit make the
+      rounding of ``u`` and ``s`` depend on the target, which breaks those ties and trains on other tokens.
+    - The entropy gradient's operand e·(z-r)·f is rounded to the tile dtype and its GEMM result enters
+      ``B - (μ - r)·C``: with r far from the softmax mean μ (the target logit of an unlikely token) that difference
+      cancels the rounding's large terms badly. The first tile's largest logit sits near where the mass is."""
     key = tile.amax(1) if cfg.logit_scale > 0 else tile.amin(1)
     z, _ = _transform(key, cfg)
-    st.r.copy_(torch.where(targets >= 0, z, st.r))
+    valid = targets >= 0
+    st.r.copy_(torch.where(valid, z, st.r))
+    st.m.copy_(torch.where(valid, z, st.m))
 
 
 @dataclass
@@ -248,7 +263,11 @@ def _finish_stats(st: _Stats, targets: torch.Tensor, cfg: OpConfig) -> _Final:
     log_z = st.m + torch.log(s)
     logp = torch.where(valid, st.zy - log_z, 0.0)
     mu = torch.where(valid, st.r + st.u / s, 0.0)
-    entropy = torch.where(valid, log_z - mu, 0.0) if cfg.need_entropy else None
+    entropy = None
+    if cfg.need_entropy:
+        # s_all (every column in one sum) where the fold kept it: s_other + e_y rounds differently per target column
+        s_ent = s if st.s_all is None else st.s_all
+        entropy = torch.where(valid, (st.m + torch.log(s_ent)) - (st.r + st.u / s_ent), 0.0)
     is_top1 = valid & (st.idx == targets) if st.idx is not None else None
     return _Final(logp, entropy, is_top1, torch.where(valid, log_z, math.inf), mu, s, e_y)
 
@@ -294,6 +313,8 @@ def _fold_torch(tile, targets, c0: int, st: _Stats, cfg: OpConfig, write: bool, 
     e_other = e.masked_fill(is_t, 0.0)
     st.s_other.mul_(resc).add_(e_other.sum(1))
     st.u.mul_(resc).add_((e * (z - st.r[:, None])).sum(1))
+    if st.s_all is not None:
+        st.s_all.mul_(resc).add_(e.sum(1))
     st.m.copy_(m_new)
     for acc in accs:
         acc.mul_(resc[:, None])
@@ -342,20 +363,24 @@ def _fold_triton(tile, targets, c0: int, st: _Stats, cfg: OpConfig, write: bool,
     fold_kernel, combine_kernel, _ = _kernels()
     n, cols = tile.shape
     nb = -(-cols // FOLD_BLOCK)
-    part = torch.empty((4, n * nb), device=tile.device, dtype=torch.float32)  # per (row, block): m, s, u, top-1
+    # per (row, block): m, s_other, u, top-1 key, s_all (only with an entropy asked for)
+    has_sa = st.s_all is not None
+    part = torch.empty((5 if has_sa else 4, n * nb), device=tile.device, dtype=torch.float32)
+    psa = part[4] if has_sa else part[1]
     top1 = st.best is not None
     pidx = torch.empty(n * nb, device=tile.device, dtype=torch.int32) if top1 else part[0]
     e2 = tile if e2_buf is None else e2_buf
     assert e2.stride(0) == tile.stride(0)
-    flags = dict(WRITE=write, HAS_E2=e2_buf is not None, HAS_TOP1=top1)
+    flags = dict(WRITE=write, HAS_E2=e2_buf is not None, HAS_TOP1=top1, HAS_SA=has_sa)
     fold_kernel[(n, nb)](
-        tile, tile.stride(0), e2, targets, c0, st.m, st.r, st.zy, *part, pidx, nb, cols, cfg.top1_sign,
+        tile, tile.stride(0), e2, targets, c0, st.m, st.r, st.zy, *part[:4], psa, pidx, nb, cols, cfg.top1_sign,
         cfg.overflow, **_cap_args(cfg), **flags, BLOCK=FOLD_BLOCK, num_warps=FOLD_WARPS,
     )  # fmt: skip
     acc, acc_e = (*accs, None, None)[:2]
     combine_kernel[(n,)](
         tile, tile.stride(0), e2, targets, c0, st.m, st.s_other, st.u, st.best if top1 else st.m,
-        st.idx if top1 else st.m, *part, pidx, st.m if acc is None else acc, st.m if acc_e is None else acc_e,
+        st.idx if top1 else st.m, st.s_all if has_sa else st.m, *part[:4], psa, pidx,
+        st.m if acc is None else acc, st.m if acc_e is None else acc_e,
         0 if acc is None else acc.stride(0), 0 if acc is None else acc.shape[1], nb, cols, **flags,
         HAS_ACC=acc is not None, HAS_ACC_E=acc_e is not None, NB=max(16, triton_next_pow2(nb)), BLOCK=FOLD_BLOCK,
     )  # fmt: skip
@@ -432,7 +457,7 @@ def _forward(hidden, weight, bias, targets, cfg: OpConfig, jacobian: bool, keep:
     dtype = _compute_dtype(hidden, cfg)
     rows, cols = plan_tiles(n_rows, vocab, cfg.tile_mib, _tile_bytes(cfg, dtype, jacobian))
     fold = _fold_fn(cfg)
-    st = _Stats.empty(n_rows, dev, cfg.need_top1)
+    st = _Stats.empty(n_rows, dev, cfg.need_top1, entropy=cfg.need_entropy)
     jac_logp = torch.zeros((n_rows, width), device=dev, dtype=torch.float32) if jacobian else None
     jac_ent = torch.zeros((n_rows, width), device=dev, dtype=torch.float32) if jacobian and cfg.entropy_grad else None
     # kept: the stats fold only reads its tile, so the GEMM writes straight into the tensor the backward reuses
@@ -453,8 +478,8 @@ def _forward(hidden, weight, bias, targets, cfg: OpConfig, jacobian: bool, keep:
             tile = _logits_tile(buf, kept, r0, r1, c0, c1)
             _head_tile(tile, h, w, None if bias is None else bias[c0:c1].to(dtype))
             e2 = None if e2_full is None else e2_full[: r1 - r0, : c1 - c0]
-            if e2 is not None and c0 == 0:
-                _entropy_reference(tile, tg, st_rows, cfg)
+            if c0 == 0 and (cfg.need_entropy or e2 is not None):
+                _tile_reference(tile, tg, st_rows, cfg)
             fold(tile, tg, c0, st_rows, cfg, jacobian, e2, accs if c0 > 0 else ())  # nothing to rescale yet at c0 0
             if jacobian:
                 _addmm_fp32(accs[0], tile, w)
