@@ -12,7 +12,8 @@ Variants, each in its own process (Dynamo state and inductor's in-memory caches 
   naive                      patch_trainer(trainer, compile_layers=False) + layer.compile() per decoder layer
   compile_warm               compile again in a new process: inductor's on-disk caches are warm (second launch)
 
-Usage: python benchmarks/probe_compile_layers.py --out DIR [--variants a,b] [--sets fixed,var] [--timed N]
+Usage: python benchmarks/probe_compile_layers.py --out DIR [--variants stock/leantrain,compile,naive:fixed]
+[--sets fixed,var] [--timed N]  (``a/b``: one process; ``:fixed`` or ``:fixed+var``: the sets of that variant)
 Writes DIR/compile_layers_probe.json (rows appended as each variant finishes)."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("stock", "leantrain", "compile", "compile_dynamic", "compile_no_kernels", "naive", "compile_warm")
+VARIANTS = ("stock/leantrain", "compile", "naive", "compile_warm:fixed", "compile_dynamic:var", "compile_no_kernels")
 BATCH, SEQ, WARMUP = 4, 2048, 3
 
 
@@ -172,7 +173,9 @@ def run_one(variant: str, kind: str, timed: int) -> dict[str, Any]:
             "dynamo_unique_graphs": naive_compiles(),
             "train_wall_s": round(wall, 1),
             "losses_first_last": [losses[0], losses[-1]] if losses else None,
-            "report": {o.name: [o.status.value, *o.reasons[:1]] for o in report} if report is not None else None,
+            "report": {o.name: [o.status.value, *o.reasons[:1]] for o in report.outcomes}
+            if report is not None
+            else None,
             "compile_detail": report["compile_layers"].detail if report is not None else None,
         }
         del trainer
@@ -182,15 +185,16 @@ def run_one(variant: str, kind: str, timed: int) -> dict[str, Any]:
 
 def child(args: argparse.Namespace) -> None:
     rows_out = []
-    for kind in args.sets.split(","):
-        timed = args.timed if kind == "var" else args.timed_fixed
-        try:
-            row = run_one(args.variant, kind, timed)
-        except Exception as error:  # a variant that crashes is a result too
-            row = {"variant": args.variant, "set": kind, "error": f"{type(error).__name__}: {error}"[:2000]}
-        print(json.dumps(row), flush=True)
-        rows_out.append(row)
-    Path(args.child_out).write_text(json.dumps(rows_out))
+    for variant in args.variant.split("/"):  # "stock/leantrain": variants that compile nothing share a process
+        for kind in args.sets.split(","):
+            timed = args.timed if kind == "var" else args.timed_fixed
+            try:
+                row = run_one(variant, kind, timed)
+            except Exception as error:  # a variant that crashes is a result too
+                row = {"variant": variant, "set": kind, "error": f"{type(error).__name__}: {error}"[:2000]}
+            print(json.dumps(row), flush=True)
+            rows_out.append(row)
+            Path(args.child_out).write_text(json.dumps(rows_out))
 
 
 def environment() -> dict[str, Any]:
@@ -242,7 +246,7 @@ def main() -> None:
     result: dict[str, Any] = {"env": environment(), "setup": __doc__.split("\n\n")[0], "rows": []}
     for spec in args.variants.split(","):
         variant, _, sets = spec.partition(":")  # "compile_warm:fixed" runs only that set
-        path = out / f"child_{variant}.json"
+        path = out / f"child_{variant.replace('/', '_')}.json"
         sets = sets.replace("+", ",") or args.sets
         cmd = [sys.executable, __file__, "--variant", variant, "--sets", sets, "--timed", str(args.timed),
                "--timed-fixed", str(args.timed_fixed), "--child-out", str(path)]  # fmt: skip
@@ -253,7 +257,8 @@ def main() -> None:
                 json.loads(path.read_text()) if path.exists() else [{"variant": variant, "error": "no rows"}]
             )
         except subprocess.TimeoutExpired:
-            result["rows"].append({"variant": variant, "error": f"timed out after {args.per_variant_s} s"})
+            done = json.loads(path.read_text()) if path.exists() else []
+            result["rows"] += done + [{"variant": variant, "error": f"timed out after {args.per_variant_s} s"}]
         print(f"== {variant}: {time.perf_counter() - started:.0f} s", flush=True)
         (out / "compile_layers_probe.json").write_text(json.dumps(result, indent=1))
 

@@ -31,6 +31,17 @@ VOCAB = 256
 AOT = {"compile_layers_backend": "aot_eager"}
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo remembers which dimensions changed per function name and line (its "automatic dynamic" profile, kept
+    on disk too), so a layer seen at several widths by an earlier test would start dynamic here: each test starts
+    from a clean profile, as a first launch does."""
+    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+        torch._dynamo.reset()
+        yield
+    torch._dynamo.reset()
+
+
 def tiny(family: str = "llama", layers: int = 3) -> torch.nn.Module:
     return tiny_model(family, vocab_size=VOCAB, hidden=64, layers=layers).train()
 
@@ -234,3 +245,42 @@ def test_inductor_backend_trains_within_fp32_rounding(tmp_path):
     # of Adam at lr 1e-3 on losses ~5.5 keep the loss within 1e-5 relative, far below a wrong-layer error (~1e-2)
     for a, b in zip(compiled[0], stock[0], strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_the_checkpoint_wraps_the_compiled_region(tmp_path):
+    """Checkpointing runs outside Dynamo (never traced) and the compiled forward inside it (torchtitan's order)."""
+    model = tiny()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seen = []
+    for layer in decoder_parts(model).layers:
+        original = layer._gradient_checkpointing_func
+
+        def spy(function, *args, _original=original, **kwargs):
+            seen.append(torch.compiler.is_compiling())
+            return _original(function, *args, **kwargs)
+
+        layer._gradient_checkpointing_func = spy
+    trainer = trainer_for(model, tmp_path)
+    leantrain.patch_trainer(trainer, **only("compile_layers"), **AOT)
+    trainer.train()
+    assert len(seen) == 3 * 3 and not any(seen), f"checkpoint calls (True: traced inside the compiled region): {seen}"
+    assert stats(trainer).compiles == 1
+
+
+def test_compiles_instead_of_the_layer_kernels_inside_the_layers(tmp_path):
+    from tests._layer_kernels_refs import emulated
+
+    stock = run(tiny, tmp_path, None)
+    with emulated() as calls:
+        trainer = trainer_for(tiny(), tmp_path)
+        patch = {**only("compile_layers"), "layer_kernels": True, **AOT}
+        report = leantrain.patch_trainer(trainer, **patch)
+        trainer.train()
+        # only the final norm (outside the layers) keeps its kernel: one call a step
+        assert calls == {"rms_norm": 3}, f"kernel stand-ins ran inside the compiled layers: {calls}"
+    assert "compiles instead of layer_kernels inside the layers" in report["compile_layers"].detail
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses == stock[0]
+    layers = decoder_parts(trainer.model).layers
+    leantrain.unpatch_trainer(trainer)
+    assert all("forward" not in vars(m) for layer in layers for m in layer.modules())

@@ -34,8 +34,14 @@ class CompileLayers(Optimization):
     def apply(self, trainer: Any, plan: CompilePlan, ctx: PatchContext) -> Applied:
         from .patch import install
 
-        targets = install(plan, ctx.undo, ctx.fallback, trainer)
-        return Applied(targets, describe(plan))
+        targets, taken = install(plan, ctx.undo, ctx.fallback, trainer)
+        detail = describe(plan)
+        if taken:
+            detail += (
+                f"; compiles instead of layer_kernels inside the layers ({taken} Liger forwards set back to stock: "
+                "inductor fuses the norms and activations, and Liger's autograd functions do not trace on this torch)"
+            )
+        return Applied(targets, detail)
 
 
 def stats(trainer: Any) -> Any:

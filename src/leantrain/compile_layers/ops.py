@@ -54,3 +54,27 @@ class Payback:
             f"{self.steps} steps x {self.saving_ms:.0f} ms saved = {self.steps * self.saving_ms / 1000.0:.1f} s "
             f"against {self.compile_s:.0f} s of compiling (pays back from step {self.break_even})"
         )
+
+
+def checkpointing_inner(forward: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The layer's own forward when ``forward`` is transformers' ``forward_with_checkpointing`` (recent releases
+    replace a ``GradientCheckpointingLayer`` subclass's ``forward`` with it, so the checkpoint runs inside
+    ``forward``); None when ``forward`` is the layer's own (older releases checkpoint in ``__call__``)."""
+    code = getattr(forward, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing" or "forward" not in code.co_freevars:
+        return None
+    return forward.__closure__[code.co_freevars.index("forward")].cell_contents
+
+
+def with_inner(wrapper: types.FunctionType, inner: Callable[..., Any]) -> types.FunctionType:
+    """A copy of the checkpointing ``wrapper`` that calls ``inner`` where it called the layer's own forward; its other
+    free variables (the wrapper itself, for its outermost-wrapper check) are the original's cells."""
+    code = wrapper.__code__
+    cells = tuple(
+        types.CellType(inner) if name == "forward" else cell
+        for name, cell in zip(code.co_freevars, wrapper.__closure__, strict=True)
+    )
+    copy = types.FunctionType(code, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, cells)
+    copy.__kwdefaults__ = wrapper.__kwdefaults__
+    copy.__qualname__, copy.__doc__, copy.__module__ = wrapper.__qualname__, wrapper.__doc__, wrapper.__module__
+    return copy

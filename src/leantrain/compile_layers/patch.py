@@ -18,7 +18,7 @@ import torch
 
 from ..fallback import RuntimeFallback
 from ..undo import Undo
-from .ops import private_copy
+from .ops import checkpointing_inner, private_copy, with_inner
 from .probe import CompilePlan
 
 
@@ -61,18 +61,43 @@ class CompileStats:
         return self.inner(gm, example_inputs)
 
 
-def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: Any) -> tuple[str, ...]:
-    """Bind the compiled forward on every planned layer (each recorded on ``undo``); the qualified names."""
+def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: Any) -> tuple[tuple[str, ...], int]:
+    """Bind the compiled forward on every planned layer (each recorded on ``undo``); the qualified names, and how many
+    kernel forwards bound inside the layers it took over.
+
+    The compiled region is the layer's own forward; where transformers checkpoints inside ``forward``
+    (``forward_with_checkpointing``), each instance gets a copy of that wrapper calling the compiled forward, so the
+    checkpoint wraps the compiled layer (torchtitan's order: activation checkpointing, then compile)."""
     stats = CompileStats(plan, fallback)
+    inner = checkpointing_inner(plan.stock) or plan.stock
     dynamic = None if plan.dynamic == "auto" else True  # None: static first, dynamic dims from the first change
-    compiled = torch.compile(private_copy(plan.stock), backend=stats.backend, dynamic=dynamic)
-    stock = plan.stock
+    compiled = torch.compile(private_copy(inner), backend=stats.backend, dynamic=dynamic)
 
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return fallback.call(compiled, stock, self, *args, **kwargs)
+    def guarded(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return fallback.call(compiled, inner, self, *args, **kwargs)
 
-    forward.__leantrain_original__ = stock  # type: ignore[attr-defined]
+    forward = guarded if inner is plan.stock else with_inner(plan.stock, guarded)
+    forward.__leantrain_original__ = plan.stock  # type: ignore[attr-defined]
     for _, layer in plan.layers:
         undo.set_attr(layer, "forward", types.MethodType(forward, layer))
+    taken = kernel_forwards(plan)
+    for module in taken:  # compiled instead: inductor fuses what these kernels did, and they do not trace
+        undo.set_attr(module, "forward", types.MethodType(type(module).forward, module))
     undo.set_attr(trainer, STATS_ATTR, stats)
-    return tuple(name for name, _ in plan.layers)
+    return tuple(name for name, _ in plan.layers), len(taken)
+
+
+def kernel_forwards(plan: CompilePlan) -> list[torch.nn.Module]:
+    """Modules inside the layers whose forward another leantrain optimization bound on the instance (layer_kernels'
+    Liger RMSNorm / SwiGLU / RoPE forwards: Liger's autograd functions fail Dynamo's trace on torch 2.11, an
+    AssertionError measured on an H200), in the order found."""
+    found = []
+    for _, layer in plan.layers:
+        for module in layer.modules():
+            bound = vars(module).get("forward") if module is not layer else None
+            func = getattr(bound, "__func__", bound)
+            if func is not None and (
+                getattr(func, "__module__", "").startswith("leantrain.") or hasattr(func, "__leantrain_original__")
+            ):
+                found.append(module)
+    return found
