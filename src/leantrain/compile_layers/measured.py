@@ -18,11 +18,15 @@ class Measured:
     evidence: str  # what the report quotes: device, date, shape, times
 
 
-# H200, 2026-11-27, torch 2.11+cu130, TRL 1.15 SFTTrainer, layer.compile() per decoder layer on top of
-# patch_trainer (the dense recipe's side-by-side runs). Only Llama's first step was timed cold there (15.3 s); the
-# other families use it until their own cold start is measured (Gemma-2's layer is larger: more to compile).
+# Qwen2 and Gemma-2: H200, 2026-11-27, torch 2.11+cu130, TRL 1.15 SFTTrainer, layer.compile() per decoder layer on
+# top of patch_trainer (the dense recipe's side-by-side runs); their cold start was not timed: Llama-3.2-1B's first
+# layer compile (15.3 s there) stands in, more for Gemma-2 (a larger layer).
 MEASURED: dict[str, Measured] = {
-    "llama": Measured(55.6, 15.3, "H200, 2026-11-27: Llama-3.2-1B LoRA SFT step 231.2 -> 175.6 ms, first step 15.3 s"),
+    # benchmarks/results/compile_layers_probe.md: plain Trainer, the layers compiled by compile_layers=True vs
+    # patch_trainer without it; the compile cost is the first step's difference (17.2 - 5.1 s)
+    "llama": Measured(
+        134.8, 12.1, "H200, 2026-11-27: Llama-3.2-1B LoRA step 321.1 -> 186.3 ms, first step 5.1 -> 17.2 s (cold)"
+    ),
     "qwen2": Measured(133.4, 15.3, "H200, 2026-11-27: Qwen2.5-1.5B LoRA SFT step 351.7 -> 218.3 ms"),
     "gemma2": Measured(165.3, 20.0, "H200, 2026-11-27: Gemma-2-2B LoRA SFT step 553.9 -> 388.6 ms (eager attention)"),
 }
