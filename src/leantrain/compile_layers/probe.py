@@ -63,6 +63,12 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     if reasons:
         return Readiness.no(*reasons)
     why = "compiled on request (compile_layers=True)"
+    quantized = _quantized(layers[0])
+    if not asked and quantized:
+        return Readiness.not_applicable(
+            f"the layers hold {quantized} (bitsandbytes 4-bit): compiling them is not measured yet; pass "
+            "compile_layers=True to compile anyway (if they do not compile, the eager layers serve, warned once)"
+        )
     if not asked:
         verdict = payback_reason(trainer, family)
         if isinstance(verdict, str):
@@ -210,6 +216,11 @@ def describe(plan: CompilePlan) -> str:
         f"torch.compile ({plan.backend}, {dynamic}) of {type(plan.layers[0][1]).__name__}.forward, one compiled code "
         f"for {len(plan.layers)} layers, at most {plan.max_recompiles} recompiles; {plan.cache}; {plan.why}"
     )
+
+
+def _quantized(layer: nn.Module) -> str | None:
+    """The first 4-bit linear class inside ``layer`` (QLoRA's bitsandbytes ``Linear4bit``), by name; None if none."""
+    return next((type(m).__name__ for m in layer.modules() if type(m).__name__ in ("Linear4bit", "Params4bit")), None)
 
 
 def _has_experts(layer: nn.Module) -> bool:
