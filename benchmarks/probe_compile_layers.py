@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument("--sets", default="fixed,var")
     parser.add_argument("--timed", type=int, default=30)
     parser.add_argument("--timed-fixed", type=int, default=8)
-    parser.add_argument("--per-variant-s", type=int, default=150)
+    parser.add_argument("--per-variant-s", type=int, default=240)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -39,7 +39,8 @@ class CompileLayers(Optimization):
         if taken:
             detail += (
                 f"; compiles instead of layer_kernels inside the layers ({taken} Liger forwards set back to stock: "
-                "inductor fuses the norms and activations, and Liger's autograd functions do not trace on this torch)"
+                "inductor fuses the norms and activations; Liger's autograd functions failed Dynamo's trace on "
+                "torch 2.11)"
             )
         return Applied(targets, detail)
 

@@ -81,7 +81,7 @@ def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: A
     for _, layer in plan.layers:
         undo.set_attr(layer, "forward", types.MethodType(forward, layer))
     taken = kernel_forwards(plan)
-    for module in taken:  # compiled instead: inductor fuses what these kernels did, and they do not trace
+    for module in taken:  # compiled instead: inductor fuses what these kernels did
         undo.set_attr(module, "forward", types.MethodType(type(module).forward, module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken)
@@ -89,8 +89,9 @@ def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: A
 
 def kernel_forwards(plan: CompilePlan) -> list[torch.nn.Module]:
     """Modules inside the layers whose forward another leantrain optimization bound on the instance (layer_kernels'
-    Liger RMSNorm / SwiGLU / RoPE forwards: Liger's autograd functions fail Dynamo's trace on torch 2.11, an
-    AssertionError measured on an H200), in the order found."""
+    Liger RMSNorm / SwiGLU / RoPE forwards: Dynamo failed on Liger's RMSNorm autograd function with an AssertionError
+    on torch 2.11, H200, when the checkpoint was traced in the same region; with the checkpoint outside it is not
+    measured yet, so the stock forwards run and inductor fuses them), in the order found."""
     found = []
     for _, layer in plan.layers:
         for module in layer.modules():
