@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ResolvedConfig, as_typed, resolve_config
+from .config import OPTIMIZATIONS, ResolvedConfig, as_typed, resolve_config
 from .fallback import RuntimeFallback
 from .optimization import Applied, Optimization, PatchContext, Readiness, registry
 from .report import PatchOutcome, PatchReport, Status
@@ -120,9 +120,20 @@ def _decide(
     if ctx.trainer_kind not in opt.trainer_kinds:
         return Status.SKIPPED, source, (f"does not apply to {ctx.trainer_kind} trainers",), None
     readiness = _probe(opt, trainer, ctx)
-    if not readiness.ready:
+    if readiness.slower_evidence and wanted is not True:
+        return Status.SKIPPED, source, (skipped_as_slower(opt.name, readiness.slower_evidence),), readiness
+    if not readiness.ready and not readiness.slower_evidence:
         return Status.SKIPPED, source, readiness.reasons, readiness
     return None, source, (), readiness
+
+
+# The one wording of the auto rule: a path measured (or expected) slower is skipped in auto mode, applied on request.
+def skipped_as_slower(name: str, evidence: str) -> str:
+    return f"{evidence}; pass {name}=True to apply anyway"
+
+
+def applied_on_request(name: str, evidence: str) -> str:
+    return f"applied on request ({name}=True); {evidence}"
 
 
 # The options of the innermost `leantrain run` in progress (the `cli` layer of every patch_trainer call in it).
@@ -143,21 +154,27 @@ def command_line(options: Mapping[str, Any]) -> Iterator[None]:
 def patch_trainer(
     trainer: Any,
     *,
+    moe4bit: bool | None = None,
+    osft: bool | None = None,
+    layer_kernels: bool | None = None,
+    compile_layers: bool | None = None,
+    fused_ce: bool | None = None,
     cggr: bool | None = None,
     grpo_logps: bool | None = None,
-    osft: bool | None = None,
-    moe4bit: bool | None = None,
     strict: bool | None = None,
     environ: Mapping[str, str] | None = None,
     **options: Any,
 ) -> PatchReport:
     """Apply every optimization whose probe passes; return the report (also at ``trainer.leantrain_report``).
 
-    Each toggle is None (auto), True (required: raise if not ready) or False (off). ``options`` are the fields of
+    Each toggle (one per optimization in ``config.OPTIMIZATIONS``, in apply order; a test keeps this signature in
+    step with it) is None (auto: skipped where its probe declines or measured it slower), True (required: applied
+    even where measured slower; raise if not ready) or False (off). ``options`` are the fields of
     :class:`leantrain.config.LeantrainConfig`. They resolve above ``leantrain run``'s command line, which resolves
     above ``LEANTRAIN_*`` variables, then defaults. Patching an already patched trainer changes nothing.
     """
-    toggles = {"cggr": cggr, "grpo_logps": grpo_logps, "osft": osft, "moe4bit": moe4bit, "strict": strict}
+    given = locals()
+    toggles = {name: given[name] for name in (*OPTIMIZATIONS, "strict") if name in given}
     keywords = {**{k: v for k, v in toggles.items() if v is not None}, **options}
     cfg = resolve_config(keywords, environ, _COMMAND_LINE[-1] if _COMMAND_LINE else None)
     kind = trainer_kind(trainer)
@@ -170,7 +187,7 @@ def patch_trainer(
     undo = Undo()
     outcomes: list[PatchOutcome] = []
     fallbacks: dict[str, RuntimeFallback] = {}
-    plan: list[tuple[Optimization, str, PatchContext, Any]] = []
+    plan: list[tuple[Optimization, str, PatchContext, Readiness | None]] = []
     for opt in registry().values():
         fallback = RuntimeFallback(opt.name, cfg.config.strict, _recorder(trainer, opt.name))
         ctx = PatchContext(cfg, kind, fallback)
@@ -184,7 +201,7 @@ def patch_trainer(
             outcomes.append(PatchOutcome(opt.name, status, source, reasons))
         else:
             fallbacks[opt.name] = fallback
-            plan.append((opt, source, ctx, readiness.plan if readiness is not None else None))
+            plan.append((opt, source, ctx, readiness))
             outcomes.append(PatchOutcome(opt.name, Status.APPLIED, source))
 
     report = PatchReport(kind, tuple(outcomes))
@@ -197,13 +214,16 @@ def patch_trainer(
     state = _State(undo, report, fallbacks)
     setattr(trainer, _STATE_ATTR, state)
     try:
-        for opt, source, ctx, opt_plan in plan:
+        for opt, source, ctx, readiness in plan:
             try:
-                applied: Applied = opt.apply(trainer, opt_plan, ctx)
+                applied: Applied = opt.apply(trainer, readiness.plan if readiness is not None else None, ctx)
             finally:
                 undo.extend(ctx.undo)  # on failure: rolled back below with everything applied before it
+            detail = applied.detail
+            if readiness is not None and readiness.slower_evidence:
+                detail = f"{detail}; {applied_on_request(opt.name, readiness.slower_evidence)}".lstrip("; ")
             state.report = state.report.with_outcome(
-                PatchOutcome(opt.name, Status.APPLIED, source, (), applied.targets, applied.detail)
+                PatchOutcome(opt.name, Status.APPLIED, source, (), applied.targets, detail)
             )
         applied_opts = [opt for opt, *_ in plan]
         # Kept with the run: leantrain.json beside saved weights, the statuses in the trackers' run config.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -112,32 +112,6 @@ def logit_transform(config: Any) -> tuple[float, float | None]:
         scale = scale * float(divide) if getattr(text, "model_type", None) == "hyperclovax" else scale / float(divide)
     softcap = getattr(text, "final_logit_softcapping", None)
     return scale, (float(softcap) if softcap else None)
-
-
-class BackbonePass(NamedTuple):
-    """TRL's ``fused_lm_head=True`` call up to the head: what the fused losses and log-probs start from."""
-
-    out: Any  # the backbone's output (``router_logits`` for the MoE aux loss)
-    hidden: torch.Tensor  # hidden states aligned with ``targets``
-    targets: torch.Tensor  # next-token labels (-100 where ignored)
-    num_items_in_batch: Any
-
-
-def trl_backbone_pass(model: nn.Module, backbone_attr: str, config: Any, args: tuple, kwargs: dict) -> BackbonePass:
-    """Run the backbone of TRL's ``fused_lm_head=True`` forward. Pops TRL's head arguments from ``kwargs`` (the
-    caller's own dict, which then holds what the backbone received: ``attention_mask``, ``output_router_logits``).
-    ``shift_labels`` (padding-free and packed batches) are already aligned; ``labels`` shift by one."""
-    kwargs.pop("fused_lm_head", None)
-    labels = kwargs.pop("labels", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    kwargs["use_cache"] = False
-    if getattr(config, "output_router_logits", False):
-        kwargs.setdefault("output_router_logits", True)
-    out = getattr(model, backbone_attr)(*args, **kwargs)
-    if shift_labels is None:
-        return BackbonePass(out, out.last_hidden_state[:, :-1], labels[:, 1:], num_items_in_batch)
-    return BackbonePass(out, out.last_hidden_state, shift_labels, num_items_in_batch)
 
 
 def head_weight(head: nn.Module) -> torch.Tensor:

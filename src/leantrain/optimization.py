@@ -25,17 +25,27 @@ TRAINER_KINDS = ("sft", "grpo", "trainer")
 
 @dataclass(frozen=True)
 class Readiness:
-    """The probe's answer: ready when there are no reasons; ``plan`` is what ``apply`` executes, ``detail`` names
-    the path that would run."""
+    """The probe's answer, one of three: ready (no reasons), not ready (the reasons: ``no`` / ``not_applicable``), or
+    ready but measured slower (``slower``: the evidence, with the plan). ``plan`` is what ``apply`` executes,
+    ``detail`` names the path that would run. The probe never reads its own toggle: the entry point skips a slower
+    optimization in auto mode and applies it when asked for (``<name>=True``), in one wording."""
 
     reasons: tuple[str, ...] = ()
     detail: str = ""
     applicable: bool = True  # False: nothing here to optimize (no MoE layer, ...); strict mode does not raise
     plan: Any = None
+    slower_evidence: str = ""  # ready on request only: why leantrain's path is measured (or expected) slower
 
     @property
     def ready(self) -> bool:
+        """Whether auto mode applies it: no reasons (a slower answer carries its evidence as the reason)."""
         return not self.reasons
+
+    @classmethod
+    def slower(cls, evidence: str, detail: str = "", plan: Any = None) -> Readiness:
+        """Ready, but measured (or expected) slower than the stock path here: auto mode skips it with ``evidence``,
+        ``<name>=True`` applies ``plan``. Strict mode does not raise on the skip (it is a choice, not a failure)."""
+        return cls(reasons=(evidence,), detail=detail, applicable=False, plan=plan, slower_evidence=evidence)
 
     @classmethod
     def no(cls, *reasons: str) -> Readiness:

@@ -331,12 +331,12 @@ def test_trl_head_stays_by_default(tmp_path, monkeypatch):
     trainer = sft_trainer(tiny(), tmp_path, greedy_rows(tiny()))
     outcome = leantrain.patch_trainer(trainer, **OFF)["fused_ce"]
     assert outcome.status is Status.SKIPPED
-    assert "TRL's own fused LM head stays" in outcome.reasons[0] and "fused_ce=True" in outcome.reasons[0]
+    assert "prefers TRL's own fused LM head" in outcome.reasons[0] and "fused_ce=True" in outcome.reasons[0]
     assert not outcome.targets
     # asked for explicitly, leantrain's op serves the path whatever the rule says
     trainer = sft_trainer(tiny(), tmp_path / "forced", greedy_rows())
     forced = leantrain.patch_trainer(trainer, fused_ce=True, **OFF)["fused_ce"]
-    assert forced.status is Status.APPLIED and "because fused_ce=True" in forced.detail
+    assert forced.status is Status.APPLIED and "applied on request (fused_ce=True)" in forced.detail
 
 
 # ------------------------------------------------------------------------------------- fallbacks and undo

@@ -37,7 +37,7 @@ def test_rule_reach_and_backend():
 
 
 def fused_call(model, trl_head: bool) -> glue.FusedCall:
-    st = glue.HeadSettings(1.0, glue.FUSED_OUTPUTS, False, 1.0, None, "base_model", model.config)
+    st = glue.HeadSettings(1.0, logps_probe.FUSED_OUTPUTS, False, 1.0, None, "base_model", model.config)
     return glue.FusedCall(st, run_op=None, entropy_grad=lambda: False, trl_head=trl_head)
 
 

@@ -304,6 +304,41 @@ def test_fused_forward_matches_trl_with_all_masked_rows(model_dir, tmp_path):
 
 
 @needs_fused_head
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fused_forward_moe_aux_loss_matches_trl(tmp_path, family):
+    """An MoE policy asked for router logits: the same aux loss and total loss as TRL's own fused head (the expert
+    counts and the coefficient read as TRL reads them on this transformers), with its gradient."""
+    path = tmp_path / family
+    tok = train_tokenizer()
+    model = tiny_model(family, seed=0, vocab_size=len(tok), hidden=64, layers=2)
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.02
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    trainer = make_trainer(str(path), tmp_path)
+    model = trainer.model
+    ids = torch.randint(3, 500, (2, 10))
+    att = torch.ones_like(ids)
+    att[1, :3] = 0
+    labels = ids.masked_fill(att == 0, -100)
+    outs = []
+    for patched in (False, True):
+        if patched:
+            assert "grpo_logps" in leantrain.patch_trainer(trainer).applied
+        model.zero_grad()
+        out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True, output_router_logits=True)
+        out.loss.backward()
+        router = next(p for n, p in model.named_parameters() if "router" in n or "gate.weight" in n)
+        outs.append((out, router.grad.clone()))
+    (a, ga), (b, gb) = outs
+    assert a.aux_loss is not None and a.aux_loss > 0
+    # fp32 throughout: the aux loss comes from the same router logits (exact); the log-prob sum differs by the op's
+    # summation order only (a few ulps of values of size ~log V)
+    torch.testing.assert_close(b.aux_loss, a.aux_loss, rtol=0, atol=0)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-7)
+
+
+@needs_fused_head
 def test_keep_logits_option_reaches_the_op(model_dir, tmp_path, monkeypatch):
     """grpo_logps_keep_logits_mib: checked at patch time, then the policy's trainable head keeps its logits for the
     backward (same gradient as the recompute, bitwise on CPU)."""

@@ -34,6 +34,7 @@ class FakeLossOpt(Optimization):
     trainer_kinds = ("trainer", "sft")
     reasons: tuple[str, ...] = ()
     applicable = True
+    slower: str = ""  # measured-slower evidence: the probe answers Readiness.slower
     fail_at_call: int | None = None
 
     def __init__(self) -> None:
@@ -42,6 +43,8 @@ class FakeLossOpt(Optimization):
     def probe(self, trainer, ctx: PatchContext) -> Readiness:
         if not self.applicable:
             return Readiness.not_applicable("nothing to optimize here")
+        if self.slower:
+            return Readiness.slower(self.slower, detail="fake path", plan="the fake plan")
         return Readiness(self.reasons, detail="fake path", plan="the fake plan")
 
     def apply(self, trainer, plan, ctx: PatchContext) -> Applied:

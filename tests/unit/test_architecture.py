@@ -184,3 +184,67 @@ def test_no_import_cycle():
 
 def test_no_test_scaffolding_in_the_package():
     assert not list(SRC.rglob("testing.py")), "test helpers live under tests/"
+
+
+# ------------------------------------------------------------------------------ the role table's imports column
+ROLES = ("__init__", "probe", "patch", "ops", "_triton")
+
+
+def documented_imports() -> dict[str, str]:
+    """Each role's cell in the "imports" column (the last) of ARCHITECTURE.md's role table, by role."""
+    cells = {}
+    for line in (ROOT / "ARCHITECTURE.md").read_text().splitlines():
+        match = re.match(r"\| `(\w+)\.py` \| .* \| ([^|]*) \|$", line)
+        if match and match.group(1) in ROLES:
+            cells[match.group(1)] = match.group(2)
+    assert set(cells) == set(ROLES), f"ARCHITECTURE.md's role table lacks rows for {set(ROLES) - set(cells)}"
+    return cells
+
+
+def allowed_imports(cell: str, package: str) -> tuple[set[str], set[str]]:
+    """(the leantrain modules a role file of ``package`` may import, the framework modules the cell names)."""
+    named = {f"leantrain.{n}" for n in re.findall(r"`([A-Za-z_]\w*)`", cell)}
+    for module in named:
+        assert _exists(module), f"ARCHITECTURE.md's imports column names {module}, which does not exist"
+    allowed = set(named)
+    if "its own modules" in cell:
+        allowed |= {m for m in GRAPH if m.startswith(f"leantrain.{package}.")}
+    if "its math" in cell:
+        allowed |= set(math_modules(package))
+    if "shared math" in cell:
+        allowed |= {m for m in GRAPH if any(m.startswith(f"leantrain.{s}") for s in SHARED_MATH)}
+    return allowed, named
+
+
+def role_module(package: str, role: str) -> str:
+    return f"leantrain.{package}" if role == "__init__" else f"leantrain.{package}.{role}"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_imports_column_is_the_import_graph(role):
+    """Every optimization's file of this role imports nothing beyond the column; every framework module the column
+    names is imported by some optimization's file of this role (the column is neither too tight nor stale)."""
+    cell = documented_imports()[role]
+    used: set[str] = set()
+    for package in OPTIMIZATIONS:
+        module = role_module(package, role)
+        if module not in GRAPH:
+            continue
+        allowed, named = allowed_imports(cell, package)
+        beyond = sorted(GRAPH[module] - allowed - {f"leantrain.{package}"})
+        assert not beyond, f"{module} imports {beyond}, beyond ARCHITECTURE.md's imports column: {cell!r}"
+        used |= GRAPH[module] & named
+    _, named = allowed_imports(cell, OPTIMIZATIONS[0])
+    assert used == named, f"ARCHITECTURE.md names {sorted(named - used)} for {role}.py, which no package imports there"
+
+
+def test_framework_table_lists_every_framework_module():
+    """The framework file table names every top-level module and shared package (trl_head.py, measured.py...)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    for path in sorted(SRC.iterdir()):
+        name = path.name
+        if name.startswith("__") or name == "_version.py" or name in {f"{o}" for o in OPTIMIZATIONS}:
+            continue
+        if path.suffix == ".py" or (path / "__init__.py").exists():
+            shown = f"`{name}`" if path.suffix == ".py" else f"`{name}/`"
+            assert shown in text, f"ARCHITECTURE.md's file table does not list {shown}"

@@ -69,6 +69,31 @@ def test_auto_skips_with_reasons_required_raises(tmp_path, fake):
     assert "compute_loss" not in trainer.__dict__ and leantrain.current_report(trainer) is None
 
 
+def test_measured_slower_skips_in_auto_and_applies_on_request(tmp_path, fake):
+    """The auto rule lives in the entry point, in one wording: a probe that measured its path slower is skipped in
+    auto mode (strict mode does not raise on the choice) and applied when asked for, the evidence in the report."""
+    fake.slower = "measured slower on the fake shape (H100, 2026-01-01, 10 -> 11 ms)"
+    for environ in (AUTO, {**AUTO, "LEANTRAIN_STRICT": "1"}):
+        trainer = tiny_trainer(tmp_path)
+        outcome = patch_trainer(trainer, environ=environ)["cggr"]
+        assert outcome.status is Status.SKIPPED and "compute_loss" not in trainer.__dict__
+        assert outcome.reasons == (f"{fake.slower}; pass cggr=True to apply anyway",)
+    trainer = tiny_trainer(tmp_path)
+    outcome = patch_trainer(trainer, cggr=True, environ=AUTO)["cggr"]
+    assert outcome.status is Status.APPLIED and outcome.targets == ("trainer.compute_loss",)
+    assert outcome.detail == f"fake path; applied on request (cggr=True); {fake.slower}"
+    unpatch_trainer(trainer)
+
+
+def test_signature_names_every_optimization():
+    """Every optimization's toggle is a keyword of patch_trainer (so help() shows it), in apply order."""
+    import inspect
+
+    params = inspect.signature(patch_trainer).parameters
+    toggles = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in ("strict", "environ")]
+    assert toggles == list(OPTIMIZATIONS)
+
+
 def test_strict_does_not_raise_when_nothing_applies(tmp_path, fake):
     fake.applicable = False
     report = patch_trainer(tiny_trainer(tmp_path), strict=True, environ=AUTO)

@@ -102,9 +102,10 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     try:
         layer = resolve_router_layer(config.cggr_router_layers, parts.num_layers)
     except UserInputError as error:
-        if config.sources["cggr_router_layers"] != "default" or config.config.cggr is True:
+        if config.sources["cggr_router_layers"] != "default":
             raise
-        return Readiness.no(str(error))  # auto mode (LEANTRAIN_CGGR=auto) with the default depth: decline
+        # the default depth on a shallower model: declined (cggr=True then raises NotReadyError with this reason)
+        return Readiness.no(str(error))
     if _sequence_parallel(trainer):
         return Readiness.no("sequence/context parallelism splits the labels across ranks: not supported yet")
     replicas = data_parallel_reason(
@@ -120,14 +121,20 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         f"{describe_router(layer, parts.num_layers)}, scoring={config.cggr_scoring}; "
         f"loss path: {path}; LM head ~{share:.0%} of matmul work"
     )
-    if config.config.cggr is None:  # auto (LEANTRAIN_CGGR=auto): apply only where it cannot make training slower
-        if not saves:
-            reason = f"the active loss path does not skip masked labels ({path}); pass cggr=True to apply anyway"
-            return Readiness((reason,), detail)
-        if share < AUTO_MIN_HEAD_SHARE:
-            reason = (
-                f"the LM head is ~{share:.0%} of per-token matmul work (< {AUTO_MIN_HEAD_SHARE:.0%}): masking "
-                "labels saves less than scoring costs; pass cggr=True to apply anyway"
-            )
-            return Readiness((reason,), detail)
-    return Readiness(detail=detail, plan=CggrPlan(parts, layer, path, kept_only))
+    plan = CggrPlan(parts, layer, path, kept_only)
+    slower = expected_slower(path, saves, share)
+    if slower:  # auto (LEANTRAIN_CGGR=auto) applies CGGR only where it cannot make training slower
+        return Readiness.slower(slower, detail, plan)
+    return Readiness(detail=detail, plan=plan)
+
+
+def expected_slower(path: str, saves: bool, share: float) -> str | None:
+    """Why CGGR would make this run slower (the router's scoring costs, the LM-head work it saves), or None."""
+    if not saves:
+        return f"the active loss path does not skip masked labels ({path})"
+    if share < AUTO_MIN_HEAD_SHARE:
+        return (
+            f"the LM head is ~{share:.0%} of per-token matmul work (< {AUTO_MIN_HEAD_SHARE:.0%}): masking labels "
+            "saves less than scoring costs"
+        )
+    return None

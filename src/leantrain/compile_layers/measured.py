@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..measured import Evidence
+
 
 @dataclass(frozen=True)
 class Measured:
     saving_ms: float  # per optimizer step, compiled vs patch_trainer's other defaults
     compile_s: float  # the first step's extra time with cold caches
-    evidence: str  # what the report quotes: device, date, shape, times
+    evidence: Evidence  # what the report quotes: device, date, shape, times
 
 
 # Qwen2 and Gemma-2: H200, 2026-11-27, torch 2.11+cu130, TRL 1.15 SFTTrainer, layer.compile() per decoder layer on
@@ -25,10 +27,20 @@ MEASURED: dict[str, Measured] = {
     # benchmarks/results/compile_layers_probe.md: plain Trainer, the layers compiled by compile_layers=True vs
     # patch_trainer without it; the compile cost is the first step's difference (17.2 - 5.1 s)
     "llama": Measured(
-        134.8, 12.1, "H200, 2026-11-27: Llama-3.2-1B LoRA step 321.1 -> 186.3 ms, first step 5.1 -> 17.2 s (cold)"
+        134.8,
+        12.1,
+        Evidence(
+            "faster", "H200", "2026-11-27", "Llama-3.2-1B LoRA step 321.1 -> 186.3 ms, first step 5.1 -> 17.2 s (cold)"
+        ),
     ),
-    "qwen2": Measured(133.4, 15.3, "H200, 2026-11-27: Qwen2.5-1.5B LoRA SFT step 351.7 -> 218.3 ms"),
-    "gemma2": Measured(165.3, 20.0, "H200, 2026-11-27: Gemma-2-2B LoRA SFT step 553.9 -> 388.6 ms (eager attention)"),
+    "qwen2": Measured(
+        133.4, 15.3, Evidence("faster", "H200", "2026-11-27", "Qwen2.5-1.5B LoRA SFT step 351.7 -> 218.3 ms")
+    ),
+    "gemma2": Measured(
+        165.3,
+        20.0,
+        Evidence("faster", "H200", "2026-11-27", "Gemma-2-2B LoRA SFT step 553.9 -> 388.6 ms (eager attention)"),
+    ),
 }
 
 # Families whose decoder layer does not compile on a torch version: (model_type, torch prefix) -> the error seen.

@@ -5,6 +5,7 @@ forward ``apply`` compiles."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -39,7 +40,6 @@ class CompilePlan:
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     cfg = ctx.config.config
-    asked = cfg.compile_layers is True
     model = unwrap_model(trainer.model)
     family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
     try:
@@ -49,31 +49,9 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     layers = list(parts.layers)
     if not layers:
         return Readiness.not_applicable(f"{type(model).__name__} has no decoder layers")
-    if not asked and ctx.trainer_kind not in AUTO_KINDS:
-        return Readiness.not_applicable(
-            f"measured on SFT training steps only, not on {ctx.trainer_kind} trainers (generation would compile the "
-            "cached decode path too); pass compile_layers=True to compile anyway"
-        )
-    device = trainer.args.device
-    if not asked and device.type != "cuda":
-        return Readiness.not_applicable(
-            f"measured on CUDA only; this trainer runs on {device.type}: pass compile_layers=True to compile anyway"
-        )
     reasons = run_reasons(trainer, model, family, layers, cfg)
     if reasons:
         return Readiness.no(*reasons)
-    why = "compiled on request (compile_layers=True)"
-    quantized = _quantized(layers[0])
-    if not asked and quantized:
-        return Readiness.not_applicable(
-            f"the layers hold {quantized} (bitsandbytes 4-bit): compiling them is not measured yet; pass "
-            "compile_layers=True to compile anyway (if they do not compile, the eager layers serve, warned once)"
-        )
-    if not asked:
-        verdict = payback_reason(trainer, family)
-        if isinstance(verdict, str):
-            return Readiness.not_applicable(verdict)
-        why = verdict[1]
     prefix = getattr(model, "base_model_prefix", "model")
     trunk = next((n for n, m in model.named_modules() if m is parts.layers), f"{prefix}.layers")
     plan = CompilePlan(
@@ -84,9 +62,33 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         dynamic=cfg.compile_layers_dynamic,
         max_recompiles=cfg.compile_layers_max_recompiles,
         cache=cache_description(cfg.compile_layers_backend),
-        why=why,
+        why="",
     )
+    slower = slower_reason(trainer, ctx.trainer_kind, family, layers[0])
+    if isinstance(slower, str):
+        return Readiness.slower(slower, describe(plan), plan)
+    plan = dataclasses.replace(plan, why=slower[1])
     return Readiness(detail=describe(plan), plan=plan)
+
+
+def slower_reason(trainer: Any, kind: str, family: str, layer: nn.Module) -> str | tuple[None, str]:
+    """Where compiling is not measured to pay off here (auto mode skips, ``compile_layers=True`` compiles): the
+    evidence, or (None, why it pays)."""
+    if kind not in AUTO_KINDS:
+        return (
+            f"measured on SFT training steps only, not on {kind} trainers (generation would compile the cached "
+            "decode path too)"
+        )
+    device = trainer.args.device
+    if device.type != "cuda":
+        return f"measured on CUDA only; this trainer runs on {device.type}"
+    quantized = _quantized(layer)
+    if quantized:
+        return (
+            f"the layers hold {quantized} (bitsandbytes 4-bit): compiling them is not measured yet (if they do not "
+            "compile, the eager layers serve, warned once)"
+        )
+    return payback_reason(trainer, family)
 
 
 def run_reasons(trainer: Any, model: nn.Module, family: str, layers: list[nn.Module], cfg: Any) -> list[str]:
@@ -153,22 +155,17 @@ def payback_reason(trainer: Any, family: str) -> str | tuple[None, str]:
     """Auto mode: a skip reason with the arithmetic, or (None, why it applies)."""
     measured = MEASURED.get(family)
     if measured is None:
-        return (
-            f"not measured on {family} (measured: {', '.join(MEASURED)}); pass compile_layers=True to compile anyway"
-        )
+        return f"not measured on {family} (measured: {', '.join(MEASURED)})"
     steps = planned_steps(trainer)
     if steps is None:
         return (
             "the run's step count is unknown at patch time (no max_steps, no sized dataset), so the compile cost "
-            f"cannot be weighed ({measured.evidence}); pass compile_layers=True to compile anyway"
+            f"cannot be weighed ({measured.evidence})"
         )
     compile_s = measured.compile_s or FALLBACK_COMPILE_S
     payback = Payback(steps, measured.saving_ms, compile_s)
     if not payback.pays:
-        return (
-            f"does not pay back within this run: {payback.sentence()} ({measured.evidence}); pass "
-            "compile_layers=True to compile anyway"
-        )
+        return f"does not pay back within this run: {payback.sentence()} ({measured.evidence})"
     return None, f"pays back within this run: {payback.sentence()} ({measured.evidence})"
 
 
@@ -214,7 +211,8 @@ def describe(plan: CompilePlan) -> str:
     dynamic = "dynamic sequence length from the first new length" if plan.dynamic == "auto" else "dynamic shapes"
     return (
         f"torch.compile ({plan.backend}, {dynamic}) of {type(plan.layers[0][1]).__name__}.forward, one compiled code "
-        f"for {len(plan.layers)} layers, at most {plan.max_recompiles} recompiles; {plan.cache}; {plan.why}"
+        f"for {len(plan.layers)} layers, at most {plan.max_recompiles} recompiles; {plan.cache}"
+        + (f"; {plan.why}" if plan.why else "")
     )
 
 

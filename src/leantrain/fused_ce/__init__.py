@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..fallback import RuntimeFallback
+from .. import trl_head
 from ..optimization import Applied, Optimization, PatchContext, Readiness, register
 from . import legacy
 from . import patch as glue
@@ -27,7 +27,7 @@ class FusedCE(Optimization):
         return planner.probe(trainer, ctx)
 
     def apply(self, trainer: Any, plan: CePlan, ctx: PatchContext) -> Applied:
-        kernel_guard = RuntimeFallback("fused_ce triton kernel", ctx.fallback.strict)
+        kernel_guard = trl_head.kernel_guard(self.name, ctx.fallback)
         op = functools.partial(glue.run_op, kernel_guard)
         model, st, undo = plan.model, plan.settings, ctx.undo
         model_name = f"{type(model).__name__}.forward"

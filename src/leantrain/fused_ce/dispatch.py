@@ -17,20 +17,20 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from ..measured import NOISE, REACH, Evidence, beyond_noise
+
 
 # The loss each path replaces: TRL >= 1.15's own fused head, TRL 1.4-1.14's chunked cross-entropy, and the full
 # [B, T, V] logits of the model's own loss (TRL <= 1.14 "nll" / "dft", a plain transformers Trainer).
 PATHS = ("trl_fused", "chunked_nll", "full_logits")
 HEADS = ("frozen", "trainable")
-# Median-to-median differences below this share are timing noise (p20-p80 spreads of 1-3% on an H100).
-NOISE = 0.03
+__all__ = ["EVIDENCE", "MEASURED", "NOISE", "PATHS", "REACH", "Measured", "choose", "emit_rule", "measured_from_rows"]
 # Without a measured cell: TRL's own fused head stays (it is already fused; only a measurement can show leantrain's
 # op faster there). The chunked cross-entropy (4 GEMMs on 256-row chunks, the tile recomputed in the backward) and
 # the full logits (3 GEMMs plus fp32 passes over [N, V], and N·V memory) do more work than the op's 2 GEMMs with a
 # frozen head and as many GEMMs with a trainable one.
 UNMEASURED = {"trl_fused": "stock", "chunked_nll": "leantrain", "full_logits": "leantrain"}
-# Cells farther than this factor in H or V from every measured cell count as unmeasured.
-REACH = 2.0
+# Cells farther than REACH in H or V from every measured cell count as unmeasured.
 
 
 class Measured(NamedTuple):
@@ -48,7 +48,7 @@ class Measured(NamedTuple):
     @property
     def leantrain_wins(self) -> bool:
         # a tie goes to the stock path (no default slower than what it replaces)
-        return self.leantrain_ms < self.stock_ms * (1 - NOISE)
+        return beyond_noise(self.leantrain_ms, self.stock_ms)
 
 
 # Filled from a GPU run of benchmarks/bench_fused_ce.py (`--emit-rule`); empty until then.
@@ -67,6 +67,7 @@ MEASURED: tuple[Measured, ...] = (
     Measured("trl_fused", "trainable", 8192, 1536, 151936, "bfloat16", 29.3507, 24.3544),
     Measured("trl_fused", "trainable", 8192, 2304, 256000, "bfloat16", 69.7181, 54.4897),
 )
+EVIDENCE = Evidence.parse("per cell: leantrain's op where faster at every N beyond the noise", SOURCE)
 
 
 def choose(
@@ -85,7 +86,7 @@ def choose(
     points = [m for m in near if (m.h, m.v) == (cell.h, cell.v)]
     verdict = "leantrain" if all(m.leantrain_wins for m in points) else "stock"
     ns = "/".join(str(m.n) for m in sorted(points))
-    return verdict, f"measured at H={cell.h} V={cell.v} {dtype}, N {ns} ({SOURCE}): {_who(verdict)}"
+    return verdict, f"measured at H={cell.h} V={cell.v} {dtype}, N {ns} ({EVIDENCE}): {_who(verdict)}"
 
 
 def _ratio(a: int, b: int) -> float:

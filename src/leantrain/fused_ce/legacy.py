@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from ..fallback import RuntimeFallback
-from .patch import REQUEST_KEY, Request, SftVariant
+from .patch import REQUEST_KEY, Request
+from .probe import SftVariant
 
 
 def make_compute_loss(

@@ -16,9 +16,7 @@ that CGGR masks inside the forward feed the loss.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,47 +24,14 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
+from .. import trl_head
 from ..fallback import RuntimeFallback
 from ..lm_head import ops
-from ..models import head_weight, trl_backbone_pass, zero3_gather
+from ..trl_head import IGNORE_INDEX, HeadSettings
 
 
-PATHS = ("trl_fused", "chunked_nll", "full_logits", "dft", "trainer")
-# The loss each path replaces, as the dispatch rule names it
-DISPATCH_PATH = {
-    "trl_fused": "trl_fused",
-    "chunked_nll": "chunked_nll",
-    "full_logits": "full_logits",
-    "dft": "full_logits",
-    "trainer": "full_logits",
-}
 REQUEST_KEY = "leantrain_fused_ce"
-IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class HeadSettings:
-    """What the head computes: ``softcap(logit_scale * h·Wᵀ) / temperature``, and for TRL's heads their settings."""
-
-    logit_scale: float = 1.0
-    softcap: float | None = None
-    temperature: float = 1.0
-    cast_lm_head_to_fp32: bool = False
-    backbone_attr: str = "base_model"
-    text_config: Any = None
-    outputs: tuple[str, ...] = ("log_probs", "entropy", "is_top1")
-    # TRL >= 1.15: the loss its compute_loss sums from the log-probs ("nll" / "dft"), when the probe recognised it
-    trl_loss_type: str | None = None
-
-
-@dataclass(frozen=True)
-class SftVariant:
-    """How a TRL <= 1.14 SFTTrainer computes its loss and metrics from the full logits (read by the probe)."""
-
-    entropy_scope: str  # "attention": every attended position (TRL 0.x); "labels": the labelled positions (1.x)
-    router_input: bool  # compute_loss passes output_router_logits=True when the aux loss is on
-    dft: bool  # loss_type="dft" (TRL's dft_loss) rather than the model's own loss
-    dft_clamp: bool  # dft_loss clamps its normalizer to >= 1
+__all__ = ["HeadSettings", "IGNORE_INDEX", "REQUEST_KEY", "run_op", "score"]
 
 
 @dataclass
@@ -142,15 +107,8 @@ def run_op(
     """(loss, logp, entropy, is_top1) of the rows on the best backend; a Triton failure falls back to the torch
     path. With ``loss``, the op's scalar loss (``ops.head_loss``: 3 GEMMs for a trainable head) carries the gradient
     and the per-token values come back detached; without, ``logp`` itself is differentiable (``ops.token_stats``)."""
-    options = dict(
-        bias=bias,
-        temperature=st.temperature,
-        logit_scale=st.logit_scale,
-        softcap=st.softcap,
-        need_entropy=need_entropy,
-        need_top1=need_top1,
-        weight_context=functools.partial(zero3_gather, weight, bias) if hasattr(weight, "ds_id") else None,
-    )
+    options = dict(bias=bias, need_entropy=need_entropy, need_top1=need_top1)
+    options.update(trl_head.head_options(st, weight, bias))
 
     def run(backend: str):
         if loss is None:
@@ -160,11 +118,7 @@ def run_op(
         )
         return out.loss, out.logp, out.entropy, out.is_top1
 
-    if ops.default_backend(hidden.device) == "triton":
-        # Triton launches on the current device: make it the tensors' one (models placed on cuda:1, device maps)
-        with torch.cuda.device(hidden.device):
-            return guard.call(run, lambda _backend: run("torch"), "triton")
-    return run("torch")
+    return trl_head.run_op(guard, hidden.device, run)
 
 
 def inverse(normalizer: Any, device: torch.device) -> torch.Tensor:
@@ -189,65 +143,30 @@ def score(
 
     The op sees the labelled rows only (``hidden[mask]``, as TRL's head on CUDA). ``entropy_rows``: positions whose
     entropy is wanted without a label (TRL 0.x logs it over every attended position); a no-grad call scores those."""
-    head = model.get_output_embeddings()
-    weight = head_weight(head)  # FSDP2 DTensor: gathered once, as TRL does
-    bias = getattr(head, "bias", None)
-    if bias is not None and hasattr(bias, "full_tensor"):
-        bias = bias.full_tensor()
-    hidden = hidden.to(weight.device)
-    targets = targets.to(weight.device)
-    mask = targets != IGNORE_INDEX
-    autocast = nullcontext()
-    if st.cast_lm_head_to_fp32:
-        hidden = hidden.float()
-        autocast = torch.autocast(hidden.device.type, enabled=False)
-    spec = None if loss is None else loss(mask)
-    with autocast, zero3_gather(weight, bias):
-        value, logp, entropy, top1 = op(st, hidden[mask], weight, bias, targets[mask], need_entropy, need_top1, spec)
+    with trl_head.head_rows(model, st, hidden, targets) as rows:
+        mask, hidden, targets = rows.mask, rows.hidden, rows.targets
+        spec = None if loss is None else loss(mask)
+        value, logp, entropy, top1 = op(
+            st, hidden[mask], rows.weight, rows.bias, targets[mask], need_entropy, need_top1, spec
+        )
         extra = None
         if entropy_rows is not None:
             extra = entropy_rows.to(mask.device) & ~mask
             with torch.no_grad():
-                rows = hidden[extra]
-                _, _, extra_entropy, _ = op(st, rows, weight, bias, targets.new_zeros(rows.shape[0]), True, False)
-    # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero), like TRL
-    log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
-    if entropy is not None:
-        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
-        if extra is not None:
-            entropy = entropy.masked_scatter(extra, extra_entropy)
-    top1 = None if top1 is None else torch.zeros_like(mask).masked_scatter(mask, top1)
+                h = hidden[extra]
+                _, _, extra_entropy, _ = op(st, h, rows.weight, rows.bias, targets.new_zeros(h.shape[0]), True, False)
+    log_probs, entropy, top1 = (trl_head.scatter(mask, x) for x in (logp, entropy, top1))
+    if extra is not None:
+        entropy = entropy.masked_scatter(extra, extra_entropy)
     return TokenStats(log_probs, entropy, top1, mask, value)
-
-
-# ------------------------------------------------------------------------------------------------ aux losses
-def _transformers_major() -> int:
-    import transformers
-
-    return int(transformers.__version__.split(".")[0])
-
-
-def trl_aux_terms(model: nn.Module, text_config: Any) -> tuple[int, int, float]:
-    """(experts, experts per token, coefficient) as TRL's fused and chunked heads read them: from the model on
-    transformers 4, from the text config on 5 (gpt-oss configs before transformers 5.6 lack ``num_experts``)."""
-    if _transformers_major() < 5:
-        return model.num_experts, model.num_experts_per_tok, model.router_aux_loss_coef
-    experts = getattr(text_config, "num_experts", None) or model.num_experts
-    return experts, text_config.num_experts_per_tok, getattr(text_config, "router_aux_loss_coef", 0.0)
-
-
-def trl_aux_loss(model: nn.Module, text_config: Any, router_logits: Any, attention_mask: Any) -> torch.Tensor:
-    # Mixtral's load-balancing loss: the one every MoE family pulls in through the modular system (as TRL does)
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    experts, top_k, _ = trl_aux_terms(model, text_config)
-    return load_balancing_loss_func(router_logits, experts, top_k, attention_mask)
 
 
 # ------------------------------------------------------------------------------------- TRL >= 1.15 fused head
 def trl_fused_forward(model: nn.Module, st: HeadSettings, op, output_class, *args: Any, **kwargs: Any):
     """TRL's ``fused_lm_head=True`` forward with leantrain's op in place of TRL's kernel."""
-    out, hidden, targets, num_items_in_batch = trl_backbone_pass(model, st.backbone_attr, st.text_config, args, kwargs)
+    out, hidden, targets, num_items_in_batch = trl_head.backbone_pass(
+        model, st.backbone_attr, st.text_config, args, kwargs
+    )
     need = dict(need_entropy="entropy" in st.outputs, need_top1="is_top1" in st.outputs)
     if st.trl_loss_type is None:  # per-token log-probs with their own gradient
         stats = score(model, st, op, hidden, targets, **need)
@@ -258,10 +177,7 @@ def trl_fused_forward(model: nn.Module, st: HeadSettings, op, output_class, *arg
         log_probs, total = carry_loss_gradient(stats, st.trl_loss_type), stats.loss
     mask = stats.label_mask
     loss = total / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-    aux_loss = None
-    if kwargs.get("output_router_logits"):
-        aux_loss = trl_aux_loss(model, st.text_config, out.router_logits, kwargs.get("attention_mask"))
-        loss = loss + trl_aux_terms(model, st.text_config)[2] * aux_loss
+    loss, aux_loss = trl_head.with_aux_loss(model, st, out, kwargs, loss)
     return output_class(
         loss=loss,
         log_probs=log_probs,
@@ -326,10 +242,7 @@ def chunked_forward(model: nn.Module, st: HeadSettings, op, output_class, **kwar
 
     stats = score(model, st, op, hidden, targets, loss=loss_spec)
     loss, n_valid = stats.loss, stats.label_mask.sum()
-    aux_loss = None
-    if router:
-        aux_loss = trl_aux_loss(model, st.text_config, out.router_logits, kwargs.get("attention_mask"))
-        loss = loss + trl_aux_terms(model, st.text_config)[2] * aux_loss.to(loss.device)
+    loss, aux_loss = trl_head.with_aux_loss(model, st, out, kwargs, loss)
     return output_class(
         loss=loss,
         logits=None,

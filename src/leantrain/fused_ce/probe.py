@@ -15,6 +15,7 @@ Paths (what each replaces):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass, field
@@ -23,16 +24,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import trl_head
 from ..lm_head import ops
 from ..models import data_parallel_reason, head_weight_reasons, is_peft_model, logit_transform, unwrap_model
 from ..optimization import PatchContext, Readiness
+from ..trl_head import HeadSettings
 from . import dispatch
-from . import patch as glue
 
 
+PATHS = ("trl_fused", "chunked_nll", "full_logits", "dft", "trainer")
+# The loss each path replaces, as the dispatch rule names it
+DISPATCH_PATH = {
+    "trl_fused": "trl_fused",
+    "chunked_nll": "chunked_nll",
+    "full_logits": "full_logits",
+    "dft": "full_logits",
+    "trainer": "full_logits",
+}
 TRL_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
-_TRL_FUSED_CLOSURE = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs", "text_config")
-_TRL_CHUNKED_CLOSURE = ("original_forward", "text_config", "logit_scale", "final_logit_softcapping")
+# Read from TRL 1.4 - 1.14's sft_trainer.py: the fields of the chunked_nll forward's output class
 _CHUNKED_FIELDS = ("num_correct_tokens", "entropy_sum", "num_valid_tokens", "aux_loss")
 # How TRL <= 1.14's SFTTrainer.compute_loss computes its metrics from the full logits (its source says which)
 _ENTROPY_OVER_ATTENTION = "torch.sum(per_token_entropy * attention_mask)"  # 0.x: every attended position
@@ -46,16 +56,26 @@ _TRL_LINEAR_LOSS = (
 )
 
 
+@dataclass(frozen=True)
+class SftVariant:
+    """How a TRL <= 1.14 SFTTrainer computes its loss and metrics from the full logits (read by the probe)."""
+
+    entropy_scope: str  # "attention": every attended position (TRL 0.x); "labels": the labelled positions (1.x)
+    router_input: bool  # compute_loss passes output_router_logits=True when the aux loss is on
+    dft: bool  # loss_type="dft" (TRL's dft_loss) rather than the model's own loss
+    dft_clamp: bool  # dft_loss clamps its normalizer to >= 1
+
+
 @dataclass
 class CePlan:
     """The probe's plan: the path, the model whose forward is wrapped, the head settings and the dispatch."""
 
     path: str
     model: nn.Module
-    settings: glue.HeadSettings
+    settings: HeadSettings
     head: str  # "frozen" or "trainable"
     dispatch_why: str
-    variant: glue.SftVariant | None = None  # full_logits / dft: how this TRL logs its metrics
+    variant: SftVariant | None = None  # full_logits / dft: how this TRL logs its metrics
     output_class: Any = None  # trl_fused / chunked_nll: TRL's output class
     moe: bool = False  # the model's forward takes output_router_logits (an MoE aux loss)
     aux_loss: Any = None  # full_logits / dft / trainer: the model module's load_balancing_loss_func
@@ -71,7 +91,7 @@ def base_model(trainer: Any) -> nn.Module:
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     model = base_model(trainer)
     path = path_of(trainer, ctx.trainer_kind, model)
-    if path not in glue.PATHS:
+    if path not in PATHS:
         return Readiness.no(path)
     reasons = trainer_reasons(trainer, path) + model_reasons(model, path)
     if reasons:
@@ -80,25 +100,23 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     if plan.reasons:
         return Readiness.no(*plan.reasons)
     verdict, plan.dispatch_why = dispatch.choose(
-        glue.DISPATCH_PATH[path], plan.head, *_head_shape(model), _dtype_name(trainer, plan.settings)
+        DISPATCH_PATH[path], plan.head, *_head_shape(model), _dtype_name(trainer, plan.settings)
     )
-    if verdict == "stock":
-        if ctx.config.config.fused_ce is not True:  # auto: the faster head stays (nothing to gain here)
-            why = f"{_replaced(path)} stays: {plan.dispatch_why}; pass fused_ce=True to use leantrain's op anyway"
-            return Readiness.not_applicable(why)
-        plan.dispatch_why += "; leantrain's op because fused_ce=True"
+    if verdict == "stock":  # auto keeps the faster head (nothing to gain here); fused_ce=True applies the op anyway
+        evidence = f"the dispatch rule prefers {_replaced(path)} ({plan.dispatch_why})"
+        return Readiness.slower(evidence, detail(plan), plan)
     return Readiness(detail=detail(plan), plan=plan)
 
 
 # ------------------------------------------------------------------------------------------------- the path
 def path_of(trainer: Any, kind: str, model: nn.Module) -> str:
-    """One of ``glue.PATHS``, or the reason none serves this trainer."""
+    """One of ``PATHS``, or the reason none serves this trainer."""
     if kind == "trainer":
         return "trainer"
     forward = model.__dict__.get("forward")
-    if _find_code(forward, "_fused_forward") is not None:
+    if trl_head.find_code(forward, trl_head.FUSED_FORWARD) is not None:
         return "trl_fused"
-    if _find_code(forward, "_chunked_ce_forward") is not None:
+    if trl_head.find_code(forward, trl_head.CHUNKED_FORWARD) is not None:
         return "chunked_nll"
     args = trainer.args
     if getattr(args, "use_liger_kernel", False):
@@ -106,11 +124,7 @@ def path_of(trainer: Any, kind: str, model: nn.Module) -> str:
             "use_liger_kernel=True: this TRL computes the SFT loss with Liger's fused linear cross-entropy, already "
             "without the full logits; set use_liger_kernel=False to use leantrain's fused loss"
         )
-    try:
-        from trl.trainer import utils as trl_utils
-    except ImportError:
-        trl_utils = None
-    if trl_utils is not None and hasattr(trl_utils, "add_fused_lm_head"):
+    if trl_head.trl_has_fused_head():
         return "TRL has add_fused_lm_head but the model's forward is not its fused head: TRL not recognised"
     loss_type = getattr(args, "loss_type", "nll")
     if loss_type == "dft" and _is_trl_dft(trainer.compute_loss_func):
@@ -118,20 +132,6 @@ def path_of(trainer: Any, kind: str, model: nn.Module) -> str:
     if loss_type == "nll":
         return "full_logits"
     return f"loss_type={loss_type!r} is not one leantrain serves (nll, chunked_nll, dft)"
-
-
-def _find_code(obj: Any, name: str) -> Any:
-    """The function named ``name`` under the callable ``obj`` (through bound methods and wrappers), or None."""
-    for _ in range(12):
-        if obj is None:
-            return None
-        code = getattr(obj, "__code__", None)
-        if code is not None and code.co_name == name:
-            return obj
-        obj = next(
-            (getattr(obj, a) for a in ("__func__", "__wrapped__", "model_forward") if getattr(obj, a, None)), None
-        )
-    return None
 
 
 def _is_trl_dft(func: Any) -> bool:
@@ -268,14 +268,14 @@ def _plan(trainer: Any, path: str, model: nn.Module) -> CePlan:
     head = model.get_output_embeddings()
     trainable = bool(getattr(head.weight, "requires_grad", False))
     moe = "output_router_logits" in inspect.signature(type(model).forward).parameters
-    plan = CePlan(path, model, glue.HeadSettings(), "trainable" if trainable else "frozen", "", moe=moe)
+    plan = CePlan(path, model, HeadSettings(), "trainable" if trainable else "frozen", "", moe=moe)
     if path == "trl_fused":
         _read_trl_fused(plan, model, trainer)
     elif path == "chunked_nll":
         _read_trl_chunked(plan, model)
     else:
         scale, softcap = logit_transform(model.config)
-        plan.settings = glue.HeadSettings(logit_scale=scale, softcap=softcap, text_config=model.config)
+        plan.settings = HeadSettings(logit_scale=scale, softcap=softcap, text_config=model.config)
         plan.aux_loss = _aux_loss_function(model)
         if path != "trainer":
             variant = sft_variant(trainer, path)
@@ -287,27 +287,14 @@ def _plan(trainer: Any, path: str, model: nn.Module) -> CePlan:
 
 
 def _read_trl_fused(plan: CePlan, model: nn.Module, trainer: Any) -> None:
-    fwd = _find_code(model.__dict__.get("forward"), "_fused_forward")
-    names = inspect.getclosurevars(fwd).nonlocals
-    missing = [n for n in _TRL_FUSED_CLOSURE if n not in names]
-    if missing:
-        plan.reasons.append(f"TRL's fused forward closure changed (missing {', '.join(missing)}): TRL not recognised")
+    settings = trl_head.fused_settings(model)
+    if isinstance(settings, str):
+        plan.reasons.append(settings)
         return
-    extra = [o for o in names["outputs"] if o not in TRL_FUSED_OUTPUTS]
+    extra = trl_head.outputs_reason(settings, TRL_FUSED_OUTPUTS)
     if extra:
-        plan.reasons.append(f"TRL asks its fused head for {', '.join(extra)}, which leantrain's op does not compute")
-    scale = names.get("logit_scale", 1.0)
-    softcap = names.get("final_logit_softcapping")
-    plan.settings = glue.HeadSettings(
-        logit_scale=float(1.0 if scale is None else scale),
-        softcap=float(softcap) if softcap else None,
-        temperature=float(names["temperature"]),
-        cast_lm_head_to_fp32=bool(names["cast_lm_head_to_fp32"]),
-        backbone_attr=names.get("backbone_attr", "base_model"),
-        text_config=names["text_config"],
-        outputs=tuple(names["outputs"]),
-        trl_loss_type=_trl_linear_loss(trainer),
-    )
+        plan.reasons.append(extra)
+    plan.settings = dataclasses.replace(settings, trl_loss_type=_trl_linear_loss(trainer))
     try:
         from trl.trainer.utils import FusedCausalLMOutput
     except ImportError:
@@ -328,17 +315,16 @@ def _trl_linear_loss(trainer: Any) -> str | None:
 
 
 def _read_trl_chunked(plan: CePlan, model: nn.Module) -> None:
-    fwd = _find_code(model.__dict__.get("forward"), "_chunked_ce_forward")
-    names = inspect.getclosurevars(fwd).nonlocals
-    missing = [n for n in _TRL_CHUNKED_CLOSURE if n not in names]
+    fwd = trl_head.find_code(model.__dict__.get("forward"), trl_head.CHUNKED_FORWARD)
+    names = trl_head.closure(fwd, trl_head.CHUNKED_CLOSURE)
     module = sys.modules.get(fwd.__module__)
     output_class = getattr(module, "_ChunkedCELMHeadOutput", None)
     fields = getattr(output_class, "__dataclass_fields__", {})
-    if missing or any(f not in fields for f in _CHUNKED_FIELDS):
+    if isinstance(names, str) or any(f not in fields for f in _CHUNKED_FIELDS):
         plan.reasons.append("TRL's chunked_nll forward changed (closure or output fields): TRL not recognised")
         return
     softcap = names["final_logit_softcapping"]
-    plan.settings = glue.HeadSettings(
+    plan.settings = HeadSettings(
         logit_scale=float(names["logit_scale"]),
         softcap=float(softcap) if softcap else None,
         text_config=names["text_config"],
@@ -348,22 +334,12 @@ def _read_trl_chunked(plan: CePlan, model: nn.Module) -> None:
 
 
 def _check_scaling(plan: CePlan, model: nn.Module) -> None:
-    """Decline where TRL's head scaling and the model's disagree: leantrain computes what TRL's head computes, and
-    an unknown scaling would change the loss either way."""
-    try:
-        scale, softcap = logit_transform(model.config)
-    except ValueError as error:
-        plan.reasons.append(f"unknown output scaling: {error}")
-        return
-    st = plan.settings
-    if not (abs(scale - st.logit_scale) <= 1e-12 * max(1.0, abs(scale)) and softcap == st.softcap):
-        plan.reasons.append(
-            f"TRL's head scales the logits by logit_scale={st.logit_scale}, softcap={st.softcap} but the model by "
-            f"logit_scale={scale}, softcap={softcap}: leantrain keeps TRL's head"
-        )
+    reason = trl_head.scaling_reason(plan.settings, model.config)
+    if reason:
+        plan.reasons.append(reason)
 
 
-def sft_variant(trainer: Any, path: str) -> glue.SftVariant | str:
+def sft_variant(trainer: Any, path: str) -> SftVariant | str:
     """How this TRL's SFTTrainer.compute_loss logs entropy and token accuracy from the full logits, or a reason."""
     from trl import SFTTrainer
 
@@ -375,19 +351,18 @@ def sft_variant(trainer: Any, path: str) -> glue.SftVariant | str:
     else:
         return "TRL's SFTTrainer.compute_loss logs its metrics in a way leantrain does not know: TRL not recognised"
     dft_clamp = "clamp(min=1)" in _source(getattr(sys.modules["trl.trainer.sft_trainer"], "dft_loss", None))
-    return glue.SftVariant(
+    return SftVariant(
         entropy_scope=scope, router_input=_ROUTER_LOGITS_INPUT in source, dft=path == "dft", dft_clamp=dft_clamp
     )
 
 
 # ----------------------------------------------------------------------------------------------- the report
 def _head_shape(model: nn.Module) -> tuple[int, int]:
-    weight = model.get_output_embeddings().weight
-    v, h = getattr(weight, "ds_shape", weight.shape)
-    return int(h), int(v)
+    _, v, h = trl_head.head_shape(model)
+    return h, v
 
 
-def _dtype_name(trainer: Any, st: glue.HeadSettings) -> str:
+def _dtype_name(trainer: Any, st: HeadSettings) -> str:
     """The logits tiles' dtype in training: fp32 when TRL casts the head, else the autocast dtype, else the head's."""
     args = trainer.args
     if st.cast_lm_head_to_fp32:

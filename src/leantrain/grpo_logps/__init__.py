@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..fallback import RuntimeFallback
+from .. import trl_head
 from ..lm_head.ops import logp_entropy
 from ..optimization import Applied, Optimization, PatchContext, Readiness, register
 from . import patch as glue
@@ -36,7 +36,7 @@ class GrpoLogps(Optimization):
         return probe_trainer(trainer, ctx)
 
     def apply(self, trainer: Any, plan: LogpsPlan, ctx: PatchContext) -> Applied:
-        kernel_guard = RuntimeFallback("grpo_logps triton kernel", ctx.fallback.strict)
+        kernel_guard = trl_head.kernel_guard(self.name, ctx.fallback)
         op = functools.partial(
             glue.run_op, kernel_guard, ctx.config.grpo_logps_tile_mib, ctx.config.grpo_logps_keep_logits_mib
         )

@@ -10,19 +10,21 @@ measured vocabularies: leantrain's op serves those calls, and every call that wa
 
 from __future__ import annotations
 
+from ..measured import NOISE, REACH, Evidence, beyond_noise
 
+
+__all__ = ["EVIDENCE", "MEASURED_V", "NOISE", "SOURCE", "V_REACH", "trl_head_serves", "trl_head_wins"]
+# Pasted from ``--emit-rule``: where and when, and the rule's reach in vocabulary
 SOURCE = "NVIDIA H100 80GB HBM3, 2026-11-25, grpo_logps_nograd.json at 0a6f1e8"
 MEASURED_V = (128256, 152064)  # the smallest and largest vocabulary measured
-V_REACH = 2.0
-# Median-to-median differences below this share are timing noise on the H100 (the probe's p20-p80 spread: 1-3%).
-NOISE = 0.03
+EVIDENCE = Evidence.parse("TRL's head faster or within the noise in every cell", SOURCE)
+V_REACH = REACH
 
 
 def trl_head_wins(stock_ms: float, fused_ms: float) -> bool:
-    """One measured cell's verdict. leantrain's op wins only where it was faster beyond the noise: a tie goes to the
-    head it would replace (no default slower than stock), and a verdict that flips inside the noise would make the
-    rule depend on N."""
-    return fused_ms > stock_ms * (1 - NOISE)
+    """One measured cell's verdict. leantrain's op wins only where it was faster beyond the noise (a tie goes to the
+    head it would replace), so the rule does not depend on N."""
+    return not beyond_noise(fused_ms, stock_ms)
 
 
 def trl_head_serves(v: int, backend: str) -> bool:

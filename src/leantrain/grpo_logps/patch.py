@@ -16,33 +16,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import trl_head
 from ..fallback import RuntimeFallback
 from ..lm_head import ops
-from ..models import head_weight, trl_backbone_pass, zero3_gather
+from ..trl_head import HeadSettings
 from . import nograd
 
 
-FUSED_OUTPUTS = ("log_probs", "entropy")  # what the fused forward computes
-
-
-@dataclass
-class HeadSettings:
-    """What TRL's fused head computes for one model (read from its closure, or set by us for old TRL)."""
-
-    temperature: float
-    outputs: tuple[str, ...]
-    cast_lm_head_to_fp32: bool
-    logit_scale: float
-    softcap: float | None
-    backbone_attr: str
-    text_config: Any
+__all__ = ["HeadSettings", "FusedCall", "fused_forward", "make_forward", "run_op"]
 
 
 @dataclass
@@ -76,65 +63,34 @@ def _output_class() -> Callable[..., Any]:
     return FusedCausalLMOutput
 
 
-def head_shape(model: nn.Module) -> tuple[torch.Tensor, int, int] | None:
-    """(weight, V, H) of the LM head, from its global shape: a ZeRO-3 / FSDP2 head is not gathered to decide."""
-    weight = getattr(model.get_output_embeddings(), "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        return None
-    shape = tuple(getattr(weight, "ds_shape", weight.shape))
-    return (weight, *shape) if len(shape) == 2 else None
-
-
 def uses_trl_head(model: nn.Module, call: FusedCall) -> bool:
     """Whether this ``fused_lm_head=True`` call goes to TRL's own fused forward instead of the op: no gradient
     wanted, TRL's fused head underneath, and the no-grad rule says so for this head."""
     if torch.is_grad_enabled() or not call.trl_head:
         return False
-    found = head_shape(model)
+    found = trl_head.head_shape(model)
     return found is not None and nograd.trl_head_serves(found[1], ops.default_backend(found[0].device))
 
 
 def fused_forward(model: nn.Module, call: FusedCall, *args: Any, **kwargs: Any):
     """TRL's ``fused_lm_head=True`` forward with leantrain's op in place of ``ChunkedLogProbFunction``."""
     st = call.settings
-    backbone_out, hidden, labels, num_items_in_batch = trl_backbone_pass(
+    backbone_out, hidden, labels, num_items_in_batch = trl_head.backbone_pass(
         model, st.backbone_attr, st.text_config, args, kwargs
     )
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise RuntimeError("LM head has a bias")  # the probe declines these; reaching here means the model changed
-    weight = head_weight(head)  # FSDP2 DTensor: gathered once, as TRL does
-    hidden = hidden.to(weight.device)
-    labels = labels.to(weight.device)
-    mask = labels != -100
-    autocast = nullcontext()
-    if st.cast_lm_head_to_fp32:
-        hidden = hidden.float()
-        autocast = torch.autocast(hidden.device.type, enabled=False)
     need_entropy = "entropy" in st.outputs
     entropy_grad = need_entropy and call.entropy_grad()
-    with autocast, zero3_gather(weight):
-        logp, entropy = call.run_op(st, hidden[mask], weight, labels[mask], need_entropy, entropy_grad)
-    # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero), like TRL
-    log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
-    entropy = None if entropy is None else entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+    with trl_head.head_rows(model, st, hidden, labels) as rows:
+        mask = rows.mask
+        logp, entropy = call.run_op(st, rows.hidden[mask], rows.weight, rows.targets[mask], need_entropy, entropy_grad)
+    log_probs, entropy = trl_head.scatter(mask, logp), trl_head.scatter(mask, entropy)
     denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -log_probs.sum() / denom
-    aux_loss = None
-    if kwargs.get("output_router_logits"):
-        aux_loss = _aux_loss(st.text_config, backbone_out, kwargs.get("attention_mask"))
-        loss = loss + getattr(st.text_config, "router_aux_loss_coef", 0.0) * aux_loss
+    loss, aux_loss = trl_head.with_aux_loss(model, st, backbone_out, kwargs, loss)
     output = _output_class()
     return output(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
-
-
-def _aux_loss(text_config: Any, backbone_out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    num_experts = getattr(text_config, "num_experts", None) or text_config.num_local_experts
-    return load_balancing_loss_func(
-        backbone_out.router_logits, num_experts, text_config.num_experts_per_tok, attention_mask
-    )
 
 
 # ----------------------------------------------------------------------------------------------- TRL <= 1.14
@@ -205,19 +161,12 @@ def run_op(
             hidden,
             weight,
             targets,
-            temperature=st.temperature,
-            logit_scale=st.logit_scale,
-            softcap=st.softcap,
             need_entropy=need_entropy,
             entropy_grad=entropy_grad,
             tile_mib=tile_mib,
             backend=backend,
             keep_logits_mib=keep_logits_mib,
-            weight_context=functools.partial(zero3_gather, weight) if hasattr(weight, "ds_id") else None,
+            **trl_head.head_options(st, weight),
         )
 
-    if ops.default_backend(hidden.device) == "triton":
-        # Triton launches on the current device: make it the tensors' one (models placed on cuda:1, device maps)
-        with torch.cuda.device(hidden.device) if hidden.is_cuda else nullcontext():
-            return guard.call(run, lambda _backend: run("torch"), "triton")
-    return run("torch")
+    return trl_head.run_op(guard, hidden.device, run)

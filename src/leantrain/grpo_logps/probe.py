@@ -4,6 +4,7 @@ the report's words: the plan, so that ``apply`` searches nothing again."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,14 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import trl_head
 from ..lm_head import ops
 from ..models import head_weight_reasons, is_peft_model, logit_transform, unwrap_model
 from ..optimization import PatchContext, Readiness
+from ..trl_head import HeadSettings
 from . import nograd
-from .patch import FUSED_OUTPUTS, HeadSettings, head_shape
 
 
-_TRL_CLOSURE = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs", "text_config")
+FUSED_OUTPUTS = ("log_probs", "entropy")  # what the fused forward (patch.py) computes
 _LEGACY_PARAMS = ("input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")  # text-only calls
 
 
@@ -46,48 +48,12 @@ def kernel_name() -> str:
 def trl_fused_forward(model: nn.Module) -> Callable[..., Any] | None:
     """TRL's ``_fused_forward`` function under this instance's ``forward`` (possibly inside accelerate's autocast /
     fp32-output wrappers, as on a prepared reference model), or None."""
-    return _find_fused(model.__dict__.get("forward"))
-
-
-def _find_fused(obj: Any) -> Callable[..., Any] | None:
-    """TRL's ``_fused_forward`` under the callable ``obj`` (through bound methods and wrappers), or None."""
-    for _ in range(12):
-        if obj is None:
-            return None
-        code = getattr(obj, "__code__", None)
-        if code is not None and code.co_name == "_fused_forward":
-            return obj
-        obj = next(
-            (
-                getattr(obj, a)
-                for a in ("__func__", "__wrapped__", "model_forward")
-                if getattr(obj, a, None) is not None
-            ),
-            None,
-        )
-    return None
+    return trl_head.fused_forward_of(model)
 
 
 def trl_head_settings(model: nn.Module) -> HeadSettings | str:
     """Read TRL's fused-head settings from its forward closure; a reason string when not recognised."""
-    fwd = trl_fused_forward(model)
-    if fwd is None:
-        return f"{type(model).__name__}.forward is not TRL's fused LM head (add_fused_lm_head)"
-    names = inspect.getclosurevars(fwd).nonlocals
-    missing = [n for n in _TRL_CLOSURE if n not in names]
-    if missing:
-        return f"TRL's fused forward closure changed (missing {', '.join(missing)}): TRL version not recognised"
-    scale = names.get("logit_scale", 1.0)
-    softcap = names.get("final_logit_softcapping")
-    return HeadSettings(
-        temperature=float(names["temperature"]),
-        outputs=tuple(names["outputs"]),
-        cast_lm_head_to_fp32=bool(names["cast_lm_head_to_fp32"]),
-        logit_scale=float(1.0 if scale is None else scale),
-        softcap=float(softcap) if softcap else None,
-        backbone_attr=names.get("backbone_attr", "base_model"),
-        text_config=names["text_config"],
-    )
+    return trl_head.fused_settings(model)
 
 
 # ----------------------------------------------------------------------- TRL <= 1.14: the full-logits method
@@ -137,16 +103,7 @@ def legacy_settings(trainer: Any, base: nn.Module) -> HeadSettings:
 # ---------------------------------------------------------------------------------- readiness and the plan
 def scaling_reason(settings: HeadSettings, config: Any) -> str | None:
     """Decline when TRL's scaling and leantrain's model adapter disagree (unknown output scaling)."""
-    try:
-        scale, softcap = logit_transform(config)
-    except ValueError as error:
-        return f"unknown output scaling: {error}"
-    if not (abs(scale - settings.logit_scale) <= 1e-12 * max(1.0, abs(scale)) and softcap == settings.softcap):
-        return (
-            f"unknown output scaling: TRL uses logit_scale={settings.logit_scale}, softcap={settings.softcap}, "
-            f"leantrain reads logit_scale={scale}, softcap={softcap}; leaving TRL's head in place"
-        )
-    return None
+    return trl_head.scaling_reason(settings, config)
 
 
 def head_reasons(model: nn.Module) -> list[str]:
@@ -201,13 +158,13 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
             if isinstance(settings, str):
                 reasons.append(f"{label}: {settings}")
                 continue
-            extra = [o for o in settings.outputs if o not in FUSED_OUTPUTS]
+            extra = trl_head.outputs_reason(settings, FUSED_OUTPUTS)
             if extra:
-                reasons.append(f"{label}: TRL asks the fused head for {', '.join(extra)}, which leantrain lacks")
+                reasons.append(f"{label}: {extra}")
         else:
             settings = legacy_settings(trainer, model)
             if label == "ref_model":
-                settings.outputs = ("log_probs",)
+                settings = dataclasses.replace(settings, outputs=("log_probs",))
         scaling = scaling_reason(settings, model.config)
         if scaling:
             reasons.append(f"{label}: {scaling}")
@@ -227,11 +184,7 @@ def path_of(trainer: Any) -> str:
     kind = legacy_method_kind(trainer)
     if isinstance(kind, str):
         return kind
-    try:
-        from trl.trainer import utils as trl_utils
-    except ImportError:
-        trl_utils = None
-    if trl_utils is not None and hasattr(trl_utils, "add_fused_lm_head"):
+    if trl_head.trl_has_fused_head():
         return "TRL has add_fused_lm_head but the policy's forward is not its fused head: TRL not recognised"
     return legacy_reason(trainer) or "legacy"
 
@@ -251,11 +204,11 @@ def nograd_detail(heads: list[tuple[str, nn.Module]]) -> str:
     """The report's words for the no-grad dispatch: which (label, model) heads' no-grad calls use TRL's own head."""
     parts = []
     for label, model in heads:
-        found = head_shape(model)
+        found = trl_head.head_shape(model)
         if found is None or not nograd.trl_head_serves(found[1], ops.default_backend(found[0].device)):
             continue
         _, v, h = found
         parts.append(f"{'policy' if label == 'model' else label.replace('_', ' ')} H={h} V={v} (any N)")
     if not parts:
         return ""
-    return f"no-grad calls at {', '.join(parts)} use TRL's own head (measured faster: {nograd.SOURCE})"
+    return f"no-grad calls at {', '.join(parts)} use TRL's own head (measured faster: {nograd.EVIDENCE})"

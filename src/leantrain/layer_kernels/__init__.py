@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..optimization import Applied, Optimization, PatchContext, Readiness, register
-from .families import FAMILIES, MEASURED, Family, Verdict
+from .families import FAMILIES, MEASURED, Family
 from .probe import LayerKernelsPlan, describe, liger_reason
 from .probe import probe as probe_trainer  # the submodule keeps its name
 
@@ -44,4 +44,4 @@ class LayerKernels(Optimization):
         return Applied(targets, describe(plan))
 
 
-__all__ = ["FAMILIES", "MEASURED", "Family", "LayerKernels", "LayerKernelsPlan", "Verdict", "liger_reason"]
+__all__ = ["FAMILIES", "MEASURED", "Family", "LayerKernels", "LayerKernelsPlan", "liger_reason"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..measured import Evidence
+
 
 @dataclass(frozen=True)
 class Family:
@@ -52,22 +54,20 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-@dataclass(frozen=True)
-class Verdict:
-    faster: bool
-    evidence: str  # device, date, shape, setup and step times: what the report quotes
-
-
 # LoRA r16 on every attention and MLP projection, head frozen, 4 x 2048 tokens, bf16, gradient checkpointing, AdamW,
 # median of 8 steps (benchmarks/results/recipes.md, dense_sft_runs.md). Gemma 2: the same Liger kernels
 # through TRL 1.16's use_liger_kernel against stock (its own fused head kept); Llama and Qwen2: patch_trainer with
 # and without layer_kernels=True, the fused loss on in both, TRL 1.16 SFTTrainer, several runs.
-MEASURED: dict[str, Verdict] = {
-    "gemma2": Verdict(True, "H100, 2026-11-25: Gemma-2-2B LoRA SFT step 822.6 -> 672.8 ms"),
-    "qwen2": Verdict(
-        False,
-        "H200, 2026-11-26: Qwen2.5-1.5B LoRA SFT step 372 / 356 / 362 -> 388 / 345 / 355 ms in three runs, "
-        "inside the step-to-step spread (330-420 ms): no consistent win",
+MEASURED: dict[str, Evidence] = {
+    "gemma2": Evidence("faster", "H100", "2026-11-25", "Gemma-2-2B LoRA SFT step 822.6 -> 672.8 ms"),
+    "qwen2": Evidence(
+        "not faster",
+        "H200",
+        "2026-11-26",
+        "Qwen2.5-1.5B LoRA SFT step 372 / 356 / 362 -> 388 / 345 / 355 ms in three runs, inside the step-to-step "
+        "spread (330-420 ms): no consistent win",
     ),
-    "llama": Verdict(True, "H200, 2026-11-26: Llama-3.2-1B LoRA SFT step 257 -> 223 and 251 -> 206 ms in two runs"),
+    "llama": Evidence(
+        "faster", "H200", "2026-11-26", "Llama-3.2-1B LoRA SFT step 257 -> 223 and 251 -> 206 ms in two runs"
+    ),
 }

@@ -3,6 +3,7 @@ modules already, and which module instances get which kernel (the plan ``apply``
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class LayerKernelsPlan:
     mlps: tuple[tuple[str, nn.Module], ...]
     attentions: tuple[tuple[str, nn.Module], ...]  # their forwards get Liger's RoPE; empty when RoPE is left out
     left_out: tuple[str, ...]  # kernels not served here, each with its reason
-    why: str  # why it applies: the measured verdict, or the request
+    why: str  # why auto mode applies it: the measured verdict ("" where the entry point applies it on request)
 
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
@@ -42,32 +43,34 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     spec = FAMILIES.get(name)
     if spec is None:
         return Readiness.not_applicable(f"no layer kernels for model type {name!r} (served: {', '.join(FAMILIES)})")
-    asked = ctx.config.config.layer_kernels is True
     verdict = MEASURED.get(name)
-    evidence = verdict.evidence if verdict else "no measurement yet"
-    if not asked:
-        if ctx.trainer_kind not in AUTO_KINDS:
-            return Readiness.not_applicable(
-                f"measured on SFT training steps only, not on {ctx.trainer_kind} trainers; pass layer_kernels=True "
-                "to apply anyway"
-            )
-        if verdict is None or not verdict.faster:
-            return Readiness.not_applicable(
-                f"not measured faster on {name} ({evidence}); pass layer_kernels=True to apply anyway"
-            )
+    evidence = str(verdict) if verdict else "no measurement yet"
+    slower = None  # auto mode applies the kernels only where they measured faster, on the trainers measured
+    if ctx.trainer_kind not in AUTO_KINDS:
+        slower = f"measured on SFT training steps only, not on {ctx.trainer_kind} trainers"
+    elif verdict is None or not verdict.faster:
+        slower = f"not measured faster on {name} ({evidence})"
+    readiness = _ready(trainer, model, name, spec, "" if slower else f"measured faster on {name} ({evidence})")
+    if slower is None:
+        return readiness
+    if not readiness.ready:  # not served here anyway; in auto mode the kernels were not due either
+        return dataclasses.replace(readiness, applicable=False)
+    return Readiness.slower(slower, readiness.detail, readiness.plan)
+
+
+def _ready(trainer: Any, model: nn.Module, name: str, spec: Family, why: str) -> Readiness:
     device = trainer.args.device
     if device.type not in KERNEL_DEVICES:
-        reason = f"Liger-Kernel's layer kernels are Triton kernels for CUDA; this trainer runs on {device.type}"
-        return Readiness.no(reason) if asked else Readiness.not_applicable(reason)
+        # strict mode does not raise on it in auto mode; layer_kernels=True does
+        return Readiness.not_applicable(
+            f"Liger-Kernel's layer kernels are Triton kernels for CUDA; this trainer runs on {device.type}"
+        )
     reasons = conflicts(trainer, model, name, spec)
     if reasons:
         return Readiness.no(*reasons)
     missing = liger_reason()
     if missing:
         return Readiness.no(missing)
-    why = f"measured faster on {name} ({evidence})" if verdict and verdict.faster else (
-        f"applied on request (layer_kernels=True); not measured faster on {name} ({evidence})"
-    )  # fmt: skip
     return plan_targets(model, name, spec, why)
 
 
@@ -191,7 +194,7 @@ def describe(plan: LayerKernelsPlan) -> str:
     text = "Liger-Kernel " + ", ".join(served) + ", bound on this model's module instances"
     if plan.left_out:
         text += "; left out: " + "; ".join(plan.left_out)
-    return f"{text}; {plan.why}"
+    return f"{text}; {plan.why}" if plan.why else text
 
 
 def _own(modeling: ModuleType | None, obj: Any) -> bool:

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..measured import Evidence
+
 
 @dataclass(frozen=True)
 class Verdict:
     layout: str  # "linear4bit" | "stacked" | "expert_mlps"
     recompute: bool
-    measured: str  # what the choice rests on, for the report
+    measured: Evidence | str  # what the choice rests on, for the report
     max_stack_mib: float | None = None
+
+
+def _h100(detail: str) -> Evidence:
+    """Every verdict below: measured on an H100 on 2026-11-25."""
+    return Evidence("recompute", "H100", "2026-11-25", detail)
 
 
 # H100, 2026-11-25 (benchmarks/results/moe4bit_recompute.md): saved stacks were 2-25% faster a layer at every measured
@@ -30,20 +37,26 @@ VERDICTS: tuple[Verdict, ...] = (
     Verdict(
         "linear4bit",
         True,
-        "H100, gpt-oss-20b layer, 4096 tokens: 10.08 ms / 1.41 GiB peak; saved stacks 9.57 ms / 2.45 GiB "
-        "(moe_recompute=0 when the memory is there)",
+        _h100(
+            "gpt-oss-20b layer, 4096 tokens: 10.08 ms / 1.41 GiB peak; saved stacks 9.57 ms / 2.45 GiB "
+            "(moe_recompute=0 when the memory is there)",
+        ),
     ),
     Verdict(
         "stacked",
         True,
-        "H100, Qwen3-30B-A3B layer, 4096 tokens: 5.78 ms / 0.97 GiB peak; saved stacks 5.31 ms / 1.82 GiB, "
-        "transformers' grouped_mm on the same 4-bit stacks 5.39 ms / 1.77 GiB (moe_recompute=0 when the memory is "
-        "there)",
+        _h100(
+            "Qwen3-30B-A3B layer, 4096 tokens: 5.78 ms / 0.97 GiB peak; saved stacks 5.31 ms / 1.82 GiB, "
+            "transformers' grouped_mm on the same 4-bit stacks 5.39 ms / 1.77 GiB (moe_recompute=0 when the memory "
+            "is there)",
+        ),
     ),
     Verdict(
         "expert_mlps",
         True,
-        "H100, Qwen3-30B-A3B layer, 4096 tokens: 5.58 ms / 0.99 GiB peak; saved stacks 4.72 ms / 1.83 GiB",
+        _h100(
+            "Qwen3-30B-A3B layer, 4096 tokens: 5.58 ms / 0.99 GiB peak; saved stacks 4.72 ms / 1.83 GiB",
+        ),
     ),
 )
 
