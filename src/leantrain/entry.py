@@ -157,6 +157,7 @@ def patch_trainer(
     moe4bit: bool | None = None,
     osft: bool | None = None,
     layer_kernels: bool | None = None,
+    compile_layers: bool | None = None,
     fused_ce: bool | None = None,
     cggr: bool | None = None,
     grpo_logps: bool | None = None,
