@@ -33,17 +33,12 @@ import argparse
 import copy
 import dataclasses
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import transformers
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests._moe4bit_models (the per-expert layout)
-from _harness import RESULTS, Row, bar_plot, markdown_table, only, peak_memory, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain.moe4bit import _adapters, ops  # noqa: E402
@@ -51,7 +46,8 @@ from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.plan import build_plan  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
-from tests._moe4bit_models import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
+from testkit.moe4bit_models import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
+from testkit.optimizations import only  # noqa: E402
 
 
 NAME = "moe4bit"

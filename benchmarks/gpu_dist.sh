@@ -42,10 +42,10 @@ if [ $SMOKE = 0 ]; then
     echo "gpu_dist.sh: needs 2 CUDA devices (bash benchmarks/gpu_dist.sh --smoke runs the CPU smoke)" >&2; exit 2
   fi
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD/examples:/tmp/site
+  export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD:$PWD/examples:/tmp/site
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 else
-  export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}
 fi
 # CGGR would wait 100 optimizer steps by default; these short runs start it after 5 (leantrain variant only).
 export LEANTRAIN_CGGR_WARMUP_STEPS=5

@@ -21,7 +21,7 @@ from leantrain.moe4bit.plan import build_plan, live_stacked_plan  # noqa: E402
 from leantrain.moe4bit.probe import fsdp_reason  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
-from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
+from testkit.moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 
 
 HIDDEN = 128  # a multiple of the 4-bit blocksize (bitsandbytes' CPU dequantize needs whole blocks per row)
