@@ -108,7 +108,7 @@ def moe_trainer(family: str, layout: str, out: str) -> Any:
     = per-expert bitsandbytes lists (the community gpt-oss layout)."""
     import leantrain
 
-    sys.path.insert(0, str(ROOT))  # the test scaffolding lives under tests/
+    sys.path.insert(0, str(ROOT))  # testkit/: the scaffolding tests and benchmarks share
     from leantrain.tiny import tiny_model
     from testkit.moe4bit_models import convert_model_to_linear4bit_experts
 

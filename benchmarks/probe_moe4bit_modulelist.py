@@ -12,9 +12,9 @@ does after ``zero_grad()``. Rows: ``moe4bit_modulelist_lora.{json,md}``.
 The block is ``testkit.moe4bit_models.SparseMoeBlock4x`` (the 4.57 Qwen block, bit-equal to it on 4.57), so this runs
 on any transformers version. Rows: ``${BENCH_RESULTS:-benchmarks/results}/moe4bit_modulelist.{json,md}``.
 
-    PYTHONPATH=src python3 benchmarks/probe_moe4bit_modulelist.py            # CUDA, ~1-2 min on an H100
-    PYTHONPATH=src python3 benchmarks/probe_moe4bit_modulelist.py --lora     # CUDA, LoRA on the experts, ~1 min
-    PYTHONPATH=src python3 benchmarks/probe_moe4bit_modulelist.py --smoke [--lora]   # tiny CPU run, seconds
+    PYTHONPATH=src:. python3 benchmarks/probe_moe4bit_modulelist.py          # CUDA, ~1-2 min on an H100
+    PYTHONPATH=src:. python3 benchmarks/probe_moe4bit_modulelist.py --lora   # CUDA, LoRA on the experts, ~1 min
+    PYTHONPATH=src:. python3 benchmarks/probe_moe4bit_modulelist.py --smoke [--lora] # tiny CPU run, seconds
 """
 
 from __future__ import annotations

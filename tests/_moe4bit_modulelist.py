@@ -12,8 +12,9 @@ from leantrain.moe4bit import (
     _adapters,  # noqa: E402
 )
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
-from leantrain.moe4bit.layouts import Found, find_experts  # noqa: E402
+from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.patch import install  # noqa: E402
+from leantrain.moe4bit.registry import find_experts  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from testkit.moe4bit_models import load_in_4bit_like, token_trainer  # noqa: E402
 from testkit.optimizations import others_off  # noqa: E402

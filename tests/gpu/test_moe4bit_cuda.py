@@ -37,10 +37,10 @@ import bitsandbytes.functional as bnbf  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain.moe4bit import ops, readiness  # noqa: E402
-from leantrain.moe4bit._stacks import state_tensors  # noqa: E402
+from leantrain.moe4bit._stacks import STACK_NAMES, state_tensors  # noqa: E402
+from leantrain.moe4bit.layout_stacked import live_stacked_plan  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
-from leantrain.moe4bit.plan import build_plan, live_stacked_plan  # noqa: E402
-from leantrain.moe4bit.quantize import STACK_NAMES  # noqa: E402
+from leantrain.moe4bit.registry import build_plan  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402

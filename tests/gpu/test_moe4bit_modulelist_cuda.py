@@ -28,6 +28,7 @@ pytest.importorskip("bitsandbytes")
 
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.registry import LAYOUTS  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from testkit.moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
 
@@ -72,7 +73,7 @@ def run(b: torch.nn.Module, device, dtype, tokens: int = 96):
 def test_block_matches_stock_loop(dev, dtype, experts, top_k, shared, double_quant, recompute):
     b = block(dev, dtype, experts, top_k, shared, double_quant)
     assert moe_probe.grouped_mm_status(dev, dtype)[0]
-    assert moe_probe._expert_mlps_reason(b, set()).startswith("SparseMoeBlock4x's forward")  # not a stock class
+    assert LAYOUTS["expert_mlps"].reason(b, set()).startswith("SparseMoeBlock4x's forward")  # not a stock class
     stock = run(b, dev, dtype)
     undo = Undo()
     patch_block_4x(b, undo, recompute=recompute)

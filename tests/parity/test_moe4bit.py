@@ -28,7 +28,7 @@ import bitsandbytes.functional as bnbf  # noqa: E402
 from leantrain.moe4bit import _stacks, ops, quantize_experts_4bit, readiness  # noqa: E402
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
-from leantrain.moe4bit.plan import build_plan  # noqa: E402
+from leantrain.moe4bit.registry import build_plan  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from testkit.moe4bit_models import linear4bit_experts_from  # noqa: E402
 from tests._moe4bit_experts import HIDDEN, INTER, four_bit, stock_experts  # noqa: E402

@@ -157,7 +157,7 @@ def _probe_and_apply(trainer, **options):
 def test_plan_carries_everything_apply_needs(tmp_path, monkeypatch):
     """The probe's plan holds every target with its owner, hook, recipe, adapters and recompute choice: ``apply``
     searches the model for nothing again (every search function fails once the probe has run)."""
-    from leantrain.moe4bit import _adapters, layouts, probe
+    from leantrain.moe4bit import _adapters, layout_expert_mlps, layouts, probe, registry
 
     model = make_model("qwen3_moe", "stacked")
     trainer = make_trainer(model, tmp_path)
@@ -170,9 +170,14 @@ def test_plan_carries_everything_apply_needs(tmp_path, monkeypatch):
     def searched(*args, **kwargs):
         raise AssertionError("apply searched the model again")
 
-    for module, name in [(layouts, "find_experts"), (layouts, "block_recipe"), (probe, "find_experts")]:
+    for module, name in [
+        (registry, "find_experts"),
+        (layouts, "block_recipe"),
+        (layout_expert_mlps, "block_recipe"),
+        (probe, "find_experts"),
+    ]:
         monkeypatch.setattr(module, name, searched)
-    for name in ("wrapped_map", "find", "param_wrappers", "forward_owner"):
+    for name in ("wrapped_map", "spec_of", "param_wrappers", "forward_owner"):
         monkeypatch.setattr(_adapters, name, searched)
     applied = opt.apply(trainer, ready.plan, ctx)
     assert applied.targets == tuple(t.name for t in targets)

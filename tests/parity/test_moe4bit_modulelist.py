@@ -32,7 +32,9 @@ from leantrain.moe4bit import (
     readiness,  # noqa: E402
 )
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
-from leantrain.moe4bit.layouts import Found, find_experts  # noqa: E402
+from leantrain.moe4bit.layout_expert_mlps import NOT_4BIT_MLPS_REASON  # noqa: E402
+from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.registry import find_experts  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from testkit.moe4bit_models import load_in_4bit_like  # noqa: E402
@@ -266,7 +268,7 @@ def test_not_4bit_and_version_reasons():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config("qwen3_moe"))
     ready = readiness(model)
-    assert not ready.applicable and ready.reasons[0] == moe_probe.NOT_4BIT_MLPS_REASON
+    assert not ready.applicable and ready.reasons[0] == NOT_4BIT_MLPS_REASON
     assert [f.layout for f in find_experts(model)] == ["expert_mlps"] * 2
     load_in_4bit_like(model)
     assert readiness(model).ready  # transformers 4.57: the per-expert MLP blocks are served
