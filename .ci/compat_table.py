@@ -109,15 +109,15 @@ def moe_trainer(family: str, layout: str, out: str) -> Any:
     = per-expert bitsandbytes lists (the community gpt-oss layout)."""
     import leantrain
 
-    sys.path.insert(0, str(ROOT))  # the test scaffolding lives under tests/
+    sys.path.insert(0, str(ROOT))  # testkit/: the scaffolding tests and benchmarks share
     from leantrain.tiny import tiny_model
-    from tests._moe4bit_models import convert_model_to_linear4bit_experts
+    from testkit.moe4bit_models import convert_model_to_linear4bit_experts
 
     model = tiny_model(family, vocab_size=VOCAB, hidden=128, layers=2)
     if layout in ("stacked", "stacked+lora"):
         leantrain.quantize_experts_4bit(model)
     elif layout == "bnb":  # what BitsAndBytesConfig(load_in_4bit=True) makes: every nn.Linear but router and head
-        from tests._moe4bit_models import load_in_4bit_like
+        from testkit.moe4bit_models import load_in_4bit_like
 
         load_in_4bit_like(model, skip=("gate", "router", "lm_head"))
     else:

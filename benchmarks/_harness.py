@@ -26,21 +26,6 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def others_off(name: str) -> dict[str, bool]:
-    """patch_trainer keywords that turn every optimization but ``name`` off, from the one list of names (so a new
-    optimization never leaks into another's benchmark); ``name`` is left to the caller."""
-    from leantrain.config import OPTIMIZATIONS
-
-    if name not in OPTIMIZATIONS:
-        raise ValueError(f"{name!r} is not an optimization: {', '.join(OPTIMIZATIONS)}")
-    return {other: False for other in OPTIMIZATIONS if other != name}
-
-
-def only(name: str) -> dict[str, bool]:
-    """``name`` required, every other optimization off."""
-    return {**others_off(name), name: True}
-
-
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)

@@ -20,19 +20,16 @@ import argparse
 import copy
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
-from _harness import RESULTS, Row, bar_plot, markdown_table, others_off, peak_memory, time_fn, write_results  # noqa: E402
+import torch
+from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain.cggr.ops import select_topk, targets_of  # noqa: E402
+from testkit.optimizations import others_off  # noqa: E402
 
 
 OFF = others_off("cggr")

@@ -26,7 +26,6 @@ import glob
 import math
 import os
 import statistics
-import sys
 import sysconfig
 import time
 from dataclasses import dataclass, replace
@@ -34,12 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, Row, markdown_table, others_off, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
+from testkit.optimizations import others_off  # noqa: E402
 
 
 OFF = others_off("cggr")

@@ -29,13 +29,9 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 from leantrain.lm_head import ops  # noqa: E402

@@ -10,7 +10,7 @@ Per shape (Gemma-2-2B, Qwen2.5-1.5B, Llama-3.2-1B; random weights, the released 
     python benchmarks/bench_layer_kernels.py            # CUDA (~1 min on an H100)
     python benchmarks/bench_layer_kernels.py --smoke    # CPU, tiny shapes, torch stand-ins for the kernels (seconds)
 
-The smoke run drives the same code with tests/_layer_kernels_refs.py's stand-ins (Liger's kernels are CUDA-only),
+The smoke run drives the same code with testkit/layer_kernels_refs.py's stand-ins (Liger's kernels are CUDA-only),
 so it checks the script, not the kernels. Writes ``layer_kernels.{json,md,png}`` into ``$BENCH_RESULTS`` or
 ``benchmarks/results/`` (the smoke run into a temporary folder).
 """
@@ -28,12 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (the smoke stand-ins)
 import shapes  # noqa: E402
+import torch
 from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 from leantrain.fallback import RuntimeFallback  # noqa: E402
@@ -188,7 +184,7 @@ def stand_ins(s: Settings) -> Iterator[None]:
     if s.device == "cuda":
         yield
         return
-    from tests._layer_kernels_refs import emulated
+    from testkit.layer_kernels_refs import emulated
 
     with emulated():
         yield

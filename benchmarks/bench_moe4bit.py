@@ -33,25 +33,21 @@ import argparse
 import copy
 import dataclasses
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import transformers
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests._moe4bit_models (the per-expert layout)
-from _harness import RESULTS, Row, bar_plot, markdown_table, only, peak_memory, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain.moe4bit import _adapters, ops  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
-from leantrain.moe4bit.plan import build_plan  # noqa: E402
+from leantrain.moe4bit.registry import LAYOUTS, build_plan  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
-from tests._moe4bit_models import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
+from testkit.moe4bit_models import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
+from testkit.optimizations import only  # noqa: E402
 
 
 NAME = "moe4bit"
@@ -169,7 +165,7 @@ def lora_providers(s: Setup, stock: torch.nn.Module) -> dict[str, object]:
     peft.inject_adapter_in_model(config, lists)
     _bf16_lora(lists, s.dtype)
     plan, _ = build_plan(Found("experts", lists, "linear4bit"), Undo().push, recompute=True)
-    spec = _adapters.find("linear4bit", lists, _adapters.wrapped_map(lists))
+    spec = LAYOUTS["linear4bit"].adapters(lists, _adapters.wrapped_map(lists))
     plan.adapters = _adapters.provider(spec, lists, Undo().push)
 
     stacked = copy.deepcopy(stock)
@@ -183,7 +179,7 @@ def lora_providers(s: Setup, stock: torch.nn.Module) -> dict[str, object]:
     peft.inject_adapter_in_model(config, holder)
     _bf16_lora(holder, s.dtype)
     stacked_plan, _ = build_plan(Found("experts", stacked, "stacked"), Undo().push, recompute=True)
-    spec = _adapters.find("stacked", stacked, _adapters.wrapped_map(holder))
+    spec = LAYOUTS["stacked"].adapters(stacked, _adapters.wrapped_map(holder))
     stacked_plan.adapters = _adapters.provider(spec, stacked, Undo().push)
 
     def fresh_grads(fn, module):

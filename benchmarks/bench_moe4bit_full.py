@@ -54,9 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import RESULTS, Row, markdown_table, previous_rows, read_rows, write_results  # noqa: E402
 from recipes import settings as recipe_settings  # noqa: E402
 

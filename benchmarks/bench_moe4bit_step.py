@@ -33,19 +33,16 @@ import argparse
 import dataclasses
 import gc
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import transformers
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, Row, markdown_table, only, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
+from testkit.optimizations import only  # noqa: E402
 
 
 NAME = "moe4bit_step"

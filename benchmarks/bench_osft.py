@@ -46,14 +46,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import shapes  # noqa: E402
 import torch
 import torch.distributed as dist
-from torch import nn
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shapes  # noqa: E402
 from _harness import RESULTS, Row, bar_plot, markdown_table, time_fn, write_results  # noqa: E402
+from torch import nn
 
 from leantrain.osft import OSFTLinear, Projector, convert, frozen_overlap, fully_shard, osft_layers  # noqa: E402
 from leantrain.osft.ops import gram_project, matmul_tf32  # noqa: E402

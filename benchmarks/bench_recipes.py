@@ -73,17 +73,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 from _harness import RESULTS, Row, previous_rows, read_rows  # noqa: E402
 from recipes import dense_sft, grpo, moe_experts, moe_qlora, osft, sft  # noqa: E402
 from recipes.report import markdown, merge, to_rows, write_all  # noqa: E402

@@ -20,13 +20,9 @@ imports leantrain's patching (``leantrain compare`` patches the leantrain runs t
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 from recipes.moe_qlora import build_gpt_oss  # noqa: E402
 from recipes.runner import checkpointing, dense_model, sft_trainer, token_dataset  # noqa: E402
 from recipes.settings import FULL, SMOKE  # noqa: E402

@@ -65,11 +65,11 @@ if [ $SMOKE = 0 ]; then
     echo "gpu_dist.sh: needs 2 CUDA devices (bash benchmarks/gpu_dist.sh --smoke runs the CPU smoke)" >&2; exit 2
   fi
   bash benchmarks/install_wheels.sh || exit 2
-  export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD/examples:/tmp/site PATH=/tmp/site/bin:$PATH
+  export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD:$PWD/examples:/tmp/site PATH=/tmp/site/bin:$PATH
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch, transformers, trl, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'accelerate', accelerate.__version__)"
 else
-  export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}
 fi
 [ -f "$BENCH_RESULTS/launches.tsv" ] || printf 'run\trc\tseconds\twhy\n' > "$BENCH_RESULTS/launches.tsv"
 

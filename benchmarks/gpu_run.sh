@@ -13,7 +13,8 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
   exit 2
 fi
 bash benchmarks/install_wheels.sh || exit 2  # .whl .whl_core .whl_ds .whl_bnb, whichever were carried
-export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site PYTHONUNBUFFERED=1
+# $PWD on the path: testkit/, the scaffolding benchmarks share with the tests (tests import it the same way).
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD:/tmp/site PYTHONUNBUFFERED=1
 # results go to /tmp and come back as one tarball: $OUT returns at most 8 files
 export BENCH_RESULTS=/tmp/bench_results BENCH_COMMIT=$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 mkdir -p "$BENCH_RESULTS"

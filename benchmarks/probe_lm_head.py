@@ -30,9 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import peak_memory, time_fn  # noqa: E402
 
 from leantrain.lm_head import ops  # noqa: E402

@@ -25,11 +25,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_grpo_logps as bench  # noqa: E402
+import torch
 from _harness import RESULTS, Row, markdown_table, peak_memory, read_rows, time_fn, write_results  # noqa: E402
 
 from leantrain.config import LeantrainConfig  # noqa: E402

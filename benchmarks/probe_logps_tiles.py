@@ -7,13 +7,8 @@ forward, trainable head). Results: benchmarks/results/grpo_logps_tiles.{json,md}
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import time_fn  # noqa: E402
 
 from leantrain.lm_head import ops

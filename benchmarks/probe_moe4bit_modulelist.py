@@ -9,29 +9,24 @@ grouped base + split LoRA, and the same patched layer with the adapters disabled
 LoRA's cost over the frozen layer (target <= 1.5x). Each step starts without adapter gradients, as a trainer step
 does after ``zero_grad()``. Rows: ``moe4bit_modulelist_lora.{json,md}``.
 
-The block is ``tests._moe4bit_models.SparseMoeBlock4x`` (the 4.57 Qwen block, bit-equal to it on 4.57), so this runs
+The block is ``testkit.moe4bit_models.SparseMoeBlock4x`` (the 4.57 Qwen block, bit-equal to it on 4.57), so this runs
 on any transformers version. Rows: ``${BENCH_RESULTS:-benchmarks/results}/moe4bit_modulelist.{json,md}``.
 
-    PYTHONPATH=src python3 benchmarks/probe_moe4bit_modulelist.py            # CUDA, ~1-2 min on an H100
-    PYTHONPATH=src python3 benchmarks/probe_moe4bit_modulelist.py --lora     # CUDA, LoRA on the experts, ~1 min
-    PYTHONPATH=src python3 benchmarks/probe_moe4bit_modulelist.py --smoke [--lora]   # tiny CPU run, seconds
+    PYTHONPATH=src:. python3 benchmarks/probe_moe4bit_modulelist.py          # CUDA, ~1-2 min on an H100
+    PYTHONPATH=src:. python3 benchmarks/probe_moe4bit_modulelist.py --lora   # CUDA, LoRA on the experts, ~1 min
+    PYTHONPATH=src:. python3 benchmarks/probe_moe4bit_modulelist.py --smoke [--lora] # tiny CPU run, seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
 from _harness import Row, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 from leantrain.undo import Undo  # noqa: E402
-from tests._moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
+from testkit.moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
 
 
 FULL = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768, "tokens": 4096}  # Qwen3-30B-A3B, one layer

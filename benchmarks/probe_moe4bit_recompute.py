@@ -10,7 +10,7 @@ states with the experts and router frozen (QLoRA). Public API only: a one-layer 
   quantization); stock = transformers' own experts implementation (``grouped_mm``) over the same stacks, which
   dequantizes each stack on access and keeps it for the backward;
 - ``Linear4bit lists`` (transformers 5): per-expert bitsandbytes ``Linear4bit`` lists (the community pre-quantized
-  gpt-oss layout, ``tests/_moe4bit_models``; at the Qwen3 shape with SiLU experts); stock = the per-expert loop;
+  gpt-oss layout, ``testkit/moe4bit_models``; at the Qwen3 shape with SiLU experts); stock = the per-expert loop;
 - ``4.x blocks`` (transformers 4.x only): the sparse MoE block's ModuleList of expert MLPs, every ``nn.Linear`` but
   the head nf4 (double quantization) as ``BitsAndBytesConfig(load_in_4bit)`` loads it; stock = the block's loop.
   Both shapes as Qwen3-MoE blocks (gpt-oss's own experts are 3-D there).
@@ -38,23 +38,19 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import shapes  # noqa: E402
 import torch
 import transformers
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/ scaffolding (tests._moe4bit_models)
-import shapes  # noqa: E402
-from _harness import RESULTS, Row, markdown_table, only, peak_memory, previous_rows, read_rows, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, markdown_table, peak_memory, previous_rows, read_rows, time_fn, write_results  # noqa: E402
 from recipes.runner import init_parameter  # noqa: E402
 from recipes.settings import TINY_GPT_OSS, TINY_QWEN3_MOE  # noqa: E402
 
 import leantrain  # noqa: E402
+from testkit.optimizations import only  # noqa: E402
 
 
 NAME = "moe4bit_recompute"
@@ -100,7 +96,7 @@ def layouts() -> list[str]:
 
 def build(layout: str, shape: str, smoke: bool, device: str, dtype: torch.dtype):
     """A one-layer model in ``layout`` (seeded by parameter name), frozen, in train mode; its config fields."""
-    from tests._moe4bit_models import convert_model_to_linear4bit_experts, load_in_4bit_like
+    from testkit.moe4bit_models import convert_model_to_linear4bit_experts, load_in_4bit_like
 
     cls, fields = layer_config(shape, smoke, as_qwen3=layout == "4.x blocks")
     config = getattr(transformers, cls)(**fields, pad_token_id=0, eos_token_id=1, bos_token_id=2)

@@ -19,14 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import time_fn  # noqa: E402
 from bench_osft import FULL  # noqa: E402
 

@@ -8,17 +8,12 @@ and under each backend forced. Prints one line per call; ~1 minute on an H100:
     python3 benchmarks/sdpa_shape_warmup.py
 """
 
-import sys
 import time
-from pathlib import Path
 
+import shapes  # noqa: E402
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shapes  # noqa: E402
 
 
 def build() -> torch.nn.Module:

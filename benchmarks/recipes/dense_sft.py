@@ -222,12 +222,12 @@ def _shape(
 
 @contextlib.contextmanager
 def _stand_ins(s: Settings) -> Iterator[None]:
-    """The smoke run on the CPU: the layer kernels' torch stand-ins (tests/_layer_kernels_refs.py; Liger's kernels
+    """The smoke run on the CPU: the layer kernels' torch stand-ins (testkit/layer_kernels_refs.py; Liger's kernels
     are CUDA-only), so leantrain's variants run the same code paths they run on the GPU."""
     if s.cuda:
         yield
         return
-    from tests._layer_kernels_refs import emulated
+    from testkit.layer_kernels_refs import emulated
 
     with emulated():
         yield

@@ -35,7 +35,7 @@ def build_gpt_oss(fields: dict, layout: str, s: Settings) -> tuple[torch.nn.Modu
     """gpt-oss built layer by layer (build_layerwise) with its experts quantized right away (``stacked``:
     quantize_experts_4bit; ``linear4bit``: per-expert bnb Linear4bit lists; ``bf16``: as is)."""
     from leantrain import quantize_experts_4bit
-    from tests._moe4bit_models import linear4bit_experts_from
+    from testkit.moe4bit_models import linear4bit_experts_from
 
     def transform(layer: torch.nn.Module) -> None:
         if layout == "stacked":

@@ -131,27 +131,48 @@ def tiny_model(
 
 
 class Linear4bitMoeExperts(torch.nn.Module):
-    """gpt-oss experts in the layout of community pre-quantized 4-bit checkpoints: per-expert ``bnb.nn.Linear4bit``
-    lists (``F.linear`` orientation, gate/up interleaved on rows, biases) run by a per-expert loop. That loop is the
-    stock path leantrain's grouped 4-bit experts (moe4bit) replace; the demo trains on it."""
+    """Experts in the layout of community pre-quantized 4-bit checkpoints: per-expert ``bnb.nn.Linear4bit`` lists
+    (``F.linear`` orientation) run by a per-expert loop. That loop is the stock path leantrain's grouped 4-bit
+    experts (moe4bit) replace and fall back to; the demo trains on it, and the tests and benchmarks build it from
+    stock experts (``testkit.moe4bit_models``).
+
+    gpt-oss style when ``alpha``/``limit`` are given (clamp-SwiGLU on interleaved gate/up rows, biases); otherwise
+    ``act_fn(gate) * up`` on concatenated halves (Qwen3-MoE / Mixtral style). Routing weights may be ``[T, top_k]``
+    or dense ``[T, E]``."""
 
     def __init__(
-        self, gate_up_projs: torch.nn.ModuleList, down_projs: torch.nn.ModuleList, alpha: float, limit: float
+        self,
+        gate_up_projs: torch.nn.ModuleList,
+        down_projs: torch.nn.ModuleList,
+        alpha: float | None = None,
+        limit: float | None = None,
+        *,
+        act_fn: torch.nn.Module | None = None,
     ):
         super().__init__()
         self.num_experts = len(gate_up_projs)
         self.hidden_size = gate_up_projs[0].in_features
+        self.expert_dim = down_projs[0].in_features
         self.gate_up_projs, self.down_projs = gate_up_projs, down_projs
-        self.alpha, self.limit = alpha, limit
+        if alpha is not None:  # moe4bit reads the activation from these attributes: set only the one that applies
+            self.alpha, self.limit = alpha, limit
+        else:
+            self.act_fn = act_fn
 
-    def _gate(self, h: torch.Tensor) -> torch.Tensor:  # gpt-oss clamp-SwiGLU on interleaved gate/up columns
-        gate, up = h[..., ::2].clamp(max=self.limit), h[..., 1::2].clamp(-self.limit, self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+    def _gate(self, h: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "alpha"):  # act(gate) * up on concatenated halves
+            g, u = h.chunk(2, dim=-1)
+            return self.act_fn(g) * u
+        # gpt-oss clamp-SwiGLU on interleaved gate/up columns, grouped as moe4bit's grouped path groups it
+        g, u = h.unflatten(-1, (-1, 2)).unbind(-1)
+        g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
 
     def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
         x = hidden_states.reshape(-1, self.hidden_size)
         indices = router_indices.reshape(x.shape[0], -1)
         weights = routing_weights.reshape(x.shape[0], -1)
+        dense = weights.shape[1] == self.num_experts and indices.shape[1] != self.num_experts
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(indices, self.num_experts).permute(2, 1, 0)  # [E, k, T]
@@ -159,7 +180,8 @@ class Linear4bitMoeExperts(torch.nn.Module):
         for expert in hit:  # the per-expert loop of the checkpoint layout, host syncs included
             slot, token = torch.where(mask[expert])
             y = self.down_projs[expert](self._gate(self.gate_up_projs[expert](x[token])))
-            out.index_add_(0, token, (y * weights[token, slot][:, None]).float())
+            w = weights[token, expert] if dense else weights[token, slot]
+            out.index_add_(0, token, (y * w[:, None]).float())
         return out.to(hidden_states.dtype).view(hidden_states.shape)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tests._optimizations import only
+from testkit.optimizations import only
 
 
 STEPS = 2

@@ -23,8 +23,6 @@ references ~28 s, ZeRO-3 spawn ~23 s); the first run on a machine compiles it (g
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,12 +32,11 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-sys.path.insert(0, str(Path(__file__).parent))
+import _trainer_cases as base  # noqa: E402  (helpers and tolerances shared with test_trainers_distributed)
 import _trainer_worker as worker  # noqa: E402
-import test_trainers_distributed as base  # noqa: E402  (helpers and tolerances; its tests stay in its module)
 
 
-pytestmark = base.pytestmark  # distributed, slow, needs torch.distributed
+pytestmark = base.MARKS  # distributed, slow, needs torch.distributed
 
 ENGINES = tuple(worker.ZERO_STAGES)
 MOE_SKIP = worker.moe_skip_reason()

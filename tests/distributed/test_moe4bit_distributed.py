@@ -15,23 +15,18 @@ copy next to the shards and fall back on the first call, serving no step).
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
+import _trainer_cases as base  # noqa: E402  (helpers and tolerances shared with test_trainers_distributed)
+import _trainer_worker as worker  # noqa: E402
 import pytest
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _trainer_worker as worker  # noqa: E402
-import test_trainers_distributed as base  # noqa: E402  (helpers and tolerances; its tests stay in its module)
 
 
 if worker.moe_skip_reason():
     pytest.skip(worker.moe_skip_reason(), allow_module_level=True)
 
 
-pytestmark = base.pytestmark  # distributed, slow, needs torch.distributed
+pytestmark = base.MARKS  # distributed, slow, needs torch.distributed
 
 ENGINES = ("ddp", "fsdp2")
 

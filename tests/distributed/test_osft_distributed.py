@@ -5,16 +5,11 @@ Shard(0) V-coefficient bug (mini_trainer PR #75): these run the real thing."""
 from __future__ import annotations
 
 import socket
-import sys
-from pathlib import Path
 
+import _osft_worker as worker  # noqa: E402
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-
-sys.path.insert(0, str(Path(__file__).parent))
-import _osft_worker as worker  # noqa: E402
 
 
 pytestmark = [

@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 
 import leantrain
 from leantrain.tiny import tiny_model
-from tests._optimizations import others_off
+from testkit.optimizations import others_off
 
 
 OFF = others_off("cggr")

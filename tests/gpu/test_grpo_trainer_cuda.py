@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import leantrain
+from tests._grpo_logps_trainers import U_BF16, assert_bf16_trajectory, count_op_calls
 from tests.gpu import _grpo_helpers as H
-from tests.parity.test_grpo_logps_trainer import U_BF16, assert_bf16_trajectory, count_op_calls
 
 
 U32 = 2.0**-24

@@ -13,7 +13,7 @@ Bounds (u = bf16's unit roundoff, 2^-8; references in float64 from the same bf16
   + 4u·|fp32|``). The kernels move rounding points within bf16 precision; they must not add error of their own.
 
 ``GPU_TEST_DEVICE=cpu`` (see _trainer_helpers) runs this file's logic on the CPU with the torch stand-ins of
-tests/_layer_kernels_refs.py (which equal the stock arithmetic there), so a typo cannot wait for the GPU run."""
+testkit/layer_kernels_refs.py (which equal the stock arithmetic there), so a typo cannot wait for the GPU run."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from leantrain.config import OPTIMIZATIONS
 from leantrain.layer_kernels import FAMILIES, ops
 from leantrain.report import Status
 from leantrain.tiny import tiny_model
-from tests._layer_kernels_refs import emulated
+from testkit.layer_kernels_refs import emulated
 
 
 if not on_cpu():

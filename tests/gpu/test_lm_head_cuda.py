@@ -1,11 +1,11 @@
 """leantrain's LM-head op on CUDA (Triton folds, cuBLAS tiles) against the stock CUDA path on the same inputs: the
 head's logits materialized by ``F.linear`` in the inputs' dtype and upcast to fp32 (transformers' causal-LM loss),
 ``log_softmax``, ``argmax``, autograd. Both are held to the fp64 values of the same (rounded) inputs: within the
-per-token bounds of tests/parity/test_lm_head_ops.py (derived there from the dtype's unit roundoff, H, V and the
-logits), and no worse than the stock path beyond its own rounding noise. Shapes include V and N that are no multiple
-of any tile (4096 rows, 32768 columns, 4096-column fold blocks), a softcap, a logit scale, a bias, fp32/bf16/fp16,
-frozen and trainable heads, the scalar SFT loss (nll, dft) in several row chunks, and rows whose largest logit is
-hundreds of nats above the target's (the fold's reference moves there).
+per-token bounds of tests/_lm_head_refs.py (derived in tests/parity/test_lm_head_ops.py from the dtype's unit
+roundoff, H, V and the logits), and no worse than the stock path beyond its own rounding noise. Shapes include V
+and N that are no multiple of any tile (4096 rows, 32768 columns, 4096-column fold blocks), a softcap, a logit
+scale, a bias, fp32/bf16/fp16, frozen and trainable heads, the scalar SFT loss (nll, dft) in several row chunks, and
+rows whose largest logit is hundreds of nats above the target's (the fold's reference moves there).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from leantrain.lm_head import ops
+from tests._lm_head_refs import assert_matches, reference, rel_norm, run_loss, run_stats, spiked_inputs
 from tests.gpu._device import dev_fixture, needs_device  # noqa: F401 (the "dev" fixture)
-from tests.parity.test_lm_head_ops import assert_matches, reference, rel_norm, run_loss, run_stats, spiked_inputs
 
 
 pytestmark = needs_device
@@ -103,7 +103,7 @@ def run_ours(case: Case, inputs, backend: str | None = None) -> dict:
 
 def run_stock(case: Case, hidden, weight, bias, targets) -> dict:
     """The stock CUDA path: materialized logits in the inputs' dtype, upcast to fp32, autograd."""
-    from tests.parity.test_lm_head_ops import upstream
+    from tests._lm_head_refs import upstream
 
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_(case.grads == "head")

@@ -31,8 +31,8 @@ peft = pytest.importorskip("peft")
 import leantrain  # noqa: E402
 from leantrain.moe4bit.lora import LoraFactors, split_lora  # noqa: E402
 from leantrain.report import Status  # noqa: E402
-from tests._optimizations import others_off  # noqa: E402
-from tests.parity import test_moe4bit_lora as parity  # noqa: E402
+from testkit.optimizations import others_off  # noqa: E402
+from tests import _moe4bit_lora as parity  # noqa: E402
 
 
 BF16_REL = 4 * torch.finfo(torch.bfloat16).eps

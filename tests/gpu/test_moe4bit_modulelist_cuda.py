@@ -2,7 +2,7 @@
 the replaced block forward against the stock per-expert loop, fp32 (TF32 off) and bf16, with and without the shared
 expert, top-2 and top-8, recompute on and off, and the fused-kernel-free default path.
 
-The block is ``tests._moe4bit_models.SparseMoeBlock4x``: the 4.57 Qwen2/Qwen3-MoE block rebuilt (checked bit-equal
+The block is ``testkit.moe4bit_models.SparseMoeBlock4x``: the 4.57 Qwen2/Qwen3-MoE block rebuilt (checked bit-equal
 to the real 4.57 classes in tests/parity/test_moe4bit_modulelist.py), so this file runs on transformers 5.x, whose
 MoE families have 3-D experts only. Run: ``python3 -m pytest -q -m gpu tests/gpu/test_moe4bit_modulelist_cuda.py``;
 dev-only on CPU: ``LEANTRAIN_TEST_DEVICE=cpu python -m pytest -q --noconftest <this file>``.
@@ -28,8 +28,9 @@ pytest.importorskip("bitsandbytes")
 
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
+from leantrain.moe4bit.registry import LAYOUTS  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
-from tests._moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
+from testkit.moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
 
 
 HIDDEN, INTER = 256, 128
@@ -72,7 +73,7 @@ def run(b: torch.nn.Module, device, dtype, tokens: int = 96):
 def test_block_matches_stock_loop(dev, dtype, experts, top_k, shared, double_quant, recompute):
     b = block(dev, dtype, experts, top_k, shared, double_quant)
     assert moe_probe.grouped_mm_status(dev, dtype)[0]
-    assert moe_probe._expert_mlps_reason(b, set()).startswith("SparseMoeBlock4x's forward")  # not a stock class
+    assert LAYOUTS["expert_mlps"].reason(b, set()).startswith("SparseMoeBlock4x's forward")  # not a stock class
     stock = run(b, dev, dtype)
     undo = Undo()
     patch_block_4x(b, undo, recompute=recompute)

@@ -30,7 +30,7 @@ from leantrain.config import OSFT_PRECISIONS
 from leantrain.osft import OSFTCallback, OSFTLinear, Projector, convert, merge, osft_layers
 from leantrain.osft.ops import gram_project
 from leantrain.tiny import tiny_model
-from tests._optimizations import others_off
+from testkit.optimizations import others_off
 
 
 VOCAB = 512

@@ -19,7 +19,7 @@ from leantrain.cggr.ops import select_topk
 from leantrain.models import decoder_parts
 from leantrain.report import Status
 from leantrain.tiny import FAMILIES, tiny_model
-from tests._optimizations import others_off
+from testkit.optimizations import others_off
 
 
 VOCAB = 512

@@ -86,14 +86,9 @@ def test_the_kernel_benchmark_rows_give_the_rule(tmp_path, monkeypatch):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        import bench_fused_ce
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
+    import bench_fused_ce
+
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
     bench_fused_ce.main(["--smoke"])
     path = tmp_path / "fused_ce.json"

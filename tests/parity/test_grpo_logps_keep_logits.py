@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from leantrain.lm_head import ops
+from tests._grpo_logps_op import make_inputs
 from tests._interpreter import run_interpreted
-from tests.parity.test_grpo_logps_op import make_inputs
 
 
 KEEP_ALL = 1 << 20  # MiB: keeps the logits of any shape here

@@ -16,18 +16,20 @@ datasets = pytest.importorskip("datasets")
 import transformers  # noqa: E402
 
 import leantrain  # noqa: E402
-from leantrain._compat import TRL_FUSED_LM_HEAD  # noqa: E402
 from leantrain.grpo_logps import GrpoLogps, nograd  # noqa: E402
 from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
-from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
+from leantrain.tiny import tiny_model, train_tokenizer  # noqa: E402
+from tests._grpo_logps_trainers import (  # noqa: E402
+    HAS_FUSED_HEAD,
+    assert_bf16_trajectory,
+    count_op_calls,
+    make_trainer,
+    needs_fused_head,
+)
 
 
 METRICS = ("loss", "grad_norm", "kl", "entropy")
-HAS_FUSED_HEAD = hasattr(__import__("trl.trainer.utils", fromlist=["_"]), "add_fused_lm_head")
-needs_fused_head = pytest.mark.skipif(
-    not HAS_FUSED_HEAD, reason=f"needs trl >= {TRL_FUSED_LM_HEAD} (add_fused_lm_head); installed {trl.__version__}"
-)
 
 
 @pytest.fixture(scope="module")
@@ -40,90 +42,12 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_trainer(model_dir, tmp_path, *, beta=0.0, lora=False, record=None, **overrides):
-    torch.manual_seed(0)
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    prompts = [" ".join(t.split()[:6]) for t in corpus_texts()[:8]]
-
-    def reward(completions, **kwargs):
-        if record is not None:
-            record.extend(completions)
-        return [len(c) / 10 + c.count("e") for c in completions]
-
-    peft_config = None
-    if lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        beta=beta,
-        seed=0,
-        learning_rate=1e-2,
-        save_strategy="no",
-        temperature=0.7,
-        **overrides,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return trl.GRPOTrainer(
-            model=model,
-            reward_funcs=reward,
-            args=args,
-            train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-            processing_class=tok,
-            peft_config=peft_config,
-        )
-
-
 def trajectory(trainer, quiet=True):
     with warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore")
         trainer.train()
     return [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
-
-
-def count_op_calls(monkeypatch, scales=None):
-    """Spy on leantrain's op: the backend of each call; with ``scales``, also each call's logit scales."""
-    calls = []
-    real = ops.logp_entropy
-
-    def spy(hidden, weight, targets, **kwargs):
-        calls.append(kwargs.get("backend"))
-        if scales is not None:
-            scales.append(logit_scales(hidden, weight, targets, **kwargs))
-        return real(hidden, weight, targets, **kwargs)
-
-    monkeypatch.setattr(ops, "logp_entropy", spy)
-    return calls
-
-
-def logit_scales(hidden, weight, targets, temperature=1.0, logit_scale=1.0, softcap=None, **_) -> tuple[float, float]:
-    """How far one bf16 rounding of every logit can move a token's logp and entropy (per unit roundoff u).
-
-    The head's only 16-bit rounding is the ``h·Wᵀ`` tile (statistics and normalizer are fp32), so logit j moves by
-    at most u·|z_j| (z = logit_scale·h·Wᵀ/T; a softcap only shrinks it). First order, logp = z_y - logZ moves by
-    u·a with a = |z_y| + Σ_j p_j|z_j|, and H = logZ - Σ p z by u·b with b = Σ_j p_j |z_j| |z_j - μ|.
-    Returns (rms of a, mean of b) over the scored tokens, in fp64."""
-    valid = targets >= 0
-    if not valid.any():
-        return 0.0, 0.0
-    with torch.no_grad():
-        z = (hidden[valid].double() @ weight.double().T) * (logit_scale / temperature)
-        p = torch.softmax(z, -1)
-        mu = (p * z).sum(-1, keepdim=True)
-        a = z.gather(1, targets[valid][:, None]).abs().squeeze(1) + (p * z.abs()).sum(-1)
-        b = (p * z.abs() * (z - mu).abs()).sum(-1)
-    return a.square().mean().sqrt().item(), b.mean().item()
 
 
 def assert_same_trajectory(stock, ours, rel=1e-4, abs_tol=1e-6):
@@ -164,55 +88,6 @@ def test_trajectory_matches_stock(model_dir, tmp_path, monkeypatch, beta, lora, 
         # for 3 optimizer steps at lr 1e-2, and kl (a difference of logps, ~1e-3) gets the absolute 1e-6, which is
         # sqrt(2·kl)·δ with δ ≈ 2e-5 per token, 20x the fp32 normalizer's rounding
         assert_same_trajectory(stock, ours, rel=1e-4, abs_tol=1e-6)
-
-
-U_BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits): one rounding moves a value by <= 2^-8 of itself
-
-
-def bf16_bounds(stock_step: dict, first_step: dict, beta: float, scales: list[tuple[float, float]]) -> dict:
-    """Derived per-step bounds on |stock - ours| under bf16 autocast (frozen head, LoRA, or full fine-tuning).
-
-    Both heads round each logit of the same bf16 ``h·Wᵀ`` product once, and each rounds its backward operand once
-    (TRL dL/dz, leantrain p·f) with fp32 statistics and accumulation; the backbone is shared code. So between the two
-    paths, per token (see ``logit_scales``; A = rms a, B = mean b, maximized over the op's calls):
-    - logp differs by <= 2u·a (one rounding each side), the log-ratio d = ref - logp by <= 4u·a (policy and ref);
-    - the per-step parameter drift differs by <= 2u relative (Adam's update is scale-free, so each side's relative
-      gradient rounding u maps to a relative update difference; two sides).
-    kl = mean(e^d - d - 1) ≈ mean(d²)/2 is quadratic in d: its sensitivity to a per-token change δ is |e^d - 1| ≈ |d|,
-    and mean(|d|·δ) <= sqrt(2·kl)·rms(δ) (Cauchy-Schwarz), plus δ²/2; the drift term moves kl by 2·2u relative.
-    Deliberately, not relative to the small kl alone (the issue: 0.7% apart on an AVX512-BF16 EPYC vs a 0.5% bound),
-    and not u·mean|logp| either: |logp| ≈ log V here is the fp32 normalizer, which carries no bf16 error, and that
-    bound would exceed kl itself (a test that cannot fail).
-    The GRPO loss with old logps = logps.detach() is -mean(A) + beta·kl exactly (ratio e^0 = 1, same completions,
-    same advantages), so it gets beta times the kl bound plus fp32 summation slack. grad_norm: one operand rounding
-    per side plus the drift, 4u relative. Entropy H = logZ - Σ p z: 2u·B from the logits, plus the 2·2u relative
-    drift of its change since the first step.
-    Measured (this tiny Llama, beta 0.1, LoRA, AVX2 and default kernels): the bounds are 8-110x the differences; the
-    EPYC AVX512-BF16 kl gap of 1.5e-5 is 33x inside its 4.9e-4. Manual fail checks, same setup: beta 0.15 in the
-    stock run → loss 2x over its bound at step 3; the temperature left out of our op → grad_norm 20x, entropy 65x,
-    kl 3x over; a dropped kl term in the loss would move it by beta·kl = 2.1e-4, 4x its bound.
-    """
-    a_rms = max(a for a, _ in scales)
-    b_mean = max(b for _, b in scales)
-    kl = stock_step.get("kl", 0.0)
-    delta_d = 4 * U_BF16 * a_rms
-    kl_bound = math.sqrt(2 * kl) * delta_d + delta_d**2 / 2 + 4 * U_BF16 * kl
-    drift = abs(stock_step["entropy"] - first_step["entropy"])
-    return {
-        "kl": kl_bound,
-        "loss": beta * kl_bound + 1e-6,  # 1e-6: fp32 sums of the (identical) advantages, |loss| < 1
-        "grad_norm": 4 * U_BF16 * stock_step["grad_norm"],
-        "entropy": 2 * U_BF16 * b_mean + 4 * U_BF16 * drift,
-    }
-
-
-def assert_bf16_trajectory(stock, ours, beta, scales, steps=3):
-    assert len(stock) == len(ours) == steps and scales
-    for step, (a, b) in enumerate(zip(stock, ours)):
-        assert a.keys() == b.keys()
-        bounds = bf16_bounds(a, stock[0], beta, scales)
-        for key in a:
-            assert abs(a[key] - b[key]) <= bounds[key], (step, key, a[key], b[key], bounds[key])
 
 
 @pytest.mark.expect_fallback
@@ -305,41 +180,6 @@ def test_fused_forward_matches_trl_with_all_masked_rows(model_dir, tmp_path):
 
 
 @needs_fused_head
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_fused_forward_moe_aux_loss_matches_trl(tmp_path, family):
-    """An MoE policy asked for router logits: the same aux loss and total loss as TRL's own fused head (the expert
-    counts and the coefficient read as TRL reads them on this transformers), with its gradient."""
-    path = tmp_path / family
-    tok = train_tokenizer()
-    model = tiny_model(family, seed=0, vocab_size=len(tok), hidden=64, layers=2)
-    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.02
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    trainer = make_trainer(str(path), tmp_path)
-    model = trainer.model
-    ids = torch.randint(3, 500, (2, 10))
-    att = torch.ones_like(ids)
-    att[1, :3] = 0
-    labels = ids.masked_fill(att == 0, -100)
-    outs = []
-    for patched in (False, True):
-        if patched:
-            assert "grpo_logps" in leantrain.patch_trainer(trainer).applied
-        model.zero_grad()
-        out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True, output_router_logits=True)
-        out.loss.backward()
-        router = next(p for n, p in model.named_parameters() if "router" in n or "gate.weight" in n)
-        outs.append((out, router.grad.clone()))
-    (a, ga), (b, gb) = outs
-    assert a.aux_loss is not None and a.aux_loss > 0
-    # fp32 throughout: the aux loss comes from the same router logits (exact); the log-prob sum differs by the op's
-    # summation order only (a few ulps of values of size ~log V)
-    torch.testing.assert_close(b.aux_loss, a.aux_loss, rtol=0, atol=0)
-    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-7)
-
-
-@needs_fused_head
 def test_keep_logits_option_reaches_the_op(model_dir, tmp_path, monkeypatch):
     """grpo_logps_keep_logits_mib: checked at patch time, then the policy's trainable head keeps its logits for the
     backward (same gradient as the recompute, bitwise on CPU)."""
@@ -409,6 +249,40 @@ def test_probe_declines_lm_head_lora(model_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------- TRL <= 1.14 (faked API shape)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fused_forward_moe_aux_loss_matches_trl(tmp_path, family):
+    """An MoE policy asked for router logits: the same aux loss and total loss as TRL's own fused head (the expert
+    counts and the coefficient read as TRL reads them on this transformers), with its gradient."""
+    path = tmp_path / family
+    tok = train_tokenizer()
+    model = tiny_model(family, seed=0, vocab_size=len(tok), hidden=64, layers=2)
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.02
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    trainer = make_trainer(str(path), tmp_path)
+    model = trainer.model
+    ids = torch.randint(3, 500, (2, 10))
+    att = torch.ones_like(ids)
+    att[1, :3] = 0
+    labels = ids.masked_fill(att == 0, -100)
+    outs = []
+    for patched in (False, True):
+        if patched:
+            assert "grpo_logps" in leantrain.patch_trainer(trainer).applied
+        model.zero_grad()
+        out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True, output_router_logits=True)
+        out.loss.backward()
+        router = next(p for n, p in model.named_parameters() if "router" in n or "gate.weight" in n)
+        outs.append((out, router.grad.clone()))
+    (a, ga), (b, gb) = outs
+    assert a.aux_loss is not None and a.aux_loss > 0
+    # fp32 throughout: the aux loss comes from the same router logits (exact); the log-prob sum differs by the op's
+    # summation order only (a few ulps of values of size ~log V)
+    torch.testing.assert_close(b.aux_loss, a.aux_loss, rtol=0, atol=0)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-7)
+
+
 def old_trl_method(trainer, n_values):
     """TRL 1.7-1.14's full-logits `_get_per_token_logps_and_entropies` (text part), 3-tuple; 0.20-1.6: 2-tuple."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
@@ -499,7 +373,6 @@ def _raise_injected(*args, **kwargs):
     raise RuntimeError("injected failure")
 
 
-@pytest.mark.expect_fallback
 @pytest.mark.skipif(HAS_FUSED_HEAD, reason=f"the real TRL <= 1.14 method: installed trl {trl.__version__}")
 def test_legacy_real_trl_method(model_dir, tmp_path, monkeypatch):
     """The installed TRL's own full-logits method (0.29: 2 values; GRPO 1.14: ``_full_logits_logps``, 3 values)."""

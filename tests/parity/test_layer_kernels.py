@@ -1,5 +1,5 @@
 """Layer kernels on CPU: the family mapping against the installed transformers, the plan, the bound forwards, the
-declines, the run-time fallback and the undo, with torch stand-ins for Liger's Triton ops (tests/_layer_kernels_refs:
+declines, the run-time fallback and the undo, with torch stand-ins for Liger's Triton ops (testkit/layer_kernels_refs:
 the same arguments, the stock arithmetic, counted). Liger's RMSNorm, SwiGLU and GeGLU kernels do not run under
 Triton's CPU interpreter (their scalar epsilon and multiplier arguments are plain Python floats there, and the
 kernels call ``.to`` on them), so their numerics are held to the stock path on CUDA (tests/gpu); Liger's RoPE kernel
@@ -26,7 +26,7 @@ from leantrain.config import OPTIMIZATIONS
 from leantrain.layer_kernels import FAMILIES, MEASURED
 from leantrain.layer_kernels.probe import ROPE, rope_reason
 from leantrain.tiny import tiny_model
-from tests._layer_kernels_refs import emulated
+from testkit.layer_kernels_refs import emulated
 
 
 VOCAB = 256

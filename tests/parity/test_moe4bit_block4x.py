@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 from leantrain.moe4bit import probe as moe_probe  # noqa: E402
-from leantrain.moe4bit.layouts import find_experts  # noqa: E402
+from leantrain.moe4bit.registry import find_experts  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
-from tests._moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
+from testkit.moe4bit_models import SparseMoeBlock4x, load_in_4bit_like, patch_block_4x  # noqa: E402
 
 
 HIDDEN, INTER, EXPERTS = 128, 64, 8

@@ -31,7 +31,7 @@ import leantrain  # noqa: E402
 from leantrain.moe4bit.layouts import expert_mlp_names, expert_projections  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
-from tests.parity.test_moe4bit_modulelist import (  # noqa: E402
+from tests._moe4bit_modulelist import (  # noqa: E402
     ALL_FAMILIES,
     BF16_EPS,
     BLOCK_FAMILIES,
@@ -400,10 +400,7 @@ def test_step_bench_smoke_transformers4(tmp_path, monkeypatch):
     """benchmarks/bench_moe4bit_step.py --smoke --transformers4 (the 4.x per-expert blocks with LoRA on every expert
     projection) runs every provider on CPU, patched (it stops if moe4bit declines), and records the first step."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import bench_moe4bit_step as step
 
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from leantrain._compat import TRANSFORMERS_3D_EXPERTS, needs
 
@@ -25,31 +24,16 @@ import leantrain  # noqa: E402
 from leantrain.moe4bit import ops  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
-from tests._moe4bit_models import convert_model_to_linear4bit_experts, token_trainer  # noqa: E402
-from tests._optimizations import others_off  # noqa: E402
+from testkit.optimizations import others_off  # noqa: E402
+from tests._moe4bit_model import SEQ, VOCAB, make_model, make_trainer  # noqa: E402
 
 
 ONLY_MOE = others_off("moe4bit")
-VOCAB, SEQ = 256, 16
-
-
-def make_model(family: str, layout: str) -> transformers.PreTrainedModel:
-    model = tiny_model(family, seed=0, hidden=128, layers=2, vocab_size=VOCAB)
-    model.set_experts_implementation("eager")  # the stock per-expert loop
-    if layout == "stacked":
-        leantrain.quantize_experts_4bit(model)
-    else:
-        convert_model_to_linear4bit_experts(model)
-    return model.train()
 
 
 def batch(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
     ids = torch.randint(3, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def make_trainer(model, tmp_path, steps: int = 2) -> transformers.Trainer:
-    return token_trainer(model, tmp_path, steps, learning_rate=1e-3, vocab=VOCAB, seq=SEQ)
 
 
 def step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
@@ -111,7 +95,7 @@ def test_patch_unpatch_identity(tmp_path):
         assert "forward" in e.__dict__ and e.forward.__leantrain_original__.__self__ is e
         ptr = e.gate_up_projs[0].weight.data.untyped_storage().data_ptr()
         assert all(lin.weight.data.untyped_storage().data_ptr() == ptr for lin in e.gate_up_projs)
-    assert "Linear4bitExperts" in repr(model)
+    assert "Linear4bitMoeExperts" in repr(model)
     state = model.state_dict()  # saving works: no shared storage among the expert tensors handed out
     experts_keys = [k for k in state if ".experts." in k]
     assert len({state[k].untyped_storage().data_ptr() for k in experts_keys}) == len(experts_keys)
@@ -174,7 +158,7 @@ def _probe_and_apply(trainer, **options):
 def test_plan_carries_everything_apply_needs(tmp_path, monkeypatch):
     """The probe's plan holds every target with its owner, hook, recipe, adapters and recompute choice: ``apply``
     searches the model for nothing again (every search function fails once the probe has run)."""
-    from leantrain.moe4bit import _adapters, layouts, probe
+    from leantrain.moe4bit import _adapters, layout_expert_mlps, layouts, probe, registry
 
     model = make_model("qwen3_moe", "stacked")
     trainer = make_trainer(model, tmp_path)
@@ -187,9 +171,14 @@ def test_plan_carries_everything_apply_needs(tmp_path, monkeypatch):
     def searched(*args, **kwargs):
         raise AssertionError("apply searched the model again")
 
-    for module, name in [(layouts, "find_experts"), (layouts, "block_recipe"), (probe, "find_experts")]:
+    for module, name in [
+        (registry, "find_experts"),
+        (layouts, "block_recipe"),
+        (layout_expert_mlps, "block_recipe"),
+        (probe, "find_experts"),
+    ]:
         monkeypatch.setattr(module, name, searched)
-    for name in ("wrapped_map", "find", "param_wrappers", "forward_owner"):
+    for name in ("wrapped_map", "spec_of", "param_wrappers", "forward_owner"):
         monkeypatch.setattr(_adapters, name, searched)
     applied = opt.apply(trainer, ready.plan, ctx)
     assert applied.targets == tuple(t.name for t in targets)

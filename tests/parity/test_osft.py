@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -352,8 +350,7 @@ def test_adamw_steps_with_split_precision_keep_the_frozen_subspace(precision, ma
 
 
 def _emulated_worker(rank: int, world: int, port: int, scenario: str, out: str, precision: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-    import _osft_worker as worker
+    from tests.distributed import _osft_worker as worker
 
     worker.Projector = functools.partial(Projector, precision=precision, emulate=True)
     worker.run(rank, world, port, scenario, out)
@@ -366,8 +363,7 @@ def test_split_precision_under_fsdp2_both_layouts(tmp_path):
     gathered) with emulated tf32x3 match the single-process emulated run."""
     import torch.multiprocessing as mp
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-    import _osft_worker as worker
+    from tests.distributed import _osft_worker as worker
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-import pytest
-import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_fused_ce as bench  # noqa: E402
 import probe_lm_head as probe  # noqa: E402
+import pytest
+import torch
 
 
 def test_smoke_writes_rows_and_notes(tmp_path, monkeypatch):

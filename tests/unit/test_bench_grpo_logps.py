@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+import bench_grpo_logps as bench  # noqa: E402
 import pytest
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_grpo_logps as bench  # noqa: E402
 
 
 def test_gemm_count_and_tflops():

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_moe4bit as bench  # noqa: E402
 
 

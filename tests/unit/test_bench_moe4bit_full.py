@@ -14,7 +14,6 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 if int(transformers.__version__.split(".")[0]) < 5:
@@ -165,7 +164,9 @@ def test_probe_stacks_and_rule():
 
 def _env(out: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
-    env.update(BENCH_RESULTS=str(out), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
+    env.update(
+        BENCH_RESULTS=str(out), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    )
     return env
 
 

@@ -16,7 +16,6 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _harness import Row  # noqa: E402
 from recipes import moe_qlora, report, runner  # noqa: E402
@@ -167,7 +166,9 @@ def smoke(tmp_path_factory) -> tuple[Path, list[dict]]:
         pytest.importorskip(name)
     out = tmp_path_factory.mktemp("recipes")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LEANTRAIN_", "BENCH_RECIPE"))}
-    env.update(BENCH_RESULTS=str(out), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
+    env.update(
+        BENCH_RESULTS=str(out), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    )
     script = ROOT / "benchmarks" / "bench_recipes.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT

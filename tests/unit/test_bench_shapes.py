@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import shapes  # noqa: E402
 
@@ -62,8 +61,9 @@ def test_every_shape_builds_and_overrides_copy():
 
 def test_examples_build_the_tables_sizes(monkeypatch):
     """examples/_common.py's named shapes come from the table (its own choices: untied head, sdpa)."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    import _common
+    spec = importlib.util.spec_from_file_location("_common", ROOT / "examples" / "_common.py")
+    _common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(_common)
 
     built = []
     monkeypatch.setattr(

@@ -1,10 +1,9 @@
 """CGGR selection, counting, schedule and head-share estimate against brute-force references (pure tensors)."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
+import shapes  # noqa: E402
 import torch
 import transformers
 
@@ -17,10 +16,6 @@ from leantrain.cggr.ops import (
     select_topk,
     targets_of,
 )
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the shared shapes table
-import shapes  # noqa: E402
 
 
 def reference_keep(scores, valid, groups, ratio):

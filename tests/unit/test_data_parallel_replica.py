@@ -58,7 +58,7 @@ def test_cggr_and_moe4bit_decline_under_data_parallel(tmp_path):
 
     import leantrain
     from leantrain import NotReadyError, Status
-    from tests.parity.test_moe4bit_model import make_model, make_trainer
+    from tests._moe4bit_model import make_model, make_trainer
     from tests.unit._fakes import tiny_trainer
 
     sft = tiny_trainer(tmp_path / "cggr")

@@ -4,11 +4,8 @@ row per run, agreement with stock, the markdown table and the files."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import dist_table  # noqa: E402
 
 

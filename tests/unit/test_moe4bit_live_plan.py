@@ -1,7 +1,7 @@
-"""moe4bit under FSDP2: the per-call plan (``plan.live_stacked_plan``) follows the tensors the module holds at
-each call, as FSDP2 swaps whole stacks in around a layer's forward and backward, and it refuses, before any kernel,
-what it cannot serve (a shard, a replaced quantization state, foreign-device inputs). The probe serves FSDP2 with
-stacked experts and declines FSDP1 and per-expert Linear4bit lists. CPU; the 2-process FSDP2 run is in
+"""moe4bit under FSDP2: the per-call plan (``layout_stacked.live_stacked_plan``) follows the tensors the module holds
+at each call, as FSDP2 swaps whole stacks in around a layer's forward and backward, and it refuses, before any
+kernel, what it cannot serve (a shard, a replaced quantization state, foreign-device inputs). The probe serves FSDP2
+with stacked experts and declines FSDP1 and per-expert Linear4bit lists. CPU; the 2-process FSDP2 run is in
 ``tests/distributed/test_moe4bit_distributed.py``."""
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
+from leantrain.moe4bit.layout_stacked import live_stacked_plan  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.ops import grouped_forward  # noqa: E402
-from leantrain.moe4bit.plan import build_plan, live_stacked_plan  # noqa: E402
 from leantrain.moe4bit.probe import fsdp_reason  # noqa: E402
+from leantrain.moe4bit.registry import build_plan  # noqa: E402
 from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
-from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
+from testkit.moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 
 
 HIDDEN = 128  # a multiple of the 4-bit blocksize (bitsandbytes' CPU dequantize needs whole blocks per row)

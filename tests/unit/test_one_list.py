@@ -13,7 +13,7 @@ import pytest
 
 from leantrain.config import OPTIMIZATIONS
 from leantrain.optimization import registry
-from tests._optimizations import only, others_off
+from testkit.optimizations import only, others_off
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,9 +63,6 @@ def test_compat_table_renders_a_section_per_optimization_without_importing_leant
 
 
 def test_recipes_turn_every_optimization_off_but_the_one_they_time():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from recipes.runner import ONLY
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from recipes.runner import ONLY
+
     assert ONLY == dict.fromkeys(OPTIMIZATIONS, False)

@@ -50,7 +50,6 @@ print(json.dumps({"report": report.to_dict(), "step": trainer.state.global_step,
 
 PLAIN_TRAINER = """
 import json, sys, tempfile
-sys.path.insert(0, ".")
 import leantrain
 from tests.unit._fakes import tiny_trainer
 report = leantrain.patch_trainer(tiny_trainer(tempfile.mkdtemp()), environ={})

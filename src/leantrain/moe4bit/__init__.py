@@ -6,11 +6,14 @@ gpt-oss checkpoints), stock transformers 3-D experts quantized by :func:`quantiz
 transformers 4.x sparse MoE blocks (ModuleLists of expert MLPs) loaded with ``BitsAndBytesConfig(load_in_4bit=True)``;
 PEFT LoRA on the experts of each as split grouped GEMMs.
 
-Files: ``layouts`` finds experts modules, ``probe`` says whether each can be served (and why not) and returns the
-plan, ``plan`` the model plan's targets and the per-module plans, ``patch`` installs them (trainer glue),
-``_adapters`` reads PEFT's expert adapters, ``recompute`` the measured recompute verdicts, ``saved`` what saving
-writes (and its state-dict hooks); the math: ``ops`` (grouped GEMMs and autograd), ``lora`` (split LoRA),
-``_stacks`` / ``_qstate`` (packed 4-bit stacks), ``quantize``.
+Files: one module per layout behind one interface (``layouts``: ``Found``, the ``Layout`` interface and the
+structure layouts are recognized by; ``layout_expert_mlps``, ``layout_linear4bit``, ``layout_stacked``: each layout's
+readiness, adapters and plan; ``registry``: the layouts by name, finding experts modules, the per-call plan),
+``_checks`` the readiness checks they share, ``probe`` says whether each module can be served (and why not) and
+returns the plan, ``plan`` the model plan's targets and what per-module plans are built with, ``patch`` installs them
+(trainer glue), ``_adapters`` reads PEFT's expert adapters, ``recompute`` the measured recompute verdicts, ``saved``
+what saving writes (and its state-dict hooks); the math: ``ops`` (grouped GEMMs and autograd), ``lora`` (split
+LoRA), ``_stacks`` / ``_qstate`` (packed 4-bit stacks and the stock names every layout reads), ``quantize``.
 """
 
 from __future__ import annotations

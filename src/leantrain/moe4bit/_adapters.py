@@ -1,6 +1,6 @@
 """PEFT LoRA adapters on 4-bit experts: which placements the grouped path serves (with precise reasons for the
-others), where a ready module's adapters are (:func:`find`, for the probe's plan) and, per call, the active adapters'
-per-expert factors for ``lora.add_lora`` (:func:`provider`, built by ``apply``).
+others), where a ready module's adapters are (each layout's ``Layout.adapters``, for the probe's plan) and, per call,
+the active adapters' per-expert factors for ``lora.add_lora`` (:func:`provider`, built by ``apply``).
 
 Per-expert layers, in two layouts:
 - ``linear4bit`` lists: PEFT ``lora.Linear4bit`` wrapping each expert's ``bnb.nn.Linear4bit`` in ``gate_up_projs`` /
@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._stacks import Record
+from ._stacks import STACK_NAMES, Record
 from .lora import LoraFactors, stacked
-from .quantize import STACK_NAMES
 from .saved import clone_shared_on_save
 
 
@@ -426,19 +425,9 @@ class AdapterSpec:
     chain: tuple[nn.Module, ...] = ()  # outermost first
 
 
-def find(layout: str, experts: nn.Module, wrapped: dict[int, nn.Module]) -> AdapterSpec | None:
-    """The adapters of a ready experts module (None: it carries none)."""
-    from .layouts import expert_projections
-
-    if layout == "stacked":
-        chain = tuple(param_wrappers(wrapped, experts))
-        return AdapterSpec(chain=chain) if chain else None
-    if layout == "expert_mlps":
-        gates, ups, downs = expert_projections(experts)
-        inter = int(base(gates[0]).weight.quant_state.shape[0])
-        gate_up = (Piece(tuple(gates), 0), Piece(tuple(ups), inter))  # the halves of the [E, 2I, H] stack
-    else:
-        gate_up, downs = (Piece(tuple(experts.gate_up_projs), 0),), list(experts.down_projs)
+def spec_of(gate_up: tuple[Piece, ...], downs: list[nn.Module]) -> AdapterSpec | None:
+    """The adapters of a ready per-expert experts module (its layout cuts ``gate_up`` into pieces of the stack):
+    the pieces whose layers carry LoRA (None: no adapters)."""
     tuned = [tuple(p for p in group if is_tuned(p.layers[0])) for group in (gate_up, (Piece(tuple(downs), 0),))]
     return AdapterSpec(tuned[0], tuned[1]) if tuned[0] or tuned[1] else None
 

@@ -18,6 +18,11 @@ import torch
 Record = Callable[[Callable[[], None]], None]
 
 
+# The stock names every layout reads: the 3-D experts' weight stacks and biases (transformers 5.x), and the gated
+# expert MLPs' projections as (gate, up, down) (transformers 4.x: act(gate(x)) * up(x) -> down).
+STACK_NAMES = ("gate_up_proj", "down_proj")
+BIAS_NAMES = ("gate_up_proj_bias", "down_proj_bias")
+EXPERT_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 # bitsandbytes' CUDA dequantize entry points take a C ``int n``: stay strictly below 2**31 elements per call.
 MAX_ELEMENTS_PER_CALL = 2**31 - 1
 NESTED_BLOCKSIZE = 256  # bitsandbytes' double quantization always uses 256-element absmax blocks

@@ -1,34 +1,95 @@
-"""Find MoE experts modules by structure (no bitsandbytes needed to find them).
+"""MoE experts layouts: what they share (the found module, the interface every layout implements) and the structure
+they are recognized by (no bitsandbytes needed).
 
-Three layouts:
-- ``linear4bit``: ``gate_up_projs`` / ``down_projs`` ModuleLists of ``bnb.nn.Linear4bit`` (community pre-quantized
-  gpt-oss checkpoints; ``F.linear`` orientation, gate/up interleaved, biases, dense ``[T, E]`` routing weights).
-- ``stacked``: stock transformers 5.x experts whose 3-D ``gate_up_proj`` / ``down_proj`` were quantized by
-  :func:`leantrain.quantize_experts_4bit` (bitsandbytes' 4-bit parametrization).
-- ``expert_mlps``: transformers 4.x sparse MoE blocks (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2): an
-  ``experts`` ModuleList of gated MLPs (``gate_proj``/``up_proj``/``down_proj`` or Mixtral's ``w1``/``w3``/``w2``)
-  next to the block's ``gate`` router; ``BitsAndBytesConfig(load_in_4bit=True)`` makes each projection a
-  ``bnb.nn.Linear4bit``. The found module is the block (its forward, or DeepSeek-V2's ``moe``, is what gets replaced).
+Three layouts, one module each behind :class:`Layout` (``registry.LAYOUTS`` by name, in recognition order):
+- ``expert_mlps`` (``layout_expert_mlps``): transformers 4.x sparse MoE blocks (Qwen2-MoE, Qwen3-MoE, Mixtral,
+  OLMoE, DeepSeek-V2): an ``experts`` ModuleList of gated MLPs (``gate_proj``/``up_proj``/``down_proj`` or Mixtral's
+  ``w1``/``w3``/``w2``) next to the block's ``gate`` router; ``BitsAndBytesConfig(load_in_4bit=True)`` makes each
+  projection a ``bnb.nn.Linear4bit``. The found module is the block (its forward, or DeepSeek-V2's ``moe``, is what
+  gets replaced).
+- ``linear4bit`` (``layout_linear4bit``): ``gate_up_projs`` / ``down_projs`` ModuleLists of ``bnb.nn.Linear4bit``
+  (community pre-quantized gpt-oss checkpoints; ``F.linear`` orientation, gate/up interleaved, biases, dense
+  ``[T, E]`` routing weights).
+- ``stacked`` (``layout_stacked``): stock transformers 5.x experts whose 3-D ``gate_up_proj`` / ``down_proj`` were
+  quantized by :func:`leantrain.quantize_experts_4bit` (bitsandbytes' 4-bit parametrization).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
-from .quantize import STACK_NAMES
+from ._stacks import EXPERT_MLP_NAMES, STACK_NAMES
 
 
 @dataclass
 class Found:
     name: str
     module: nn.Module
-    layout: str  # "linear4bit" | "stacked" | "expert_mlps"
+    layout: str  # a name in registry.LAYOUTS: "expert_mlps" | "linear4bit" | "stacked"
 
 
-# Gated expert MLPs as (gate, up, down) attribute names: act(gate(x)) * up(x) -> down.
-EXPERT_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+NOT_4BIT_REASON = "MoE experts are not 4-bit: run leantrain.quantize_experts_4bit(model) first"
+Wrapped = dict[int, nn.Module]  # id(module) -> the PEFT tuner wrapping it (``_adapters.wrapped_map``)
+
+
+class Layout:
+    """What differs between layouts, asked by the probe, the plan and ``apply`` (none of them switches on a name).
+
+    Each method takes the experts module found in this layout (``Found.module``). The per-expert layouts consolidate
+    their ``Linear4bit`` layers into packed stacks when the plan is built; the stacked layout reads its stacks."""
+
+    name: str = ""
+    not_4bit_reason: str = NOT_4BIT_REASON  # found in this layout but not quantized: what to do
+    fsdp2: bool = False  # served under FSDP2 (the plan rebuilt per call around the unsharded stacks: live_plan)
+    transformers4: bool = False  # served on transformers 4.x (its stock forwards reproduced and tested there)
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` is an experts module of this layout (structure only)."""
+        raise NotImplementedError
+
+    def is_4bit(self, module: nn.Module) -> bool:
+        """Whether its expert weights are bitsandbytes 4-bit (otherwise ``not_4bit_reason``)."""
+        raise NotImplementedError
+
+    def lora_reason(self, module: nn.Module, wrapped: Wrapped) -> str | None:
+        """Why PEFT adapters on it keep it off the grouped path; None: no adapters, or servable ones."""
+        raise NotImplementedError
+
+    def reason(self, module: nn.Module, wrapped: Wrapped) -> str | None:
+        """Why it cannot take the grouped path; None: it can (``probe.module_reason`` caches it)."""
+        raise NotImplementedError
+
+    def signature(self, module: nn.Module, wrapped: Wrapped) -> tuple:
+        """Cheap identity of what ``reason`` looked at (modules, tensors with their devices, states, grads)."""
+        raise NotImplementedError
+
+    def compute_dtype(self, module: nn.Module) -> tuple[torch.device, torch.dtype]:
+        """The device its kernels run on and the dtype its stacks dequantize to."""
+        raise NotImplementedError
+
+    def stack_elements(self, module: nn.Module) -> int:
+        """Elements of its larger dequantized stack (gate_up: ``[E, 2I, H]``)."""
+        raise NotImplementedError
+
+    def recipe(self, module: nn.Module) -> BlockRecipe | None:
+        """What a replaced block forward reproduces around the experts (None: the experts' own forward is replaced)."""
+        return None
+
+    def adapters(self, module: nn.Module, wrapped: Wrapped) -> Any:
+        """Where a ready module's PEFT adapters are (``_adapters.AdapterSpec``; None: it carries none)."""
+        raise NotImplementedError
+
+    def build_plan(self, module: nn.Module, record: Any, recompute: bool) -> tuple[Any, Any]:
+        """(``ops.ExpertsPlan``, per-call check) for a ready module; consolidation restore steps go to ``record``."""
+        raise NotImplementedError
+
+    def live_plan(self, module: nn.Module, recompute: bool) -> Any:
+        """For FSDP2 (``fsdp2`` layouts only): the plan rebuilt on every call around the module's live stacks."""
+        raise NotImplementedError(f"the {self.name} layout is not served under FSDP2")
 
 
 def expert_mlp_names(expert: nn.Module) -> tuple[str, str, str] | None:
@@ -39,7 +100,7 @@ def expert_mlp_names(expert: nn.Module) -> tuple[str, str, str] | None:
     return None
 
 
-def _is_expert_mlps(module: nn.Module) -> bool:
+def is_expert_mlps(module: nn.Module) -> bool:
     """A sparse MoE block of transformers 4.x: a ``gate`` router next to a ModuleList of same-named gated MLPs."""
     experts = getattr(module, "experts", None)
     if not isinstance(experts, nn.ModuleList) or len(experts) == 0 or not isinstance(module.gate, nn.Module):
@@ -54,13 +115,13 @@ def expert_projections(block: nn.Module) -> tuple[list[nn.Module], list[nn.Modul
     return tuple([getattr(e, n) for e in block.experts] for n in names)  # type: ignore[return-value]
 
 
-def _is_lists(module: nn.Module) -> bool:
+def is_lists(module: nn.Module) -> bool:
     return isinstance(getattr(module, "gate_up_projs", None), nn.ModuleList) and isinstance(
         getattr(module, "down_projs", None), nn.ModuleList
     )
 
 
-def _is_stacked(module: nn.Module) -> bool:
+def is_stacked(module: nn.Module) -> bool:
     from torch.nn.utils import parametrize
 
     def ok(name: str) -> bool:
@@ -68,19 +129,6 @@ def _is_stacked(module: nn.Module) -> bool:
         return (param is not None and param.dim() == 3) or parametrize.is_parametrized(module, name)
 
     return all(ok(name) for name in STACK_NAMES)
-
-
-def find_experts(model: nn.Module) -> list[Found]:
-    """Every experts module of any layout (structural: needs no bitsandbytes)."""
-    found = []
-    for name, module in model.named_modules():
-        if hasattr(module, "gate") and _is_expert_mlps(module):
-            found.append(Found(name, module, "expert_mlps"))
-        elif _is_lists(module):
-            found.append(Found(name, module, "linear4bit"))
-        elif _is_stacked(module):
-            found.append(Found(name, module, "stacked"))
-    return found
 
 
 def bnb_parametrization(module: nn.Module, name: str):
@@ -95,18 +143,6 @@ def bnb_parametrization(module: nn.Module, name: str):
     if len(plist) != 1 or not isinstance(plist[0], Bnb4bitParametrization) or plist[0].quant_state is None:
         return None
     return plist
-
-
-def is_4bit(found: Found) -> bool:
-    import bitsandbytes as bnb
-
-    if found.layout == "stacked":
-        return all(bnb_parametrization(found.module, n) is not None for n in STACK_NAMES)
-    if found.layout == "expert_mlps":
-        layers = [m for group in expert_projections(found.module) for m in group]
-    else:
-        layers = list(found.module.gate_up_projs) + list(found.module.down_projs)
-    return bool(layers) and all(isinstance(getattr(m, "base_layer", m), bnb.nn.Linear4bit) for m in layers)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from . import _adapters
 from .ops import ExpertsPlan
-from .plan import Target, plan_provider
+from .plan import Target
+from .registry import plan_provider
 
 
 ROUTING_INDEX_NAMES = ("router_indices", "top_k_index", "topk_ids")

@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._stacks import MAX_ELEMENTS_PER_CALL
+from ._stacks import BIAS_NAMES, MAX_ELEMENTS_PER_CALL, STACK_NAMES
 
 
 logger = logging.getLogger("leantrain")
-STACK_NAMES = ("gate_up_proj", "down_proj")
-BIAS_NAMES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""Test and benchmark scaffolding: the per-expert ``bnb.nn.Linear4bit`` experts layout, built from stock transformers
-experts.
+"""Test and benchmark scaffolding: 4-bit expert layouts built from stock transformers modules.
 
 Community pre-quantized gpt-oss 4-bit checkpoints store experts as ``gate_up_projs`` / ``down_projs`` ModuleLists
 of ``Linear4bit`` (weight = transpose of the 3-D slice, gate/up interleaved on rows, biases) and run a per-expert
-loop. :class:`Linear4bitExperts` reproduces that layout and loop (the stock path leantrain replaces and falls back
-to); :func:`linear4bit_experts_from` converts a stock gpt-oss (or Qwen3-MoE / Mixtral-style) experts module.
+loop: the package's :class:`leantrain.tiny.Linear4bitMoeExperts` (the demo's stand-in, the one copy) reproduces
+that layout and loop; :func:`linear4bit_experts_from` converts a stock gpt-oss (or Qwen3-MoE / Mixtral-style)
+experts module into it. :func:`load_in_4bit_like` quantizes as ``from_pretrained(load_in_4bit=True)`` does, and
+:class:`SparseMoeBlock4x` rebuilds the transformers 4.57 Qwen MoE block.
 """
 
 from __future__ import annotations
@@ -13,58 +14,7 @@ import torch
 import transformers
 from torch import nn
 
-from leantrain.moe4bit.ops import clamp_swiglu, gated_act
-
-
-class Linear4bitExperts(nn.Module):
-    """Experts as per-expert ``bnb.nn.Linear4bit`` lists with the stock per-expert loop forward.
-
-    gpt-oss style when ``alpha``/``limit`` are given (clamp-SwiGLU, interleaved gate/up rows); otherwise
-    ``act_fn(gate) * up`` on concatenated halves. Routing weights may be ``[T, top_k]`` or dense ``[T, E]``.
-    """
-
-    def __init__(
-        self,
-        gate_up_projs: nn.ModuleList,
-        down_projs: nn.ModuleList,
-        *,
-        alpha: float | None = None,
-        limit: float | None = None,
-        act_fn: nn.Module | None = None,
-    ) -> None:
-        super().__init__()
-        self.num_experts = len(gate_up_projs)
-        self.hidden_size = gate_up_projs[0].in_features
-        self.expert_dim = down_projs[0].in_features
-        self.gate_up_projs = gate_up_projs
-        self.down_projs = down_projs
-        if alpha is not None:
-            self.alpha, self.limit = alpha, limit
-        else:
-            self.act_fn = act_fn
-
-    def _gate(self, h: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "alpha"):
-            return clamp_swiglu(self.alpha, self.limit)(h)
-        return gated_act(self.act_fn)(h)
-
-    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
-        x = hidden_states.reshape(-1, self.hidden_size)
-        tokens = x.shape[0]
-        indices = router_indices.reshape(tokens, -1)
-        weights = routing_weights.reshape(tokens, -1)
-        dense = weights.shape[1] == self.num_experts and indices.shape[1] != self.num_experts
-        out = torch.zeros(tokens, self.hidden_size, dtype=torch.float32, device=x.device)
-        with torch.no_grad():
-            mask = nn.functional.one_hot(indices, self.num_experts).permute(2, 1, 0)  # [E, k, T]
-            hit = mask.sum(dim=(1, 2)).nonzero()
-        for expert in hit.flatten().tolist():  # the stock per-expert loop (what leantrain replaces)
-            slot, token = torch.where(mask[expert])
-            h = self.gate_up_projs[expert](x[token])
-            y = self.down_projs[expert](self._gate(h))
-            w = weights[token, expert] if dense else weights[token, slot]
-            out.index_add_(0, token, (y * w[:, None]).float())
-        return out.to(hidden_states.dtype).view(hidden_states.shape)
+from leantrain.tiny import Linear4bitMoeExperts
 
 
 def _linear4bit(
@@ -92,7 +42,7 @@ def _linear4bit(
 
 def linear4bit_experts_from(
     experts: nn.Module, quant_type: str = "nf4", blocksize: int = 64, compress_statistics: bool = True
-) -> Linear4bitExperts:
+) -> Linear4bitMoeExperts:
     """Convert stock 3-D experts (gpt-oss ``[E, H, 2I]`` transposed, or ``[E, 2I, H]`` Qwen/Mixtral style) into
     per-expert ``Linear4bit`` lists holding the same weights (``weight[e] = W[e]`` in ``F.linear`` orientation)."""
     in_major = bool(getattr(experts, "is_transposed", False))
@@ -111,12 +61,13 @@ def linear4bit_experts_from(
 
     gate_up_projs, down_projs = layers(gate_up, "gate_up_proj_bias"), layers(down, "down_proj_bias")
     if hasattr(experts, "alpha") and hasattr(experts, "limit"):
-        return Linear4bitExperts(gate_up_projs, down_projs, alpha=experts.alpha, limit=experts.limit)
-    return Linear4bitExperts(gate_up_projs, down_projs, act_fn=experts.act_fn)
+        return Linear4bitMoeExperts(gate_up_projs, down_projs, experts.alpha, experts.limit)
+    return Linear4bitMoeExperts(gate_up_projs, down_projs, act_fn=experts.act_fn)
 
 
 def convert_model_to_linear4bit_experts(model: nn.Module, **quant) -> list[str]:
-    """Replace every stock experts module of ``model`` by its :class:`Linear4bitExperts` copy; returns their names."""
+    """Replace every stock experts module of ``model`` by its :class:`~leantrain.tiny.Linear4bitMoeExperts` copy;
+    returns their names."""
     targets = [
         (name, module)
         for name, module in model.named_modules()
