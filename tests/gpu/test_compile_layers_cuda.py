@@ -22,7 +22,7 @@ import leantrain
 from leantrain import Status
 from leantrain.compile_layers import stats
 from leantrain.tiny import tiny_model
-from tests._optimizations import only
+from testkit.optimizations import only
 
 
 pytestmark = pytest.mark.gpu

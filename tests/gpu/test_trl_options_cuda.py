@@ -46,22 +46,22 @@ def serve_trl_head(monkeypatch):
 
 
 def _rl_cases():
-    from tests.parity import test_trl_options_grpo as grpo
+    from tests._trl_option_cases import cases
 
-    return grpo.cases()
+    return cases()
 
 
 def _sft_cases():
-    from tests.parity import test_trl_options_sft as sft
+    from tests._trl_option_cases import sft_cases
 
-    return sft._sft_cases()
+    return sft_cases()
 
 
 @pytest.mark.parametrize("kind, options", _rl_cases())
 def test_rl_matrix(dev, model_dir, tmp_path, kind, options):
-    from tests.parity import test_trl_options_grpo as grpo
+    from tests._trl_option_cases import skip_reason
 
-    reason = grpo._skip_reason(kind, options)
+    reason = skip_reason(kind, options)
     if reason:
         pytest.skip(reason)
     stock, ours = opts.rl_pair(kind, model_dir, tmp_path, {"grpo_logps": True}, device=str(dev), **options)
@@ -74,7 +74,7 @@ def test_rl_matrix(dev, model_dir, tmp_path, kind, options):
 
 @pytest.mark.parametrize("options", _sft_cases())
 def test_sft_matrix(dev, tmp_path, serve_trl_head, options):
-    from tests._optimizations import only
+    from testkit.optimizations import only
 
     missing = [k for k in set(options) - {"masks", "compute_metrics"} if not opts.has_option(trl.SFTConfig, k)]
     if missing:
@@ -92,7 +92,7 @@ def test_sft_use_liger_kernel(dev, tmp_path, serve_trl_head):
     """use_liger_kernel=True together with leantrain (Liger's kernels need CUDA): stock-with-Liger against
     patched-with-Liger; leantrain either serves the loss with the same numbers or declines naming use_liger_kernel."""
     pytest.importorskip("liger_kernel")
-    from tests._optimizations import only
+    from testkit.optimizations import only
 
     stock = opts.sft_run(tmp_path / "stock", None, device=str(dev), use_liger_kernel=True)
     ours = opts.sft_run(tmp_path / "ours", only("fused_ce", None), device=str(dev), use_liger_kernel=True)

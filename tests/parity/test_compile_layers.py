@@ -24,7 +24,7 @@ from leantrain.compile_layers import stats
 from leantrain.compile_layers.ops import Payback
 from leantrain.models import decoder_parts
 from leantrain.tiny import tiny_model
-from tests._optimizations import only
+from testkit.optimizations import only
 
 
 VOCAB = 256
@@ -141,6 +141,7 @@ def test_varying_lengths_recompile_at_most_once(dynamic, tmp_path):
     assert compiled[2].leantrain_report["compile_layers"].status is Status.APPLIED
 
 
+@pytest.mark.expect_fallback
 def test_past_the_recompile_limit_the_eager_layers_take_over(tmp_path):
     data = rows(12, lengths=(9, 17, 12, 23, 14, 31))
     stock = run(tiny, tmp_path, None, data, max_steps=6)
@@ -161,6 +162,7 @@ def test_strict_mode_raises_past_the_recompile_limit(tmp_path):
         run(tiny, tmp_path, patch, data, max_steps=4)
 
 
+@pytest.mark.expect_fallback
 def test_a_compile_error_falls_back_to_the_eager_layers(tmp_path, monkeypatch):
     def broken(self, gm, example_inputs):
         raise RuntimeError("injected: this layer does not compile")
@@ -268,7 +270,7 @@ def test_the_checkpoint_wraps_the_compiled_region(tmp_path):
 
 
 def test_compiles_instead_of_the_layer_kernels_inside_the_layers(tmp_path):
-    from tests._layer_kernels_refs import emulated
+    from testkit.layer_kernels_refs import emulated
 
     stock = run(tiny, tmp_path, None)
     with emulated() as calls:

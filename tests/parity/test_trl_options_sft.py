@@ -10,8 +10,9 @@ trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 import leantrain  # noqa: E402
+from testkit.optimizations import only  # noqa: E402
 from tests import _trl_options as opts  # noqa: E402
-from tests._optimizations import only  # noqa: E402
+from tests._trl_option_cases import sft_cases  # noqa: E402
 
 
 # every optimization off but the fused loss (required): the matrix isolates what it serves
@@ -43,33 +44,10 @@ def serve_trl_head(monkeypatch):
     monkeypatch.setitem(dispatch.UNMEASURED, "trl_fused", "leantrain")
 
 
-def _sft_cases() -> list:
-    cases = [
-        pytest.param({"loss_type": v}, id=f"loss_type={v}") for v in opts.option_values(trl.SFTConfig, "loss_type")
-    ]
-    for strategy in opts.option_values(trl.SFTConfig, "packing_strategy"):
-        options = {"packing": True, "packing_strategy": strategy, "max_length": 32}
-        cases.append(pytest.param(options, id=f"packing={strategy}", marks=pytest.mark.slow))
-    if not opts.has_option(trl.SFTConfig, "packing_strategy"):
-        cases.append(pytest.param({"packing": True, "max_length": 32}, id="packing", marks=pytest.mark.slow))
-    cases += [
-        pytest.param({"completion_only_loss": True, "masks": "completion"}, id="completion_only_loss"),
-        pytest.param({"masks": "assistant"}, id="assistant_masks"),
-        pytest.param({"padding_free": True, "max_length": None}, id="padding_free", marks=pytest.mark.slow),
-        pytest.param({"gradient_accumulation_steps": 2}, id="num_items_in_batch"),
-        pytest.param({"compute_metrics": opts.mean_logit_metric}, id="eval_compute_metrics"),
-        pytest.param({"prediction_loss_only": True, "compute_metrics": opts.mean_logit_metric}, id="eval_loss_only"),
-        pytest.param({"pad_to_multiple_of": 8}, id="pad_to_multiple_of", marks=pytest.mark.slow),
-        pytest.param({"eval_packing": False, "packing": True, "max_length": 32}, id="eval_packing=False",
-                     marks=pytest.mark.slow),
-    ]  # fmt: skip
-    return cases
-
-
 SFT_ONLY_KEYS = {"masks", "compute_metrics"}
 
 
-@pytest.mark.parametrize("options", _sft_cases())
+@pytest.mark.parametrize("options", sft_cases())
 def test_sft_matrix(tmp_path, options):
     keys = set(options) - SFT_ONLY_KEYS
     missing = [k for k in keys if not opts.has_option(trl.SFTConfig, k)]
@@ -111,7 +89,7 @@ def test_every_option_is_classified():
 def test_covered_options_have_a_case():
     installed = set(opts.config_fields(trl.SFTConfig))
     set_by_cases = {"max_length"}
-    for param in _sft_cases():
+    for param in sft_cases():
         set_by_cases |= set(param.values[0]) - SFT_ONLY_KEYS
     covered = {name for name, why in opts.SFT_FIELDS.items() if why == opts.COVERED} & installed
     assert covered <= set_by_cases, sorted(covered - set_by_cases)
