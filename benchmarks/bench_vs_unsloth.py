@@ -522,8 +522,8 @@ def plot(rows: list[Any], order: list[str], path: Path) -> None:
                 values[r.provider] = r.p50
         base = values.get("stock")
         panels[case] = {f"{p} {base / v:.2f}x" if base else p: {"ms": v} for p, v in values.items()}
-    stacked_bar_panels(path, "Step time per provider (varlen: ms per 1k real tokens); label: speed-up over stock",
-                       panels, ["ms"], "ms")  # fmt: skip
+    title = "ms per step (varlen: per 1000 real tokens), bar label: speed-up over stock"
+    stacked_bar_panels(path, title, panels, ["ms"], "ms")
 
 
 def write(recs: list[dict], args: argparse.Namespace) -> Path:
