@@ -495,7 +495,8 @@ def table(rows: list[Any], order: list[str]) -> str:
             else:
                 ratio = f" ({stock.p50 / speed.p50:.2f}x)" if stock else ""
                 cells.append(f"{speed.p50:.1f} ms{ratio}, {by[(case, p, 'memory')].p50:.2f} GiB, first step "
-                             f"{by[(case, p, 'first step')].p50:.1f} s")  # fmt: skip
+                             f"{by[(case, p, 'first step')].p50:.1f} s (cold start "
+                             f"{by[(case, p, 'cold start')].p50:.0f} s)")  # fmt: skip
         lines.append([case, *cells])
     loss = ["max abs loss diff vs stock (per-step losses)"]
     for p in providers:
@@ -538,8 +539,9 @@ def write(recs: list[dict], args: argparse.Namespace) -> Path:
     order = [c for c in all_cases if any(r.mode == c for r in rows)]
     text = table(rows, order)
     header = ("Each (case, provider) in its own process, cold caches. Cells: median step (speed-up over stock), "
-              "peak allocated GiB over training (weights included), first step. Full records (per-step losses, "
-              "leantrain's report, timings) in the JSON.\n\n")  # fmt: skip
+              "peak allocated GiB over training (weights included), first step (cold start: from the process's "
+              "first import to the end of the first step, loading and compiling included). Full records (per-step "
+              "losses, leantrain's report, timings) in the JSON.\n\n")  # fmt: skip
     out = write_results(NAME, rows, header + text, out_dir)
     try:
         plot(rows, order, out / f"{NAME}.png")
