@@ -61,8 +61,14 @@ STOCK_EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PAD = 0  # runner.TOKENS' pad id: the data never holds it (ids from 3), so non-pad tokens are the real ones
 LR = 2e-4
 UNSLOTH_MODULES = ("unsloth", "unsloth_zoo")
-DEFAULT_CASES = ("llama-3.2-1b", "qwen2.5-1.5b", "gemma-2-2b", "llama-3.2-1b-qlora", "llama-3.2-1b-varlen",
-                 "moe-qlora")  # fmt: skip
+DEFAULT_CASES = (
+    "llama-3.2-1b",
+    "llama-3.2-1b-qlora",
+    "llama-3.2-1b-varlen",
+    "qwen2.5-1.5b",
+    "gemma-2-2b",
+    "moe-qlora",
+)  # fmt: skip (the Llama cases share one saved model)
 QWEN3_8B = dict(  # Qwen/Qwen3-8B's config (untied head)
     vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6,
@@ -411,15 +417,32 @@ def tail(text: str, lines: int = 6) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])[-600:]
 
 
-def run_case(case: Case, providers: list[str], args: argparse.Namespace) -> list[dict]:
-    model_dir = Path(tempfile.mkdtemp(prefix="vs_unsloth_model_"))
-    try:
-        ready = spawn(case, "prepare", model_dir, args)
-        if ready["status"] != "ok":
-            return [dict(ready, provider=p, reason=f"model not built: {ready['reason']}") for p in providers]
-        return [skipped(case, p, args) or spawn(case, p, model_dir, args) for p in providers]
-    finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
+class Weights:
+    """The saved random-init model of the case being run, kept for the next case of the same shape (the Llama
+    cases share one) and removed when the shape changes or the run ends."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.key, self.dir, self.ready = args, None, None, None
+
+    def for_case(self, case: Case) -> tuple[Path, dict]:
+        key = json.dumps([case.cls, case.fields], sort_keys=True)
+        if key != self.key:
+            self.close()
+            self.key, self.dir = key, Path(tempfile.mkdtemp(prefix="vs_unsloth_model_"))
+            self.ready = spawn(case, "prepare", self.dir, self.args)
+        return self.dir, self.ready
+
+    def close(self) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.key = self.dir = None
+
+
+def run_case(case: Case, providers: list[str], weights: Weights, args: argparse.Namespace) -> list[dict]:
+    model_dir, ready = weights.for_case(case)
+    if ready["status"] != "ok":
+        return [dict(ready, provider=p, reason=f"model not built: {ready['reason']}") for p in providers]
+    return [skipped(case, p, args) or spawn(case, p, model_dir, args) for p in providers]
 
 
 def skipped(case: Case, provider: str, args: argparse.Namespace) -> dict | None:
@@ -575,10 +598,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown {unknown}: cases {list(known)}, providers {list(PROVIDERS)}")
     recs: list[dict] = []
-    for name in wanted:
-        case = known[name]
-        recs += run_case(case, providers, args)
-        write(recs, args)  # after each case: a run cut off at its limit keeps what finished
+    weights = Weights(args)
+    try:
+        for name in wanted:
+            recs += run_case(known[name], providers, weights, args)
+            write(recs, args)  # after each case: a run cut off at its limit keeps what finished
+    finally:
+        weights.close()
     bad = [r for r in recs if r["provider"] in ("stock", "leantrain") and r["status"] not in ("ok", "skipped")]
     if bad:
         raise SystemExit(f"{len(bad)} stock/leantrain runs failed: " + "; ".join(r["reason"][:200] for r in bad))
