@@ -19,8 +19,11 @@ for w in "$WHL"/*.whl; do
   [ $skip = 0 ] && shared+=("$w")
 done
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
-pipi /tmp/site "${shared[@]}" "$BNB"/*.whl || exit 2
-pipi /tmp/site_unsloth $(for pat in $only_unsloth; do echo "$WHL"/$pat; done) || exit 2
+if [ ! -f /tmp/site_unsloth/.installed ]; then  # once per machine: a second call in the same session reuses it
+  pipi /tmp/site "${shared[@]}" "$BNB"/*.whl || exit 2
+  pipi /tmp/site_unsloth $(for pat in $only_unsloth; do echo "$WHL"/$pat; done) || exit 2
+  touch /tmp/site_unsloth/.installed
+fi
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site UNSLOTH_SITE=/tmp/site_unsloth PYTHONUNBUFFERED=1
 export BENCH_RESULTS=$OUT BENCH_COMMIT=${BENCH_COMMIT:-$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
