@@ -30,7 +30,7 @@ export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, trl, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__)"
 start=$(date +%s)
-python3 benchmarks/bench_vs_unsloth.py "$@" 2>&1 | tee "$OUT/vs_unsloth.log"
+python3 benchmarks/bench_vs_unsloth.py "$@" 2>&1 | tee -a "$OUT/vs_unsloth.log"
 rc=${PIPESTATUS[0]}
 echo "bench_vs_unsloth rc=$rc in $(( $(date +%s) - start )) s"
 exit $rc
