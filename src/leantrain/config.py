@@ -22,10 +22,16 @@ _TRUE = {"1", "on", "yes", "true"}
 _FALSE = {"0", "off", "no", "false"}
 
 # Optimizations in the order they are applied: model surgery first, then forward/loss patches. fused_ce comes before
-# cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss.
-OPTIMIZATIONS = ("moe4bit", "osft", "layer_kernels", "fused_ce", "cggr", "grpo_logps")
+# cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss. compile_layers
+# comes after everything that rebinds code inside the decoder layers, so it compiles what will run.
+OPTIMIZATIONS = ("moe4bit", "osft", "layer_kernels", "compile_layers", "fused_ce", "cggr", "grpo_logps")
 CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_DYNAMIC = ("auto", "always")
+# torch._dynamo's own per-function limit is 8 compiled entries; past it Dynamo runs the frame eagerly without a
+# word, so leantrain's limit must bite first (at most 6 recompiles: 7 entries).
+MAX_LAYER_RECOMPILES = 6
 
 
 def _ratio(value: float) -> str | None:
@@ -65,6 +71,12 @@ class LeantrainConfig:
         "tristate",
         "Liger-Kernel's RMSNorm, SwiGLU/GeGLU and RoPE kernels on this model's modules (auto: the model families "
         "where they measured faster; needs leantrain[kernels] and CUDA)",
+    )
+    compile_layers: bool | None = _opt(
+        None,
+        "tristate",
+        "torch.compile of each decoder layer (one compiled code shared by every layer; auto: CUDA, where the measured "
+        "saving pays the compile back within the run's steps)",
     )
     fused_ce: bool | None = _opt(
         None, "tristate", "SFT / Trainer causal-LM loss from hidden states and the LM head, no [B,T,V] logits"
@@ -110,6 +122,23 @@ class LeantrainConfig:
         "bool",
         "FSDP2 Shard(0) V: keep the all-gathered frozen V_high between steps (no per-step all-gather; costs the "
         "full V_high on every rank)",
+    )
+    # Compiled decoder layers
+    compile_layers_backend: str = _opt(
+        "inductor", "str", "torch.compile backend of the decoder layers", _one_of(*COMPILE_BACKENDS)
+    )
+    compile_layers_dynamic: str = _opt(
+        "auto",
+        "str",
+        "sequence lengths: auto (static first, dynamic from the first new length: one recompile), always (dynamic "
+        "from the start)",
+        _one_of(*COMPILE_DYNAMIC),
+    )
+    compile_layers_max_recompiles: int = _opt(
+        4,
+        "int",
+        f"recompiles of the layer code before the eager layers take over for the run (0-{MAX_LAYER_RECOMPILES})",
+        lambda v: None if 0 <= v <= MAX_LAYER_RECOMPILES else f"must be in [0, {MAX_LAYER_RECOMPILES}], got {v!r}",
     )
     # MoE 4-bit
     moe_recompute: bool | None = _opt(

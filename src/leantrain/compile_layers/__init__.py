@@ -1,0 +1,54 @@
+"""Compiled decoder layers: one regional ``torch.compile`` of the decoder layer's forward, shared by every layer.
+
+Compiling layer by layer (not the whole model) keeps the compile short, leaves the head, the loss and the trainer
+eager, and lets transformers' gradient checkpointing wrap each compiled layer. ``probe.py`` decides (what stops
+Dynamo here, and in auto mode whether the measured saving pays the compile back within the run: ``measured.py``),
+``patch.py`` binds the compiled forward and counts recompiles, ``ops.py`` holds the private code copy and the
+pay-back arithmetic (plain values)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..optimization import Applied, Optimization, PatchContext, Readiness, register
+from .measured import MEASURED, Measured
+from .probe import CompilePlan, describe
+from .probe import probe as probe_trainer  # the submodule keeps its name
+
+
+@register
+class CompileLayers(Optimization):
+    name = "compile_layers"
+    trainer_kinds = ("sft", "trainer", "grpo")
+
+    def check_environment(self) -> tuple[str, ...]:
+        import torch
+
+        if not torch._dynamo.is_dynamo_supported():
+            return ("torch.compile is not supported with this Python / torch",)
+        return ()
+
+    def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
+        return probe_trainer(trainer, ctx)
+
+    def apply(self, trainer: Any, plan: CompilePlan, ctx: PatchContext) -> Applied:
+        from .patch import install
+
+        targets, taken = install(plan, ctx.undo, ctx.fallback, trainer)
+        detail = describe(plan)
+        if taken:
+            detail += (
+                f"; compiles instead of layer_kernels inside the layers ({taken} Liger forwards set back to stock: "
+                "inductor fuses the norms and activations, and Liger's autograd functions do not trace on this torch)"
+            )
+        return Applied(targets, detail)
+
+
+def stats(trainer: Any) -> Any:
+    """The live compile counts of a patched trainer (``.compiles``, ``.recompiles``), or None."""
+    from .patch import STATS_ATTR
+
+    return getattr(trainer, STATS_ATTR, None)
+
+
+__all__ = ["MEASURED", "CompileLayers", "CompilePlan", "Measured", "stats"]

@@ -1,0 +1,103 @@
+"""The compiled forward ``apply`` binds on every decoder layer instance (never on the class).
+
+One ``torch.compile`` of a private copy of the layer class's forward (``ops.private_copy``) serves every layer: the
+layer is an argument, so Dynamo compiles once and reuses the entry for each instance. Transformers' checkpointing
+(``GradientCheckpointingLayer.__call__``) wraps ``nn.Module.__call__``, which calls the instance's forward: the
+checkpoint wraps the compiled region, in both modes. Every call runs through the run-time fallback: a compile error
+warns once and the stock forward serves from then on. The compile backend is wrapped to count compiles: past the
+recompile limit the eager layers take over (warned once, the report marked failed), before torch's own limit would
+make Dynamo run eagerly without a word."""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch
+
+from ..fallback import RuntimeFallback
+from ..undo import Undo
+from .ops import checkpointing_inner, private_copy, with_inner
+from .probe import CompilePlan
+
+
+logger = logging.getLogger("leantrain")
+STATS_ATTR = "leantrain_compile_layers"  # on the trainer: the live CompileStats (compiles, recompiles)
+
+
+class RecompileLimit(RuntimeError):
+    """Strict mode: the layers recompiled more often than ``compile_layers_max_recompiles`` allows."""
+
+
+class CompileStats:
+    """Counts the graphs compiled for the layer code (its backend is the counting wrapper): the first compile(s)
+    plus recompiles on new shapes or guards."""
+
+    def __init__(self, plan: CompilePlan, fallback: RuntimeFallback) -> None:
+        self.plan, self.fallback = plan, fallback
+        self.compiles = 0
+        self.inner = torch._dynamo.lookup_backend(plan.backend)
+
+    @property
+    def recompiles(self) -> int:
+        return max(0, self.compiles - 1)
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.compiles += 1
+        if self.recompiles > self.plan.max_recompiles:
+            reason = (
+                f"the decoder layers recompiled {self.recompiles} times (compile_layers_max_recompiles="
+                f"{self.plan.max_recompiles}): each new shape or guard compiles again, so the eager layers serve the "
+                "rest of training; pad batches to fewer lengths (pad_to_multiple_of), set "
+                "compile_layers_dynamic='always', or raise the limit"
+            )
+            if self.fallback.strict:
+                raise RecompileLimit(reason)
+            self.fallback.fail(reason)
+            return gm.forward  # this one call runs the traced graph eagerly; the next ones the stock forward
+        if self.compiles > 1:
+            logger.info("leantrain: compile_layers recompiled the decoder layers (%d recompiles)", self.recompiles)
+        return self.inner(gm, example_inputs)
+
+
+def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: Any) -> tuple[tuple[str, ...], int]:
+    """Bind the compiled forward on every planned layer (each recorded on ``undo``); the qualified names, and how many
+    kernel forwards bound inside the layers it took over.
+
+    The compiled region is the layer's own forward; where transformers checkpoints inside ``forward``
+    (``forward_with_checkpointing``), each instance gets a copy of that wrapper calling the compiled forward, so the
+    checkpoint wraps the compiled layer (torchtitan's order: activation checkpointing, then compile)."""
+    stats = CompileStats(plan, fallback)
+    inner = checkpointing_inner(plan.stock) or plan.stock
+    dynamic = None if plan.dynamic == "auto" else True  # None: static first, dynamic dims from the first change
+    compiled = torch.compile(private_copy(inner), backend=stats.backend, dynamic=dynamic)
+
+    def guarded(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return fallback.call(compiled, inner, self, *args, **kwargs)
+
+    forward = guarded if inner is plan.stock else with_inner(plan.stock, guarded)
+    forward.__leantrain_original__ = plan.stock  # type: ignore[attr-defined]
+    for _, layer in plan.layers:
+        undo.set_attr(layer, "forward", types.MethodType(forward, layer))
+    taken = kernel_forwards(plan)
+    for module in taken:  # compiled instead: inductor fuses what these kernels did, and they do not trace
+        undo.set_attr(module, "forward", types.MethodType(type(module).forward, module))
+    undo.set_attr(trainer, STATS_ATTR, stats)
+    return tuple(name for name, _ in plan.layers), len(taken)
+
+
+def kernel_forwards(plan: CompilePlan) -> list[torch.nn.Module]:
+    """Modules inside the layers whose forward another leantrain optimization bound on the instance (layer_kernels'
+    Liger RMSNorm / SwiGLU / RoPE forwards: Liger's autograd functions fail Dynamo's trace on torch 2.11, an
+    AssertionError measured on an H200), in the order found."""
+    found = []
+    for _, layer in plan.layers:
+        for module in layer.modules():
+            bound = vars(module).get("forward") if module is not layer else None
+            func = getattr(bound, "__func__", bound)
+            if func is not None and (
+                getattr(func, "__module__", "").startswith("leantrain.") or hasattr(func, "__leantrain_original__")
+            ):
+                found.append(module)
+    return found

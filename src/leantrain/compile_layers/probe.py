@@ -1,0 +1,221 @@
+"""The compiled layers' probe: is there one decoder-layer class to compile, does anything in the run stop Dynamo
+from serving it (OSFT's factored modules, MoE experts under moe4bit, ZeRO-3, several processes), and in auto mode
+does the measured saving pay the compile back within the run's steps. The plan names the layers and the stock
+forward ``apply`` compiles."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models import data_parallel_reason, decoder_parts, unwrap_model
+from ..optimization import PatchContext, Readiness
+from .measured import KNOWN_FAILURES, MEASURED
+from .ops import Payback
+
+
+AUTO_KINDS = ("sft", "trainer")  # where the saving was measured (training steps of SFT / plain Trainer)
+FALLBACK_COMPILE_S = 15.3  # a family without its own cold-start measurement: Llama-3.2-1B's (measured.py)
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    family: str
+    layers: tuple[tuple[str, nn.Module], ...]  # qualified name, decoder layer instance
+    stock: Callable[..., Any]  # the layer class's forward (a plain function), what the eager path runs
+    backend: str
+    dynamic: str  # "auto" or "always" (config.COMPILE_DYNAMIC)
+    max_recompiles: int
+    cache: str  # where inductor's FX-graph and AOTAutograd caches live, and whether they are on
+    why: str
+
+
+def probe(trainer: Any, ctx: PatchContext) -> Readiness:
+    cfg = ctx.config.config
+    asked = cfg.compile_layers is True
+    model = unwrap_model(trainer.model)
+    family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    try:
+        parts = decoder_parts(model)
+    except ValueError as error:
+        return Readiness.not_applicable(f"{error}: compile_layers compiles the decoder layers of a causal LM")
+    layers = list(parts.layers)
+    if not layers:
+        return Readiness.not_applicable(f"{type(model).__name__} has no decoder layers")
+    if not asked and ctx.trainer_kind not in AUTO_KINDS:
+        return Readiness.not_applicable(
+            f"measured on SFT training steps only, not on {ctx.trainer_kind} trainers (generation would compile the "
+            "cached decode path too); pass compile_layers=True to compile anyway"
+        )
+    device = trainer.args.device
+    if not asked and device.type != "cuda":
+        return Readiness.not_applicable(
+            f"measured on CUDA only; this trainer runs on {device.type}: pass compile_layers=True to compile anyway"
+        )
+    reasons = run_reasons(trainer, model, family, layers, cfg)
+    if reasons:
+        return Readiness.no(*reasons)
+    why = "compiled on request (compile_layers=True)"
+    if not asked:
+        verdict = payback_reason(trainer, family)
+        if isinstance(verdict, str):
+            return Readiness.not_applicable(verdict)
+        why = verdict[1]
+    prefix = getattr(model, "base_model_prefix", "model")
+    trunk = next((n for n, m in model.named_modules() if m is parts.layers), f"{prefix}.layers")
+    plan = CompilePlan(
+        family=family,
+        layers=tuple((f"{trunk}.{i}", layer) for i, layer in enumerate(layers)),
+        stock=type(layers[0]).forward,
+        backend=cfg.compile_layers_backend,
+        dynamic=cfg.compile_layers_dynamic,
+        max_recompiles=cfg.compile_layers_max_recompiles,
+        cache=cache_description(cfg.compile_layers_backend),
+        why=why,
+    )
+    return Readiness(detail=describe(plan), plan=plan)
+
+
+def run_reasons(trainer: Any, model: nn.Module, family: str, layers: list[nn.Module], cfg: Any) -> list[str]:
+    """What stops the compiled layers from serving this run (each a sentence naming the next step)."""
+    reasons = []
+    if not torch._dynamo.is_dynamo_supported():
+        reasons.append(
+            f"torch.compile is not supported here (Python {sys.version.split()[0]}, torch {torch.__version__})"
+        )
+    classes = {type(layer) for layer in layers}
+    if len(classes) > 1:
+        names = ", ".join(sorted(c.__name__ for c in classes))
+        reasons.append(f"the decoder layers are of {len(classes)} classes ({names}); one compiled code needs one")
+    first = layers[0]
+    patched = [i for i, layer in enumerate(layers) if "forward" in vars(layer)]
+    if patched:
+        reasons.append(
+            f"decoder layer {patched[0]} already runs {_qualname(first.forward)} bound on the instance: another "
+            "library patched the layers; compile_layers compiles the class's own forward"
+        )
+    compiled = [i for i, layer in enumerate(layers) if getattr(layer, "_compiled_call_impl", None) is not None]
+    if compiled:
+        reasons.append(
+            f"decoder layer {compiled[0]} is already compiled (layer.compile()): drop that call, compile_layers "
+            "compiles every layer once with a recompile limit and a fallback"
+        )
+    if not isinstance(getattr(type(first), "forward", None), types.FunctionType):
+        reasons.append(f"{type(first).__name__}.forward is not a plain function here; nothing to compile")
+    if cfg.osft:
+        reasons.append(
+            "osft is on: OSFT's factored modules run closures and a per-step projection that Dynamo would have to "
+            "retrace; pass compile_layers=False (or osft=False)"
+        )
+    if cfg.moe4bit is not False and _has_experts(first):
+        reasons.append(
+            "MoE layers: moe4bit's grouped 4-bit expert kernels are not torch.library custom ops yet, so Dynamo "
+            "cannot trace them; pass moe4bit=False to compile the stock experts (not measured), or "
+            "compile_layers=False"
+        )
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+        stage = getattr(getattr(plugin, "deepspeed_plugin", None), "zero_stage", None)
+        if stage == 3:
+            reasons.append(
+                "DeepSpeed ZeRO-3 gathers each layer's parameters in module hooks that Dynamo cannot trace: pass "
+                "compile_layers=False, or use ZeRO-2 / FSDP2"
+            )
+    world = getattr(getattr(trainer, "args", None), "world_size", 1)
+    if isinstance(world, int) and world > 1:
+        reasons.append(
+            f"{world} processes (DDP / FSDP): compiled layers are measured on one GPU only; under several processes "
+            "they are declined until measured (pass compile_layers=False to silence this)"
+        )
+    replicas = data_parallel_reason(trainer, "the compiled forward is bound to each layer instance")
+    if replicas:
+        reasons.append(replicas)
+    known = next((e for (f, v), e in KNOWN_FAILURES.items() if f == family and torch.__version__.startswith(v)), None)
+    if known:
+        reasons.append(f"{family}'s decoder layer does not compile on torch {torch.__version__}: {known}")
+    return reasons
+
+
+def payback_reason(trainer: Any, family: str) -> str | tuple[None, str]:
+    """Auto mode: a skip reason with the arithmetic, or (None, why it applies)."""
+    measured = MEASURED.get(family)
+    if measured is None:
+        return (
+            f"not measured on {family} (measured: {', '.join(MEASURED)}); pass compile_layers=True to compile anyway"
+        )
+    steps = planned_steps(trainer)
+    if steps is None:
+        return (
+            "the run's step count is unknown at patch time (no max_steps, no sized dataset), so the compile cost "
+            f"cannot be weighed ({measured.evidence}); pass compile_layers=True to compile anyway"
+        )
+    compile_s = measured.compile_s or FALLBACK_COMPILE_S
+    payback = Payback(steps, measured.saving_ms, compile_s)
+    if not payback.pays:
+        return (
+            f"does not pay back within this run: {payback.sentence()} ({measured.evidence}); pass "
+            "compile_layers=True to compile anyway"
+        )
+    return None, f"pays back within this run: {payback.sentence()} ({measured.evidence})"
+
+
+def planned_steps(trainer: Any) -> int | None:
+    """The optimizer steps the trainer will run: ``max_steps``, else epochs x batches of a sized dataset."""
+    args = trainer.args
+    if getattr(args, "max_steps", -1) and args.max_steps > 0:
+        return int(args.max_steps)
+    data = getattr(trainer, "train_dataset", None)
+    try:
+        rows = len(data)
+    except TypeError:
+        return None
+    per_step = max(1, args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size))
+    return max(1, int(args.num_train_epochs * -(-rows // per_step)))
+
+
+def cache_description(backend: str) -> str:
+    """Where inductor keeps its FX-graph and AOTAutograd caches (read, never set: torch's own per-user directory,
+    moved with TORCHINDUCTOR_CACHE_DIR), and whether they are on."""
+    if backend != "inductor":
+        return f"no persistent cache for the {backend} backend"
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    on = [
+        n
+        for n, v in (("FX graph", inductor_config.fx_graph_cache), ("AOTAutograd", _autograd_cache(functorch_config)))
+        if v
+    ]
+    if inductor_config.force_disable_caches or not on:
+        return "compile caches off in this process (torch's settings); a second launch compiles again"
+    return f"{' and '.join(on)} caches in {where} (a second launch reuses them; delete the directory to clear)"
+
+
+def _autograd_cache(functorch_config: Any) -> bool:
+    return bool(getattr(functorch_config, "enable_autograd_cache", False))
+
+
+def describe(plan: CompilePlan) -> str:
+    dynamic = "dynamic sequence length from the first new length" if plan.dynamic == "auto" else "dynamic shapes"
+    return (
+        f"torch.compile ({plan.backend}, {dynamic}) of {type(plan.layers[0][1]).__name__}.forward, one compiled code "
+        f"for {len(plan.layers)} layers, at most {plan.max_recompiles} recompiles; {plan.cache}; {plan.why}"
+    )
+
+
+def _has_experts(layer: nn.Module) -> bool:
+    return any(name.endswith("experts") for name, _ in layer.named_modules())
+
+
+def _qualname(obj: Any) -> str:
+    func = getattr(obj, "__func__", obj)
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(obj).__name__)}"

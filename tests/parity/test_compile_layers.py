@@ -1,0 +1,286 @@
+"""Compiled decoder layers on CPU against the stock layers: the same training run with and without
+``compile_layers=True``, on tiny Llama / Qwen2 / Gemma-2 models in fp32.
+
+The compiled runs use the ``aot_eager`` backend: Dynamo traces the layer and AOTAutograd splits forward and backward
+into graphs that run the same aten kernels eagerly, so in fp32 the losses, gradients and weights must equal the
+stock run's bit for bit (``torch.equal``). That exactness is what makes a mis-bound layer, a stale guard reusing
+another layer's weights, or a checkpoint that no longer recomputes the compiled region fail here. One inductor run
+checks the default backend with a tolerance (its fused kernels reorder fp32 reductions)."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import leantrain
+from leantrain import NotReadyError, Status
+from leantrain.compile_layers import patch as compile_patch
+from leantrain.compile_layers import probe as compile_probe
+from leantrain.compile_layers import stats
+from leantrain.compile_layers.ops import Payback
+from leantrain.models import decoder_parts
+from leantrain.tiny import tiny_model
+from tests._optimizations import only
+
+
+VOCAB = 256
+AOT = {"compile_layers_backend": "aot_eager"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo remembers which dimensions changed per function name and line (its "automatic dynamic" profile, kept
+    on disk too), so a layer seen at several widths by an earlier test would start dynamic here: each test starts
+    from a clean profile, as a first launch does."""
+    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+        torch._dynamo.reset()
+        yield
+    torch._dynamo.reset()
+
+
+def tiny(family: str = "llama", layers: int = 3) -> torch.nn.Module:
+    return tiny_model(family, vocab_size=VOCAB, hidden=64, layers=layers).train()
+
+
+def rows(n: int = 8, lengths: tuple[int, ...] = (12,)) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        {"input_ids": torch.randint(3, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()} for i in range(n)
+    ]
+
+
+def pad(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """Right-pad a batch to its longest row: pad id 0, mask 0, label -100 (the stock run sees the same batches)."""
+    width = max(len(r["input_ids"]) for r in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, r in enumerate(batch):
+        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, : len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def trainer_for(model, tmp_path, data=None, **args) -> Trainer:
+    config = dict(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3,
+        per_device_train_batch_size=2, max_steps=3, logging_steps=1, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    config.update(args)
+    return Trainer(model=model, args=TrainingArguments(**config), train_dataset=data or rows(), data_collator=pad)
+
+
+def run(make_model, tmp_path, patch: dict | None, data=None, **args):
+    """Train; return (losses, weights, trainer)."""
+    trainer = trainer_for(make_model(), tmp_path, data, **args)
+    if patch is not None:
+        leantrain.patch_trainer(trainer, **{**only("compile_layers"), **patch})
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return losses, weights, trainer
+
+
+def assert_same_run(stock, compiled) -> None:
+    assert compiled[0] == stock[0], f"losses {compiled[0]} vs stock {stock[0]}"
+    for name, w in stock[1].items():
+        assert torch.equal(compiled[1][name], w), f"{name} differs from the stock run"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_trains_exactly_as_stock_with_one_compile_for_every_layer(family, tmp_path):
+    stock = run(lambda: tiny(family), tmp_path, None)
+    compiled = run(lambda: tiny(family), tmp_path, {"compile_layers": True, **AOT})
+    assert_same_run(stock, compiled)
+    trainer = compiled[2]
+    assert trainer.leantrain_report["compile_layers"].status is Status.APPLIED
+    assert len(trainer.leantrain_report["compile_layers"].targets) == 3
+    # three layers, one compiled code: Gemma-2 alternates sliding and full attention (a guard on the layer's
+    # attention type), so at most one more entry there; never one per layer
+    assert stats(trainer).compiles <= (2 if family == "gemma2" else 1)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_wraps_the_compiled_layer(reentrant, tmp_path):
+    ckpt = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    stock = run(tiny, tmp_path, None, **ckpt)
+    compiled = run(tiny, tmp_path, {"compile_layers": True, **AOT}, **ckpt)
+    assert_same_run(stock, compiled)
+    assert stats(compiled[2]).compiles <= 2  # reentrant: the no-grad first pass may compile its own entry
+
+
+def test_lora_adapters_train_as_stock(tmp_path):
+    peft = pytest.importorskip("peft")
+
+    def make():
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+        return peft.get_peft_model(tiny(), lora)
+
+    ckpt = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    stock = run(make, tmp_path, None, **ckpt)
+    compiled = run(make, tmp_path, {"compile_layers": True, **AOT}, **ckpt)
+    assert_same_run(stock, compiled)
+    assert stats(compiled[2]).compiles == 1
+
+
+@pytest.mark.parametrize("dynamic", ["auto", "always"])
+def test_varying_lengths_recompile_at_most_once(dynamic, tmp_path):
+    data = rows(12, lengths=(9, 17, 12, 23, 14, 31))  # a new padded width every step
+    stock = run(tiny, tmp_path, None, data, max_steps=6)
+    compiled = run(
+        tiny, tmp_path, {"compile_layers": True, "compile_layers_dynamic": dynamic, **AOT}, data, max_steps=6
+    )
+    assert_same_run(stock, compiled)
+    # auto: the first width compiles static, the second compiles the sequence dimension dynamic, and that entry
+    # serves every later width; always: dynamic from the start (a 0/1-size specialization may add one)
+    assert stats(compiled[2]).recompiles <= 1
+    assert compiled[2].leantrain_report["compile_layers"].status is Status.APPLIED
+
+
+def test_past_the_recompile_limit_the_eager_layers_take_over(tmp_path):
+    data = rows(12, lengths=(9, 17, 12, 23, 14, 31))
+    stock = run(tiny, tmp_path, None, data, max_steps=6)
+    patch = {"compile_layers": True, "compile_layers_max_recompiles": 0, **AOT}
+    with pytest.warns(RuntimeWarning, match="recompiled 1 times") as caught:
+        compiled = run(tiny, tmp_path, patch, data, max_steps=6)
+    assert sum("compile_layers failed" in str(w.message) for w in caught) == 1  # warned once
+    assert_same_run(stock, compiled)
+    outcome = compiled[2].leantrain_report["compile_layers"]
+    assert outcome.status is Status.FAILED and "compile_layers_max_recompiles=0" in outcome.reasons[0]
+    assert stats(compiled[2]).compiles == 2  # no compile after the fallback
+
+
+def test_strict_mode_raises_past_the_recompile_limit(tmp_path):
+    data = rows(8, lengths=(9, 11, 13, 15, 17, 19, 21, 23))  # shuffled batches of two: a new width within 4 steps
+    patch = {"compile_layers": True, "compile_layers_max_recompiles": 0, "strict": True, **AOT}
+    with pytest.raises(Exception, match="compile_layers_max_recompiles=0"):
+        run(tiny, tmp_path, patch, data, max_steps=4)
+
+
+def test_a_compile_error_falls_back_to_the_eager_layers(tmp_path, monkeypatch):
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("injected: this layer does not compile")
+
+    monkeypatch.setattr(compile_patch.CompileStats, "backend", broken)
+    stock = run(tiny, tmp_path, None)
+    with pytest.warns(RuntimeWarning, match="injected: this layer does not compile") as caught:
+        compiled = run(tiny, tmp_path, {"compile_layers": True, **AOT})
+    assert sum("compile_layers failed" in str(w.message) for w in caught) == 1
+    assert_same_run(stock, compiled)  # training went on, on the stock layers
+    outcome = compiled[2].leantrain_report["compile_layers"]
+    assert outcome.status is Status.FAILED and "injected" in outcome.reasons[0]
+
+
+def test_forced_probe_failure_declines_or_raises(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_probe, "run_reasons", lambda *a: ["forced: DeepSpeed ZeRO-3"])
+    trainer = trainer_for(tiny(), tmp_path)
+    with pytest.raises(NotReadyError, match="forced: DeepSpeed ZeRO-3"):
+        leantrain.patch_trainer(trainer, **only("compile_layers"), **AOT)
+    report = leantrain.patch_trainer(trainer, **only("compile_layers", None), **AOT)
+    assert report["compile_layers"].status is Status.SKIPPED
+    assert "forward" not in vars(decoder_parts(trainer.model).layers[0])
+
+
+def test_auto_declines_on_cpu_and_under_osft(tmp_path):
+    trainer = trainer_for(tiny(), tmp_path)
+    report = leantrain.patch_trainer(trainer, **only("compile_layers", None))
+    assert report["compile_layers"].status is Status.SKIPPED
+    assert "measured on CUDA only" in report["compile_layers"].reasons[0]
+    leantrain.unpatch_trainer(trainer)
+    cfg = types.SimpleNamespace(osft=True, moe4bit=None)
+    reasons = compile_probe.run_reasons(
+        trainer, trainer.model, "llama", list(decoder_parts(trainer.model).layers), cfg
+    )
+    assert any(r.startswith("osft is on") for r in reasons)
+
+
+def test_a_model_without_decoder_layers_is_not_applicable(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM
+
+    model = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64))  # fmt: skip
+    trainer = trainer_for(model, tmp_path)
+    report = leantrain.patch_trainer(trainer, **only("compile_layers", None), strict=True)
+    outcome = report["compile_layers"]
+    assert outcome.status is Status.SKIPPED and "no decoder layer list" in outcome.reasons[0]  # strict: no raise
+
+
+def test_unpatch_restores_the_stock_forwards_by_identity(tmp_path):
+    trainer = trainer_for(tiny(), tmp_path)
+    layers = decoder_parts(trainer.model).layers
+    leantrain.patch_trainer(trainer, **only("compile_layers"), **AOT)
+    assert all(layer.forward.__func__.__leantrain_original__ is type(layer).forward for layer in layers)
+    print(trainer.model)  # the patched model still prints
+    leantrain.unpatch_trainer(trainer)
+    assert all("forward" not in vars(layer) for layer in layers)
+    assert all(layer.forward.__func__ is type(layer).forward for layer in layers)
+    assert stats(trainer) is None
+
+
+def test_the_payback_arithmetic():
+    assert not Payback(steps=100, saving_ms=50.0, compile_s=15.0).pays  # 5 s saved < 15 s compiling
+    assert Payback(steps=400, saving_ms=50.0, compile_s=15.0).pays
+    assert Payback(steps=1, saving_ms=50.0, compile_s=15.0).break_even == 301
+    assert not Payback(steps=10**6, saving_ms=0.0, compile_s=1.0).pays
+    fake = types.SimpleNamespace(args=types.SimpleNamespace(max_steps=50))
+    assert "does not pay back within this run: 50 steps" in compile_probe.payback_reason(fake, "llama")
+    fake.args.max_steps = 5000
+    assert compile_probe.payback_reason(fake, "llama")[1].startswith("pays back within this run")
+    assert "not measured on gpt2" in compile_probe.payback_reason(fake, "gpt2")
+
+
+@pytest.mark.slow
+def test_inductor_backend_trains_within_fp32_rounding(tmp_path):
+    pytest.importorskip("torch._inductor")
+    stock = run(tiny, tmp_path, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback here would hide an inductor failure
+        compiled = run(tiny, tmp_path, {"compile_layers": True})
+    assert compiled[2].leantrain_report["compile_layers"].status is Status.APPLIED
+    # inductor fuses the norms and activations and reorders fp32 reductions (~1e-7 relative per op); three steps
+    # of Adam at lr 1e-3 on losses ~5.5 keep the loss within 1e-5 relative, far below a wrong-layer error (~1e-2)
+    for a, b in zip(compiled[0], stock[0], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_the_checkpoint_wraps_the_compiled_region(tmp_path):
+    """Checkpointing runs outside Dynamo (never traced) and the compiled forward inside it (torchtitan's order)."""
+    model = tiny()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seen = []
+    for layer in decoder_parts(model).layers:
+        original = layer._gradient_checkpointing_func
+
+        def spy(function, *args, _original=original, **kwargs):
+            seen.append(torch.compiler.is_compiling())
+            return _original(function, *args, **kwargs)
+
+        layer._gradient_checkpointing_func = spy
+    trainer = trainer_for(model, tmp_path)
+    leantrain.patch_trainer(trainer, **only("compile_layers"), **AOT)
+    trainer.train()
+    assert len(seen) == 3 * 3 and not any(seen), f"checkpoint calls (True: traced inside the compiled region): {seen}"
+    assert stats(trainer).compiles == 1
+
+
+def test_compiles_instead_of_the_layer_kernels_inside_the_layers(tmp_path):
+    from tests._layer_kernels_refs import emulated
+
+    stock = run(tiny, tmp_path, None)
+    with emulated() as calls:
+        trainer = trainer_for(tiny(), tmp_path)
+        patch = {**only("compile_layers"), "layer_kernels": True, **AOT}
+        report = leantrain.patch_trainer(trainer, **patch)
+        trainer.train()
+        # only the final norm (outside the layers) keeps its kernel: one call a step
+        assert calls == {"rms_norm": 3}, f"kernel stand-ins ran inside the compiled layers: {calls}"
+    assert "compiles instead of layer_kernels inside the layers" in report["compile_layers"].detail
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses == stock[0]
+    layers = decoder_parts(trainer.model).layers
+    leantrain.unpatch_trainer(trainer)
+    assert all("forward" not in vars(m) for layer in layers for m in layer.modules())
