@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import json
 import math
 import os
@@ -165,15 +166,34 @@ def dataset(case: Case) -> Any:
     return Dataset.from_dict({"input_ids": [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]})
 
 
+# Trainer settings every provider pins to transformers' own defaults: Unsloth's SFTConfig swaps the defaults of
+# these (2 accumulated micro-batches, 8-bit AdamW, weight decay 0.001, 10% warm-up), and a comparison must run the same
+# optimization. Its other defaults (padding-free batching on variable lengths, its loss path) are kept: they are
+# how Unsloth trains, and each record says which it used (ARG_KEYS).
+PINNED = ("gradient_accumulation_steps", "optim", "weight_decay", "warmup_steps", "lr_scheduler_type")
+ARG_KEYS = (*PINNED, "learning_rate", "per_device_train_batch_size", "max_steps", "seed", "bf16", "max_length",
+            "padding_free", "loss_type", "gradient_checkpointing", "activation_checkpointing")  # fmt: skip
+
+
 def sft_args(case: Case, out: str, cuda: bool) -> Any:
+    import dataclasses as dc
+
     from recipes.runner import checkpointing
+    from transformers import TrainingArguments
     from trl import SFTConfig
 
+    defaults = {f.name: f.default for f in dc.fields(TrainingArguments) if f.name in PINNED}
     return SFTConfig(
         output_dir=out, max_steps=sum(case.steps), bf16=cuda, use_cpu=not cuda, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=0, dataloader_num_workers=0, dataset_num_proc=None,
         learning_rate=LR, per_device_train_batch_size=case.batch, max_length=case.seq, **checkpointing(cuda),
+        **defaults,
     )  # fmt: skip
+
+
+def trainer_settings(trainer: Any) -> dict[str, str]:
+    """The settings the trainer really runs with (after Unsloth's patches, if any)."""
+    return {k: str(getattr(trainer.args, k)) for k in ARG_KEYS if hasattr(trainer.args, k)}
 
 
 def bnb_config() -> Any:
@@ -256,11 +276,30 @@ def patch(trainer: Any, provider: str) -> tuple[Any, str | None]:
     return None, None
 
 
+COMPILES = [0]  # Dynamo compilations started in this process (every frame compiled, recompiles included)
+
+
+def _started(*args: Any) -> None:
+    COMPILES[0] += 1
+
+
+def count_compiles() -> None:
+    """Count compilations with Dynamo's compile-start callback, registered again whenever ``torch._dynamo.reset()``
+    (which Unsloth calls, e.g. when a compiled loss fails) has removed it: with the counters (which reset keeps),
+    neither a reset nor a cleared counter loses the count of what compiled since the last check."""
+    from torch._dynamo.callback import callback_handler
+
+    if _started not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_started)
+
+
 def graphs() -> int:
-    """torch.compile graphs made so far in this process (Dynamo's unique-graph counter)."""
+    """torch.compile graphs made so far in this process: the larger of Dynamo's unique-graph counter and the
+    compile-start count."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"])
+    count_compiles()
+    return max(int(counters["stats"]["unique_graphs"]), COMPILES[0])
 
 
 def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
@@ -300,6 +339,7 @@ def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool) -> dict[s
     from recipes.runner import collect, summary
 
     rec["import_s"] = time.perf_counter() - t0
+    count_compiles()
     rec["device"], rec["versions"] = device(), stack_versions()
     with tempfile.TemporaryDirectory() as out:
         t1 = time.perf_counter()
@@ -317,6 +357,7 @@ def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool) -> dict[s
             rec["report"] = report.to_dict()
             print(report, flush=True)
         rec["extra"] = {**extra, "padding_free": bool(getattr(trainer.args, "padding_free", False))}
+        rec["args"] = trainer_settings(trainer)
         rec["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         clock = install_clock(trainer, cuda, f"{case.name} {provider}")
         if cuda:
@@ -457,12 +498,13 @@ def rows_of(recs: list[dict], all_cases: dict[str, Case]) -> list[Any]:
 
     stock = {r["case"]: r for r in recs if r["provider"] == "stock" and r["status"] == "ok"}
     device = next((r["device"] for r in recs if r.get("device")), "unknown")
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")  # one date for the run's rows
     versions = next((r["versions"] for r in recs if r.get("versions")), {})
     rows = []
     for r in recs:
         case = all_cases[r["case"]]
         config = {**dataclasses.asdict(case), "status": r["status"], "reason": r.get("reason", "")}
-        common = dict(device=r.get("device", device), versions=r.get("versions", versions))
+        common = dict(device=r.get("device", device), versions=r.get("versions", versions), date=date)
         if r["status"] != "ok":
             rows.append(Row(NAME, r["provider"], case.name, "status", "", "case", case.name, math.nan, config=config,
                             **common))  # fmt: skip
@@ -470,7 +512,7 @@ def rows_of(recs: list[dict], all_cases: dict[str, Case]) -> list[Any]:
         sm = r["summary"]
         base = stock.get(case.name)
         keys = ("first_step_s", "cold_start_s", "graphs_total", "graphs_after_first_step", "import_s", "build_s",
-                "patch_s", "train_s", "trainable", "extra")  # fmt: skip
+                "patch_s", "train_s", "trainable", "extra", "args")  # fmt: skip
         config |= {k: r.get(k) for k in keys}
         config |= {"losses": r["losses"], "report": r.get("report"), "parts_ms": sm["parts"]}
         config |= {"real_tokens": [st["tokens"] for st in r["steps"]],
@@ -526,7 +568,18 @@ def table(rows: list[Any], order: list[str]) -> str:
         diffs = [r.config.get("max_abs_loss_diff_vs_stock") for r in rows if r.provider == p and r.metric == "speed"]
         diffs = [d for d in diffs if d is not None]
         loss.append(f"{max(diffs):.3g}" if diffs else "–")
-    return markdown_table(["case", *providers], [*lines, loss])
+    return markdown_table(["case", *providers], [*lines, loss, unlike_stock(rows, providers)])
+
+
+def unlike_stock(rows: list[Any], providers: list[str]) -> list[str]:
+    """A table line: the trainer settings each provider ran with that differ from stock's on the same case."""
+    speed = {(r.mode, r.provider): r.config.get("args") or {} for r in rows if r.metric == "speed"}
+    line = ["trainer settings unlike stock's"]
+    for p in providers:
+        diffs = {f"{k}={v}" for (case, q), a in speed.items() if q == p for k, v in a.items()
+                 if (case, "stock") in speed and speed[(case, "stock")].get(k) != v}  # fmt: skip
+        line.append(", ".join(sorted(diffs)) or "none")
+    return line
 
 
 def plot(rows: list[Any], order: list[str], path: Path) -> None:
@@ -550,15 +603,25 @@ def plot(rows: list[Any], order: list[str], path: Path) -> None:
     stacked_bar_panels(path, title, panels, ["ms"], "ms")
 
 
-def write(recs: list[dict], args: argparse.Namespace) -> Path:
+def latest(rows: list[Any]) -> list[Any]:
+    """The rows of each (case, provider) from its latest run (the rows of one run share its date)."""
+    newest: dict[tuple[str, str], str] = {}
+    for r in rows:
+        newest[(r.mode, r.provider)] = max(newest.get((r.mode, r.provider), ""), r.date)
+    return [r for r in rows if r.date == newest[(r.mode, r.provider)]]
+
+
+def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()) -> Path:
+    """Rows of ``recs`` (and ``extra_rows``: rows of earlier runs, e.g. other device calls) over those already in
+    the results directory, each (case, provider) from its latest run; then the table and the plot."""
     from _harness import RESULTS, previous_rows, write_results
 
     all_cases = cases(args.smoke)
     out_dir = Path(args.out or os.environ.get("BENCH_RESULTS", RESULTS))
-    new = rows_of(recs, all_cases)
-    done = {(r["case"], r["provider"]) for r in recs}
+    new = [*extra_rows, *rows_of(recs, all_cases)]
+    done = {(r.mode, r.provider) for r in new}
     kept = [r for r in previous_rows(NAME, out_dir, args.smoke) if (r.mode, r.provider) not in done]
-    rows = kept + new
+    rows = kept + latest(new)
     order = [c for c in all_cases if any(r.mode == c for r in rows)]
     text = table(rows, order)
     header = ("Each (case, provider) in its own process, cold caches. Cells: median step (speed-up over stock), "
@@ -582,6 +645,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=int, default=300, help="seconds per provider process")
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     parser.add_argument("--log-chars", type=int, default=4000, help="tail of each worker's log to print")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        help="vs_unsloth.json files of several runs (e.g. device "
+        "calls) to join into --out; a (case, provider) in several keeps its latest",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -591,6 +661,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, str(HERE))
         return worker_main(args)
     sys.path.insert(0, str(HERE))
+    if args.merge:
+        from _harness import read_rows
+
+        write([], args, [row for path in args.merge for row in read_rows(Path(path))])
+        return None
     known = cases(args.smoke)
     wanted = [c for c in args.cases.split(",") if c] or [c for c in DEFAULT_CASES if c in known] or list(known)
     providers = [p for p in args.providers.split(",") if p]

@@ -62,7 +62,7 @@ def test_rows_and_table_carry_ratio_loss_gap_and_failure_reason():
     text = vs.table(rows, ["tiny-llama"])
     assert "100.0 ms (2.00x), 2.00 GiB, first step 1.5 s (cold start 9 s)" in text and "200.0 ms (1.00x)" in text
     assert "failed: InductorError: boom / at layer 3" in text  # a "|" would break the markdown table
-    assert text.splitlines()[-1].split("|")[2:4] == [" 0 ", " 0.25 "]
+    assert text.splitlines()[-2].split("|")[2:4] == [" 0 ", " 0.25 "]
 
 
 # -- the smoke run (one subprocess for the tests below) ------------------------------------------------------------
