@@ -26,10 +26,18 @@ step (agreement with stock), the collator's padding mode, the dynamo graph count
 with its error (e.g. Unsloth on Gemma-2). Rows go to ``vs_unsloth.json`` / ``.md`` / ``.png`` in ``$BENCH_RESULTS``
 (or ``benchmarks/results``); a run of a subset replaces only its own rows.
 
-GPU (one device call; the wheel bundle from ``benchmarks/wheels_unsloth.sh``, bitsandbytes from ``.whl_bnb``):
-    bash benchmarks/gpu_vs_unsloth.sh                      # all cases but qwen3-8b, about 8 minutes on an H200
-    bash benchmarks/gpu_vs_unsloth.sh --cases qwen3-8b     # about 5 minutes
-    bash benchmarks/gpu_vs_unsloth.sh --cases llama-3.2-1b,llama-3.2-1b-varlen --providers stock,unsloth
+GPU: stage the repo (src, tests, benchmarks, examples, pyproject.toml) in a folder at the checkout root, carry it
+with ``.whl_unsloth`` (``benchmarks/wheels_unsloth.sh``, 9 MB) and ``.whl_bnb`` (bitsandbytes), one GPU, and run from
+the staged folder ``bash benchmarks/gpu_vs_unsloth.sh ARGS``. Every (case, provider) process costs its start-up and
+cold compile: measured on an H200, a model's prepare 14-21 s, stock 26-48 s, leantrain 29 s, Unsloth 61-80 s per
+process (the compiled provider not measured yet, estimate 45 s). The whole set does not fit one 10-minute device
+call; four calls, then join their JSON:
+    bash benchmarks/gpu_vs_unsloth.sh --cases llama-3.2-1b,llama-3.2-1b-qlora --timeout 200      # ~7 min
+    bash benchmarks/gpu_vs_unsloth.sh --cases llama-3.2-1b-varlen,moe-qlora --timeout 200        # ~7.5 min
+    bash benchmarks/gpu_vs_unsloth.sh --cases qwen2.5-1.5b,gemma-2-2b --timeout 200              # ~9 min
+    bash benchmarks/gpu_vs_unsloth.sh --cases qwen3-8b --timeout 240                             # ~6 min (estimate)
+    python benchmarks/bench_vs_unsloth.py --merge call1/vs_unsloth.json call2/vs_unsloth.json ... --out DIR
+A subset: ``--cases llama-3.2-1b --providers stock,unsloth``. Results go to ``$OUT`` (JSON, markdown, PNG, log).
 CPU smoke (tiny shapes, no Unsloth: it needs CUDA):
     python benchmarks/bench_vs_unsloth.py --smoke --providers stock,leantrain
 """
@@ -578,7 +586,8 @@ def unlike_stock(rows: list[Any], providers: list[str]) -> list[str]:
     for p in providers:
         diffs = {f"{k}={v}" for (case, q), a in speed.items() if q == p for k, v in a.items()
                  if (case, "stock") in speed and speed[(case, "stock")].get(k) != v}  # fmt: skip
-        line.append(", ".join(sorted(diffs)) or "none")
+        recorded = any(a for (case, q), a in speed.items() if q == p)
+        line.append(", ".join(sorted(diffs)) or ("none" if recorded else "not recorded"))
     return line
 
 
@@ -628,6 +637,9 @@ def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()
               "peak allocated GiB over training (weights included), first step (cold start: from the process's "
               "first import to the end of the first step, loading and compiling included). Full records (per-step "
               "losses, leantrain's report, timings) in the JSON.\n\n")  # fmt: skip
+    unsloth = next((r.versions for r in rows if "unsloth" in r.versions), None)
+    if unsloth:
+        header += f"Unsloth {unsloth['unsloth']}, unsloth_zoo {unsloth.get('unsloth_zoo', '?')}.\n\n"
     out = write_results(NAME, rows, header + text, out_dir)
     try:
         plot(rows, order, out / f"{NAME}.png")
