@@ -581,13 +581,19 @@ def table(rows: list[Any], order: list[str]) -> str:
 
 def unlike_stock(rows: list[Any], providers: list[str]) -> list[str]:
     """A table line: the trainer settings each provider ran with that differ from stock's on the same case."""
-    speed = {(r.mode, r.provider): r.config.get("args") or {} for r in rows if r.metric == "speed"}
+    speed = {(r.mode, r.provider): {**(r.config.get("args") or {}), "trainable parameters": r.config.get("trainable")}
+             for r in rows if r.metric == "speed"}  # fmt: skip
     line = ["trainer settings unlike stock's"]
     for p in providers:
-        diffs = {f"{k}={v}" for (case, q), a in speed.items() if q == p for k, v in a.items()
-                 if (case, "stock") in speed and speed[(case, "stock")].get(k) != v}  # fmt: skip
-        recorded = any(a for (case, q), a in speed.items() if q == p)
-        line.append(", ".join(sorted(diffs)) or ("none" if recorded else "not recorded"))
+        mine = {case: a for (case, q), a in speed.items() if q == p and (case, "stock") in speed}
+        where: dict[str, list[str]] = {}
+        for case, a in mine.items():
+            for k, v in a.items():
+                if speed[(case, "stock")].get(k) != v:
+                    where.setdefault(f"{k}={v}", []).append(case)
+        text = [d if len(c) == len(mine) else f"{d} ({', '.join(c)})" for d, c in sorted(where.items())]
+        recorded = any(len(a) > 1 for (case, q), a in speed.items() if q == p)
+        line.append("; ".join(text) or ("none" if recorded else "not recorded"))
     return line
 
 

@@ -115,3 +115,13 @@ def test_smoke_counts_every_real_token_once_and_only_real_tokens(smoke):
             assert sum(config["real_tokens"]) == real  # one epoch: each row trained once, pads never counted
             padded = sum(config["padded_tokens"])
             assert padded == real if case.kind == "fixed" else padded > real
+
+
+def test_table_lists_trainer_settings_unlike_stock_per_case():
+    recs = [_record("stock", 200.0, [5.0, 4.0]), _record("unsloth", 150.0, [5.0, 4.1])]
+    recs += [dict(r, case="tiny-llama-varlen") for r in recs]
+    for r in recs:
+        r["args"] = {"optim": "adamw_torch_fused", "padding_free": str(r["provider"] == "unsloth")}
+        r["trainable"] = 100 if r["provider"] == "unsloth" and r["case"] == "tiny-llama" else 64
+    line = vs.table(vs.rows_of(recs, vs.cases(smoke=True)), ["tiny-llama", "tiny-llama-varlen"]).splitlines()[-1]
+    assert line.split("|")[2:4] == [" none ", " padding_free=True; trainable parameters=100 (tiny-llama) "]
