@@ -1,0 +1,127 @@
+"""benchmarks/bench_vs_unsloth.py: the variable-length data, the rows and table of records (fast), and the CPU smoke
+run of its stock and leantrain providers in their own processes (Unsloth needs CUDA: its row says it was skipped)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_vs_unsloth as vs  # noqa: E402
+
+
+# -- pure pieces (fast) --------------------------------------------------------------------------------------------
+
+
+def test_varlen_rows_are_lognormal_clipped_and_the_same_in_every_process():
+    pytest.importorskip("datasets")
+    case = vs.cases(smoke=False)["llama-3.2-1b-varlen"]
+    lengths = [len(row) for row in vs.dataset(case)["input_ids"]]
+    assert len(lengths) == sum(case.steps) * case.batch  # one epoch: every provider trains on the same rows
+    assert min(lengths) >= case.min_len and max(lengths) <= case.seq
+    # lognormal sigma 0.8 around 500: the sample median of 132 rows stays well inside [400, 625] (its standard
+    # error is ~1.25 * 0.8 / sqrt(132) = 9% in log space; the bounds are ~2.5 of those)
+    assert 400 <= statistics.median(lengths) <= 625
+    assert len(set(lengths)) > len(lengths) // 2  # really variable, not a handful of buckets
+    assert [len(row) for row in vs.dataset(case)["input_ids"]] == lengths  # seeded
+
+
+def _record(provider: str, ms: float, losses: list[float], status: str = "ok", reason: str = "") -> dict:
+    if status != "ok":
+        return {"case": "tiny-llama", "provider": provider, "status": status, "reason": reason}
+    steps = [{"step": i + 1, "total_ms": ms, "tokens": 128, "padded_tokens": 128, "graphs": 0} for i in range(2)]
+    return {
+        "case": "tiny-llama", "provider": provider, "status": "ok", "reason": "", "device": "cpu",
+        "versions": {"torch": "x"}, "steps": steps, "losses": losses, "peak_gib": 2.0, "first_step_s": 1.5,
+        "cold_start_s": 9.0, "graphs_after_first_step": 0,
+        "summary": {"p50": ms, "p20": ms, "p80": ms, "parts": {}, "tokens_per_s": 128 / ms * 1e3},
+    }  # fmt: skip
+
+
+def test_rows_and_table_carry_ratio_loss_gap_and_failure_reason():
+    recs = [
+        _record("stock", 200.0, [5.0, 4.0]),
+        _record("leantrain", 100.0, [5.0, 4.25]),
+        _record("unsloth", 0, [], status="failed", reason="InductorError: boom | at layer 3"),
+    ]
+    rows = vs.rows_of(recs, vs.cases(smoke=True))
+    speed = {r.provider: r for r in rows if r.metric == "speed"}
+    assert speed["leantrain"].config["max_abs_loss_diff_vs_stock"] == pytest.approx(0.25)
+    (failed,) = [r for r in rows if r.provider == "unsloth"]
+    assert failed.metric == "status" and math.isnan(failed.p50)
+    text = vs.table(rows, ["tiny-llama"])
+    assert "100.0 ms (2.00x), 2.00 GiB, first step 1.5 s (cold start 9 s)" in text and "200.0 ms (1.00x)" in text
+    assert "failed: InductorError: boom / at layer 3" in text  # a "|" would break the markdown table
+    assert text.splitlines()[-2].split("|")[2:4] == [" 0 ", " 0.25 "]
+
+
+# -- the smoke run (one subprocess for the tests below) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, list[dict]]:
+    for name in ("trl", "peft", "matplotlib", "datasets"):
+        pytest.importorskip(name)
+    out = tmp_path_factory.mktemp("vs_unsloth")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_vs_unsloth.py"), "--smoke", "--out", str(out),
+               "--cases", "tiny-llama,tiny-llama-varlen", "--providers", "stock,leantrain,unsloth"]  # fmt: skip
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, json.loads((out / "vs_unsloth.json").read_text())
+
+
+def speed(rows: list[dict], case: str, provider: str) -> dict:
+    (row,) = [r for r in rows if r["mode"] == case and r["provider"] == provider and r["metric"] == "speed"]
+    return row
+
+
+@pytest.mark.slow
+def test_smoke_stock_and_leantrain_ran_and_agree_unsloth_skipped(smoke):
+    out, rows = smoke
+    for case in ("tiny-llama", "tiny-llama-varlen"):
+        stock, mine = speed(rows, case, "stock")["config"], speed(rows, case, "leantrain")["config"]
+        assert len(stock["losses"]) == 2 and all(math.isfinite(x) for x in stock["losses"])
+        assert mine["report"] is not None and stock["report"] is None
+        # fp32 on the CPU, the same data and LoRA init in both processes; leantrain's CPU defaults keep the stock
+        # math or an fp32 reordering of it: 2e-5 relative is ~100 ulps (eps 1.2e-7) of a loss ~6
+        assert mine["losses"] == pytest.approx(stock["losses"], rel=2e-5)
+        (unsloth,) = [r for r in rows if r["mode"] == case and r["provider"] == "unsloth"]
+        assert unsloth["metric"] == "status" and unsloth["config"]["reason"] == "Unsloth needs CUDA"
+    for name in ("vs_unsloth.md", "vs_unsloth.png"):
+        assert (out / name).stat().st_size > 0
+    assert "tiny-llama-varlen" in (out / "vs_unsloth.md").read_text()
+
+
+@pytest.mark.slow
+def test_smoke_counts_every_real_token_once_and_only_real_tokens(smoke):
+    _, rows = smoke
+    for case_name in ("tiny-llama", "tiny-llama-varlen"):
+        case = vs.cases(smoke=True)[case_name]
+        real = sum(len(row) for row in vs.dataset(case)["input_ids"])
+        for provider in ("stock", "leantrain"):
+            config = speed(rows, case_name, provider)["config"]
+            assert sum(config["real_tokens"]) == real  # one epoch: each row trained once, pads never counted
+            padded = sum(config["padded_tokens"])
+            assert padded == real if case.kind == "fixed" else padded > real
+
+
+def test_table_lists_trainer_settings_unlike_stock_per_case():
+    recs = [_record("stock", 200.0, [5.0, 4.0]), _record("unsloth", 150.0, [5.0, 4.1])]
+    recs += [dict(r, case="tiny-llama-varlen") for r in recs]
+    for r in recs:
+        r["args"] = {"optim": "adamw_torch_fused", "padding_free": str(r["provider"] == "unsloth")}
+        r["trainable"] = 100 if r["provider"] == "unsloth" and r["case"] == "tiny-llama" else 64
+    line = vs.table(vs.rows_of(recs, vs.cases(smoke=True)), ["tiny-llama", "tiny-llama-varlen"]).splitlines()[-1]
+    assert line.split("|")[2:4] == [" none ", " padding_free=True; trainable parameters=100 (tiny-llama) "]
