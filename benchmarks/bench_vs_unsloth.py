@@ -676,9 +676,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        sys.path.insert(0, str(HERE))
         return worker_main(args)
-    sys.path.insert(0, str(HERE))
     if args.merge:
         from _harness import read_rows
 

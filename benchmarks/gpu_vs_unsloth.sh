@@ -10,6 +10,8 @@ set -uo pipefail
 WHL=${WHL_UNSLOTH:-$( [ -d .whl_unsloth ] && echo .whl_unsloth || echo ../.whl_unsloth )}
 BNB=${WHL_BNB:-$( [ -d .whl_bnb ] && echo .whl_bnb || echo ../.whl_bnb )}
 OUT=${OUT:-/tmp/out}
+# its own site (TRL 1.15, the image's transformers 5.17), apart from the parity suite's /tmp/site (TRL 1.16)
+SITE=${SITE_VS:-/tmp/site_vs}
 mkdir -p "$OUT"
 only_unsloth='unsloth-*.whl unsloth_zoo-*.whl tyro-*.whl docstring_parser-*.whl typeguard-*.whl'
 shared=()
@@ -20,11 +22,11 @@ for w in "$WHL"/*.whl; do
 done
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
 if [ ! -f /tmp/site_unsloth/.installed ]; then  # once per machine: a second call in the same session reuses it
-  pipi /tmp/site "${shared[@]}" "$BNB"/*.whl || exit 2
+  pipi "$SITE" "${shared[@]}" "$BNB"/*.whl || exit 2
   pipi /tmp/site_unsloth $(for pat in $only_unsloth; do echo "$WHL"/$pat; done) || exit 2
   touch /tmp/site_unsloth/.installed
 fi
-export PYTHONPATH=$PWD/src:$PWD/benchmarks:/tmp/site UNSLOTH_SITE=/tmp/site_unsloth PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD:$SITE UNSLOTH_SITE=/tmp/site_unsloth PYTHONUNBUFFERED=1
 export BENCH_RESULTS=$OUT BENCH_COMMIT=${BENCH_COMMIT:-$(cat .bench_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -15,7 +15,6 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_vs_unsloth as vs  # noqa: E402
 
