@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests._moe4bi
 from _harness import RESULTS, Row, bar_plot, markdown_table, only, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.moe4bit import _adapters, ops  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.plan import build_plan  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
 

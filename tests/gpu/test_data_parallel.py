@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leantrain import Status, patch_trainer, tiny
+from leantrain import Status, patch_trainer
+from leantrain.cli import tiny
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]

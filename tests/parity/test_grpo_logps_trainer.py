@@ -17,10 +17,10 @@ import transformers  # noqa: E402
 
 import leantrain  # noqa: E402
 from leantrain._compat import TRL_FUSED_LM_HEAD  # noqa: E402
+from leantrain.cli.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
 from leantrain.grpo_logps import GrpoLogps, nograd  # noqa: E402
 from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
-from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
 
 
 METRICS = ("loss", "grad_norm", "kl", "entropy")

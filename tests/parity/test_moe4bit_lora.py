@@ -28,9 +28,9 @@ pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.moe4bit import _adapters, lora, ops  # noqa: E402
 from leantrain.report import Status  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 from tests._optimizations import others_off  # noqa: E402
 

@@ -22,9 +22,9 @@ if _OLDER:
 pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.moe4bit import ops  # noqa: E402
 from leantrain.report import Status  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from tests._moe4bit_models import convert_model_to_linear4bit_experts, token_trainer  # noqa: E402
 from tests._optimizations import others_off  # noqa: E402
 

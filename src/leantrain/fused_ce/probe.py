@@ -70,6 +70,8 @@ def base_model(trainer: Any) -> nn.Module:
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     model = base_model(trainer)
+    if _no_lm_head(model):  # a classifier, an encoder: nothing here for a language-model loss (strict ignores it)
+        return Readiness.not_applicable(f"{type(model).__name__} has no LM head: not a causal-LM loss")
     path = path_of(trainer, ctx.trainer_kind, model)
     if path not in glue.PATHS:
         return Readiness.no(path)
@@ -88,6 +90,13 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
             return Readiness.not_applicable(why)
         plan.dispatch_why += "; leantrain's op because fused_ce=True"
     return Readiness(detail=detail(plan), plan=plan)
+
+
+def _no_lm_head(model: nn.Module) -> bool:
+    try:
+        return model.get_output_embeddings() is None
+    except (AttributeError, NotImplementedError):
+        return False  # not a transformers model: the path checks below say what they find
 
 
 # ------------------------------------------------------------------------------------------------- the path

@@ -45,6 +45,11 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     asked = ctx.config.config.layer_kernels is True
     verdict = MEASURED.get(name)
     evidence = verdict.evidence if verdict else "no measurement yet"
+    # the device first: on a CPU no advice to pass layer_kernels=True, which could only fail there
+    device = trainer.args.device
+    if device.type not in KERNEL_DEVICES:
+        reason = f"Liger-Kernel's layer kernels are Triton kernels for CUDA; this trainer runs on {device.type}"
+        return Readiness.no(reason) if asked else Readiness.not_applicable(reason)
     if not asked:
         if ctx.trainer_kind not in AUTO_KINDS:
             return Readiness.not_applicable(
@@ -55,10 +60,6 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
             return Readiness.not_applicable(
                 f"not measured faster on {name} ({evidence}); pass layer_kernels=True to apply anyway"
             )
-    device = trainer.args.device
-    if device.type not in KERNEL_DEVICES:
-        reason = f"Liger-Kernel's layer kernels are Triton kernels for CUDA; this trainer runs on {device.type}"
-        return Readiness.no(reason) if asked else Readiness.not_applicable(reason)
     reasons = conflicts(trainer, model, name, spec)
     if reasons:
         return Readiness.no(*reasons)

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .config import LeantrainConfig, resolve_config
+from ..config import LeantrainConfig, resolve_config
 
 
 KEEP_FILE = "leantrain.json"
@@ -27,6 +27,36 @@ SOURCE = "compare"
 
 def _value(value: Any) -> Any:
     return "auto" if value is None else value
+
+
+def kept_target(path: str = KEEP_FILE) -> list[str] | None:
+    """The target (script, ``-m`` module or console script, with its arguments) the kept entries were measured on."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    target = data.get("compare", {}).get("target") if isinstance(data, dict) else None
+    return list(target) if isinstance(target, list) else None
+
+
+def target_key(tokens: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """What identifies a target, its arguments left out: ("-m", module), or the script's absolute path, or the
+    console script's name."""
+    head = list(tokens)[:2]
+    if head and head[0] == "-m":
+        return ("-m", head[1] if len(head) > 1 else "")
+    if head and head[0].startswith("-m"):
+        return ("-m", head[0][2:])
+    if not head:
+        return ()
+    return (os.path.abspath(head[0]) if os.path.exists(head[0]) else head[0],)
+
+
+def same_target(kept: list[str] | None, target: tuple[str, ...] | list[str]) -> bool:
+    """The kept entries apply to the target they were measured on (its arguments may differ: they are the run's
+    own). A file that names no target applies as it did when no target was recorded."""
+    return kept is None or target_key(kept) == target_key(target)
 
 
 def read(path: str = KEEP_FILE) -> dict[str, Any]:
@@ -58,9 +88,11 @@ def with_kept(
     environ: Mapping[str, str] | None = None,
     path: str = KEEP_FILE,
     announce: Callable[[str], None] | None = None,
+    target: tuple[str, ...] | list[str] | None = None,
 ) -> dict[str, Any]:
     """``options`` (the command line's) plus the kept entries that neither the command line nor a ``LEANTRAIN_*``
-    variable sets. A kept value that no longer parses exits with status 2, as a bad command-line option does."""
+    variable sets, when ``target`` is the one they were measured on (another script in the same folder gets none
+    of them). A kept value that no longer parses exits with status 2, as a bad command-line option does."""
     environ = os.environ if environ is None else environ
     announce = announce or _stderr
     try:
@@ -68,6 +100,11 @@ def with_kept(
     except ValueError as error:
         raise SystemExit(f"leantrain run: error: {error}") from None
     if not kept:
+        return dict(options)
+    measured = kept_target(path)
+    if target is not None and not same_target(measured, target):
+        shown = " ".join(measured or [])
+        announce(f"leantrain run: {path} (leantrain compare --keep) not read: it was measured on {shown}, not this")
         return dict(options)
     if _kill_switch(options, environ):
         announce(f"leantrain run: {path} (leantrain compare --keep) not read: the kill switch is on")
@@ -80,8 +117,18 @@ def with_kept(
         raise SystemExit(f"leantrain run: error: {path} (leantrain compare --keep): {error}") from None
     if take:
         listed = ", ".join(f"{n}={_value(v)}" for n, v in take.items())
-        announce(f"leantrain run: options kept by leantrain compare in {path}: {listed}")
+        verdict = _kept_verdict(path)
+        because = f" (from the verdict: {verdict})" if verdict else ""
+        announce(f"leantrain run: options kept by leantrain compare in {path}: {listed}{because}")
     return merged
+
+
+def _kept_verdict(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle).get("compare", {}).get("verdict")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def write(decisions: Mapping[str, Any], summary: Mapping[str, Any], path: str = KEEP_FILE) -> None:
@@ -107,3 +154,20 @@ def write(decisions: Mapping[str, Any], summary: Mapping[str, Any], path: str = 
 def _stderr(text: str) -> None:
     if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
         print(text, file=sys.stderr, flush=True)
+
+
+def decisions(options: Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """For each optimization the leantrain runs applied: auto (True for an opt-in one or one the command line
+    required) when the verdict claimed it helped, False when it claimed it hurt, and nothing at all when the
+    verdict made no claim (noise, a busy machine, too few steps): a kept option never comes from noise. The
+    applied set is measured as a whole."""
+    if result.get("keep") is None:
+        return {}
+    decisions: dict[str, Any] = {}
+    for name in result["applied"]:
+        if result["keep"] == "helped":
+            asked = options.get(name) is True or name in result["changes_math"]
+            decisions[name] = True if asked else None
+        else:
+            decisions[name] = False
+    return decisions
