@@ -129,3 +129,18 @@ def test_no_warning_from_patching_a_plain_trainer(tmp_path):
         warnings.simplefilter("error")
         patch_trainer(trainer, environ={})
     unpatch_trainer(trainer)
+
+
+def test_commands_print_no_bitsandbytes_kernels_notice():
+    """bitsandbytes' CPU backend logs at import that an optional package is missing; the commands drop that notice
+    (it says nothing about the user's job), and only that one."""
+    script = (
+        "import logging, sys\n"
+        "from leantrain.cli.commands import quiet_third_party\n"
+        "quiet_third_party()\n"
+        "log = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+        "log.warning('Failed to load CPU gemm_4bit_forward from kernels-community: x')\n"
+        "log.warning('another bitsandbytes warning')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "gemm_4bit_forward" not in done.stderr and "another bitsandbytes warning" in done.stderr

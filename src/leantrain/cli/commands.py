@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import platform
 import sys
@@ -67,8 +68,24 @@ def env_settings(environ: Mapping[str, str]) -> str:
     return "\n".join(lines)
 
 
+class _NoKernelsHubNotice(logging.Filter):
+    """bitsandbytes' CPU backend logs, at import, that the optional ``kernels`` package is missing for one AVX-512
+    kernel; it then runs its own CPU path, and the notice says nothing about the user's training job. Dropped for
+    the commands (a library user's logging is left as it is)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward from kernels-community" not in record.getMessage()
+
+
+def quiet_third_party() -> None:
+    target = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _NoKernelsHubNotice) for f in target.filters):
+        target.addFilter(_NoKernelsHubNotice())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_third_party()
     if argv[:1] == ["run"]:  # its own parser: the target's arguments pass through untouched, --flags included
         from .launch import main as run_main
 

@@ -14,10 +14,12 @@ sampled (each still samples, so its step time includes generation).
 
 Then it prints, side by side: the patch report, step time (median and p20-p80 after the warm-up steps), peak memory
 (CUDA max allocated, or the process's peak RSS on CPU), tokens/s and the per-step losses against a bound derived
-from the dtype's rounding; and a verdict: "faster by x" (or slower, or leaner) with "same losses", "within noise:
-no claim", "losses differ from step k", or "nothing applied: no claim". It writes the numbers to ``--json`` and loss
-curves and step-time distributions to ``--plot``; ``--keep`` writes what helped into ``./leantrain.json``, which
-``leantrain run`` reads.
+from the dtype's rounding; and a verdict (``verdict``): "faster by x" (or slower, or leaner) with "same losses",
+"within noise: no claim", "no claim: <the cause>" (same-mode runs that disagree, a loaded host, too few timed
+steps), "losses differ from step k", or "nothing applied: no claim" (then after the first leantrain run). It writes
+the numbers to ``--json`` and loss curves and step-time distributions to ``--plot`` (both under
+``./leantrain-compare/`` by default); ``--keep`` writes what a claim said into ``./leantrain.json`` for the same
+target, which ``leantrain run`` reads.
 """
 
 from __future__ import annotations
