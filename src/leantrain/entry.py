@@ -83,7 +83,7 @@ def _probe(opt: Optimization, trainer: Any, ctx: PatchContext) -> Readiness:
 
 # Where a setting came from, lowest first: an explicit request (in code, on the command line) overrides a kill switch
 # set lower down; the switch beats every environment toggle.
-_RANK = {"default": 0, "env": 1, "cli": 2, "kwarg": 3}
+_RANK = {"default": 0, "kept": 0, "env": 1, "cli": 2, "kwarg": 3}
 
 
 def _kill_switch(opt: Optimization, cfg: ResolvedConfig) -> tuple[str, ...] | None:
@@ -130,15 +130,17 @@ def _decide(
     return None, source, (), readiness
 
 
-# The options of the innermost `leantrain run` in progress (the `cli` layer of every patch_trainer call in it).
-_COMMAND_LINE: list[dict[str, Any]] = []
+# The options of the innermost `leantrain run` in progress: (the `cli` layer, the `kept` layer) of every patch_trainer
+# call in it.
+_COMMAND_LINE: list[tuple[dict[str, Any], dict[str, Any]]] = []
 
 
 @contextlib.contextmanager
-def command_line(options: Mapping[str, Any]) -> Iterator[None]:
+def command_line(options: Mapping[str, Any], kept: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Within the block, every ``patch_trainer`` call resolves ``options`` as the command line's (source ``cli``):
-    below its own keywords, above ``LEANTRAIN_*``. ``leantrain run`` holds it for the target's whole run."""
-    _COMMAND_LINE.append(dict(options))
+    below its own keywords, above ``LEANTRAIN_*``; and ``kept`` (what ``leantrain compare --keep`` kept for this
+    target, source ``kept``) below ``LEANTRAIN_*``. ``leantrain run`` holds it for the target's whole run."""
+    _COMMAND_LINE.append((dict(options), dict(kept or {})))
     try:
         yield
     finally:
@@ -165,7 +167,8 @@ def patch_trainer(
     """
     toggles = {"cggr": cggr, "grpo_logps": grpo_logps, "osft": osft, "moe4bit": moe4bit, "strict": strict}
     keywords = {**{k: v for k, v in toggles.items() if v is not None}, **options}
-    cfg = resolve_config(keywords, environ, _COMMAND_LINE[-1] if _COMMAND_LINE else None)
+    cli, kept = _COMMAND_LINE[-1] if _COMMAND_LINE else (None, None)
+    cfg = resolve_config(keywords, environ, cli, kept)
     kind = trainer_kind(trainer)
     state: _State | None = getattr(trainer, _STATE_ATTR, None)
     if state is not None:

@@ -249,6 +249,15 @@ def test_runs_that_agree_within_their_own_spread_still_claim():
     assert verdicts.verdict(runs, 2)["text"].startswith("faster by 1.4")
 
 
+def test_a_disagreement_far_smaller_than_the_effect_still_claims():
+    """Stock runs 40% apart on a busy machine, leantrain 10x faster than either: the disagreement cannot make it."""
+    runs = four([WARM + [100, 101, 99, 100], WARM + [140, 141, 139, 140]], [WARM + [10, 10.1, 9.9, 10]] * 2)
+    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 12.0")
+    # the same disagreement against a 1.5x effect is no claim
+    close = four([WARM + [100, 101, 99, 100], WARM + [140, 141, 139, 140]], [WARM + [80, 81, 79, 80]] * 2)
+    assert verdicts.verdict(close, 2)["text"].startswith("no claim: the two stock runs disagree (100.0 vs 140.0")
+
+
 def test_a_loaded_host_is_no_claim_when_the_load_could_explain_the_ratio():
     loaded = dict(host_load=[6.0] * 6, cores=2)  # 3 runnable threads a core: steps can take 3x as long
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [70, 71, 69, 72]] * 2, **loaded)
@@ -277,6 +286,14 @@ def test_warmup_warning_names_the_option_that_shortens_it():
     short = compare.parse(["--cggr", "--opt", "cggr_warmup_steps=0", TARGET], environ={})
     assert compare.warmup_warning(short, ["cggr"], {}) is None
     assert compare.warmup_warning(req, ["fused_ce"], {}) is None
+
+
+def test_kept_is_a_layer_of_its_own_below_the_environment():
+    from leantrain.config import resolve_config
+
+    cfg = resolve_config({}, {"LEANTRAIN_OSFT": "0"}, cli={"moe4bit": True}, kept={"cggr": True, "osft": True})
+    assert (cfg.config.cggr, cfg.sources["cggr"]) == (True, "kept")
+    assert (cfg.config.osft, cfg.sources["osft"]) == (False, "env") and cfg.sources["moe4bit"] == "cli"
 
 
 def test_kept_options_apply_only_to_the_measured_target(tmp_path):
@@ -332,7 +349,7 @@ def test_leantrain_run_applies_the_kept_options(tmp_path, monkeypatch, capsys):
     assert launch.main([RUN_TARGET, "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "result_rank0.json").read_text())["report"]
     cggr = next(o for o in report["outcomes"] if o["name"] == "cggr")
-    assert cggr["status"] == "applied"
+    assert cggr["status"] == "applied" and cggr["source"] == "kept"  # its own source, not the command line's
     err = capsys.readouterr().err
     assert "options kept by leantrain compare" in err and "(from the verdict: faster by 1.5x, same losses)" in err
 

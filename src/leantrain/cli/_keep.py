@@ -5,10 +5,9 @@ same ``{"value": ..., "source": ...}`` shape as the record that ``save_model()``
 ``auto`` (or ``true`` for an opt-in one that was asked for) where the run was faster or leaner with the same losses,
 ``false`` where it was not. ``leantrain run`` reads those entries (and only those: a record of a past run in the
 same folder changes nothing) below the command line and the environment: command line > ``LEANTRAIN_*`` >
-``leantrain.json`` > default. An entry that neither sets joins the command line's options (``cli`` in the report;
-``leantrain run`` announces which). With the kill switch on (``LEANTRAIN_DISABLE=1`` or ``--opt disable=1``) the
-file is not read.
-"""
+``leantrain.json`` > default, for the target it was measured on only. An entry that neither sets applies with its
+own source, ``kept`` in the report (``leantrain run`` announces which, and the verdict that produced it). With the
+kill switch on (``LEANTRAIN_DISABLE=1`` or ``--opt disable=1``) the file is not read."""
 
 from __future__ import annotations
 
@@ -90,9 +89,21 @@ def with_kept(
     announce: Callable[[str], None] | None = None,
     target: tuple[str, ...] | list[str] | None = None,
 ) -> dict[str, Any]:
-    """``options`` (the command line's) plus the kept entries that neither the command line nor a ``LEANTRAIN_*``
-    variable sets, when ``target`` is the one they were measured on (another script in the same folder gets none
-    of them). A kept value that no longer parses exits with status 2, as a bad command-line option does."""
+    """``options`` (the command line's) with the kept entries of :func:`kept_for` below them, in one mapping."""
+    return {**kept_for(options, environ, path, announce, target), **options}
+
+
+def kept_for(
+    options: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    path: str = KEEP_FILE,
+    announce: Callable[[str], None] | None = None,
+    target: tuple[str, ...] | list[str] | None = None,
+) -> dict[str, Any]:
+    """The kept entries that neither the command line (``options``) nor a ``LEANTRAIN_*`` variable sets, when
+    ``target`` is the one they were measured on (another script in the same folder gets none of them): the ``kept``
+    layer of the run's options, below the environment. A kept value that no longer parses exits with status 2, as a
+    bad command-line option does."""
     environ = os.environ if environ is None else environ
     announce = announce or _stderr
     try:
@@ -100,19 +111,18 @@ def with_kept(
     except ValueError as error:
         raise SystemExit(f"leantrain run: error: {error}") from None
     if not kept:
-        return dict(options)
+        return {}
     measured = kept_target(path)
     if target is not None and not same_target(measured, target):
         shown = " ".join(measured or [])
         announce(f"leantrain run: {path} (leantrain compare --keep) not read: it was measured on {shown}, not this")
-        return dict(options)
+        return {}
     if _kill_switch(options, environ):
         announce(f"leantrain run: {path} (leantrain compare --keep) not read: the kill switch is on")
-        return dict(options)
+        return {}
     take = {n: v for n, v in kept.items() if n not in options and LeantrainConfig.env_name(n) not in environ}
-    merged = {**take, **options}
     try:
-        resolve_config({}, environ, cli=merged)
+        resolve_config({}, environ, cli=options, kept=take)
     except (TypeError, ValueError) as error:
         raise SystemExit(f"leantrain run: error: {path} (leantrain compare --keep): {error}") from None
     if take:
@@ -120,7 +130,7 @@ def with_kept(
         verdict = _kept_verdict(path)
         because = f" (from the verdict: {verdict})" if verdict else ""
         announce(f"leantrain run: options kept by leantrain compare in {path}: {listed}{because}")
-    return merged
+    return take
 
 
 def _kept_verdict(path: str) -> str | None:

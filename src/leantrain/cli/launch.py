@@ -192,6 +192,7 @@ def trainers_patched(
     options: Mapping[str, Any],
     announce: Callable[[str], None] | None = None,
     around: Callable[..., Any] | None = None,
+    kept: Mapping[str, Any] | None = None,
 ) -> Iterator[list[Any]]:
     """Within the block, each Trainer's first ``train()`` patches it first; yields the trainers patched so far.
 
@@ -221,7 +222,7 @@ def trainers_patched(
     train.__leantrain_original__ = original  # type: ignore[attr-defined]
     Trainer.train = train
     try:
-        with command_line(options):  # also for a trainer the target patches itself: its keywords rank above
+        with command_line(options, kept):  # also for a trainer the target patches itself: its keywords rank above
             yield patched
     finally:
         if Trainer.__dict__.get("train") is train:
@@ -323,14 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     spec = _measure.spec_from_prefix(request.prefix)
     target = request.target
     typed = ("-m", target.name) if target.kind == "module" else (target.name,)
-    options = (
-        request.options
-        if spec is not None and spec.mode == "stock"
-        else _keep.with_kept(request.options, target=typed)
-    )
+    stock = spec is not None and spec.mode == "stock"
+    kept = {} if stock else _keep.kept_for(request.options, target=typed)
+    options = request.options
     around = _measure.measured_train(spec) if spec is not None else None
     try:
-        with trainers_patched(options, around=around), launchers_followed(request):
+        with trainers_patched(options, around=around, kept=kept), launchers_followed(request):
             result = run_target(request.target)
     except _measure.MeasureDone:  # a compare child: the first trainer was measured, the rest of the script skipped
         return 0

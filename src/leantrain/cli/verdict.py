@@ -77,15 +77,16 @@ def _run_spread(steps: Sequence[float]) -> float:
     return (quantile(steps, 0.8) - quantile(steps, 0.2)) / middle if middle > 0 else 0.0
 
 
-def disagreement(by_mode: dict[str, Sequence[Measurement]], warmup: int) -> str | None:
-    """Why the same-mode runs cannot be trusted: their medians differ by more than AGREE and more than their own
-    p20-p80 spread (a neighbour on the machine slowed one run, not the code); None when they agree."""
+def disagreement(by_mode: dict[str, Sequence[Measurement]], warmup: int, shift: float = 1.0) -> str | None:
+    """Why the same-mode runs cannot be trusted: their medians differ by more than AGREE, more than their own
+    p20-p80 spread (a neighbour on the machine slowed one run, not the code) and by at least half the difference
+    ``shift`` between the modes (a disagreement far smaller than the effect cannot make it); None otherwise."""
     for mode, runs in by_mode.items():
         timed = [r.step_ms[warmup:] for r in runs]
         medians = [median(t) for t in timed]
         if len(medians) < 2 or min(medians) <= 0:
             continue
-        allowed = max(AGREE, *(_run_spread(t) for t in timed))
+        allowed = max(AGREE, *(_run_spread(t) for t in timed), (shift - 1) / 2)
         if max(medians) / min(medians) - 1 > allowed:
             slow = runs[medians.index(max(medians))]
             shown = " vs ".join(f"{m:.1f}" for m in medians)
@@ -117,12 +118,12 @@ def disturbance(runs: Sequence[Measurement], by_mode: dict[str, Sequence[Measure
     timed = min(len(r.step_ms[warmup:]) for r in runs)
     if timed < MIN_TIMED:
         return f"{timed} timed step{'s' if timed != 1 else ''} a run, and a speed claim needs at least {MIN_TIMED}"
-    cause = disagreement(by_mode, warmup)
+    ratio = speed["ratio"]
+    shift = max(ratio, 1 / ratio) if math.isfinite(ratio) and ratio > 0 else float("inf")
+    cause = disagreement(by_mode, warmup, shift)
     if cause:
         return cause
     factor, which = host_contention(runs)
-    ratio = speed["ratio"]
-    shift = max(ratio, 1 / ratio) if math.isfinite(ratio) and ratio > 0 else float("inf")
     if speed["verdict"] in ("faster", "slower") and which is not None and factor > LOADED and shift <= factor:
         return (
             f"the host was loaded during {which.label or 'a run'}{_load_text(which)}: other work alone can change a "
