@@ -111,7 +111,6 @@ def tiny_config(
             num_local_experts=6,
             num_experts_per_tok=2,
             sliding_window=128,
-            **_yarn(llama_like["max_position_embeddings"]),
         )
     else:
         raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(FAMILIES)}")
@@ -119,15 +118,6 @@ def tiny_config(
         setattr(config, key, value)
     config._attn_implementation = "eager"
     return config
-
-
-def _yarn(max_positions: int) -> dict:
-    """gpt-oss's YaRN defaults (factor 32 over a 4096-token original context) with the original context made the
-    tiny model's length over the factor: the defaults disagree with a short context, and transformers warns."""
-    if int(transformers.__version__.split(".")[0]) < 5:
-        return {}  # 4.x: rope_scaling, and no such check
-    rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
-    return {"rope_parameters": {**rope, "original_max_position_embeddings": max_positions // 32}}
 
 
 def tiny_model(

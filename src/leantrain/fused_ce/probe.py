@@ -70,8 +70,8 @@ def base_model(trainer: Any) -> nn.Module:
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     model = base_model(trainer)
-    if _no_lm_head(model):  # a classifier, an encoder: nothing here for a language-model loss (strict ignores it)
-        return Readiness.not_applicable(f"{type(model).__name__} has no LM head: not a causal-LM loss")
+    if _not_a_language_model(model):  # a classifier, an encoder: nothing here for the loss (strict ignores it)
+        return Readiness.not_applicable(f"{type(model).__name__} is not a language model: no LM head, no LM loss")
     path = path_of(trainer, ctx.trainer_kind, model)
     if path not in glue.PATHS:
         return Readiness.no(path)
@@ -92,11 +92,17 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     return Readiness(detail=detail(plan), plan=plan)
 
 
-def _no_lm_head(model: nn.Module) -> bool:
+def _not_a_language_model(model: nn.Module) -> bool:
+    """A transformers model that cannot generate and has no LM head (a sequence classifier, an encoder). A causal LM
+    whose head is hidden is a language model the loss cannot serve: its probe says why (declined, not absent)."""
+    from transformers import GenerationMixin, PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or isinstance(model, GenerationMixin):
+        return False
     try:
         return model.get_output_embeddings() is None
     except (AttributeError, NotImplementedError):
-        return False  # not a transformers model: the path checks below say what they find
+        return False
 
 
 # ------------------------------------------------------------------------------------------------- the path
