@@ -5,32 +5,13 @@ import pytest
 import torch
 
 
-# Long CPU tests, whole files at a time: trainer-level parity runs, the 2-process distributed runs, the benchmarks'
-# smoke runs and the command line end to end. Marked `slow` here, in one place: the README's test command deselects
-# them (-m "not slow", minutes on 2 cores), CI runs them after it (-m slow). Single tests elsewhere carry the marker
-# themselves.
+# Long CPU tests, whole files at a time: the 2-process distributed runs, the benchmark recipes' runs and
+# `leantrain run` end to end (its targets in subprocesses). Marked `slow` here, in one place: the README's test
+# command deselects them (-m "not slow", minutes on 2 cores), CI runs them after it (-m slow). Single tests elsewhere
+# carry the marker themselves.
 TESTS = Path(__file__).resolve().parent
 SLOW_DIRS = ("distributed",)
-SLOW_FILES = frozenset(
-    {
-        "parity/test_cggr_quality_bench.py",
-        "parity/test_fused_ce_compose.py",
-        "parity/test_fused_ce_sft.py",
-        "parity/test_fused_ce_trainer.py",
-        "parity/test_grpo_logps_keep_logits.py",
-        "parity/test_grpo_logps_trainer.py",
-        "parity/test_moe4bit_lora.py",
-        "parity/test_moe4bit_model.py",
-        "parity/test_osft_trainer.py",
-        "unit/test_bench_fused_ce.py",
-        "unit/test_bench_grpo_logps.py",
-        "unit/test_bench_layer_kernels.py",
-        "unit/test_bench_moe4bit.py",
-        "unit/test_bench_moe4bit_full.py",
-        "unit/test_bench_recipes.py",
-        "unit/test_run.py",
-    }
-)
+SLOW_FILES = frozenset({"unit/test_bench_moe4bit_full.py", "unit/test_bench_recipes.py", "unit/test_run.py"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
