@@ -65,7 +65,7 @@ def plain_trainer(model: Any, out: str) -> Any:
 
 
 def llama() -> Any:
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
 
     return tiny_model("llama", vocab_size=VOCAB, layers=4).train()
 
@@ -74,7 +74,7 @@ def sft_trainer(out: str) -> Any:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer
+    from leantrain.cli.tiny import corpus_texts, tiny_model, train_tokenizer
 
     tok = train_tokenizer()
     model = tiny_model("llama", vocab_size=len(tok), layers=4).train()
@@ -87,7 +87,7 @@ def rl_trainer(kind: str, out: str) -> Any:
     import trl
     from datasets import Dataset
 
-    from leantrain.tiny import tiny_model, train_tokenizer
+    from leantrain.cli.tiny import tiny_model, train_tokenizer
 
     tok = train_tokenizer()
     model = tiny_model("llama", vocab_size=len(tok), layers=2)
@@ -110,7 +110,7 @@ def moe_trainer(family: str, layout: str, out: str) -> Any:
     import leantrain
 
     sys.path.insert(0, str(ROOT))  # testkit/: the scaffolding tests and benchmarks share
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
     from testkit.moe4bit_models import convert_model_to_linear4bit_experts
 
     model = tiny_model(family, vocab_size=VOCAB, hidden=128, layers=2)

@@ -5,8 +5,8 @@ Variants per shape: stock; leantrain CGGR (entropy) at ratio 0.25 and 0.5 (route
 the final hidden state, ``cggr-entropy-top``); the random-selection control through the
 same machinery (``cggr_scoring="random"``: same kept count, no scoring); and the no-scoring bound (stock trainer on
 labels masked at random beforehand). Reports median step time (p20/p80), tokens/s, peak memory and CGGR's scoring
-time. Then a short quality run: each variant trains the same small model from scratch on ``leantrain.tiny``'s corpus
-for a fixed number of steps; eval loss over all held-out tokens.
+time. Then a short quality run: each variant trains the same small model from scratch on the
+``leantrain.cli.tiny`` corpus for a fixed number of steps; eval loss over all held-out tokens.
 
     python benchmarks/bench_cggr.py            # CUDA, full size (< 4 min on an H100)
     python benchmarks/bench_cggr.py --smoke    # CPU, tiny shapes (< 60 s)
@@ -66,7 +66,7 @@ def sft_trainer(model, out_dir: Path, data, device: str, **args):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from leantrain.tiny import train_tokenizer
+    from leantrain.cli.tiny import train_tokenizer
 
     config = dict(
         output_dir=str(out_dir),
@@ -201,7 +201,7 @@ def speed(args, rows: list[Row], table: list[list]) -> None:
 
 
 def corpus_blocks(tokenizer, seq: int) -> torch.Tensor:
-    from leantrain.tiny import corpus_texts
+    from leantrain.cli.tiny import corpus_texts
 
     ids: list[int] = []
     for text in corpus_texts():
@@ -225,7 +225,7 @@ def eval_loss(model, blocks: torch.Tensor, device: str, batch: int) -> float:
 
 
 def quality(args, rows: list[Row], table: list[list]) -> None:
-    from leantrain.tiny import train_tokenizer
+    from leantrain.cli.tiny import train_tokenizer
 
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.float32)
     seq, batch, steps = (32, 2, 4) if args.smoke else (256, 32, 300)

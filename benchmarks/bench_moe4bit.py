@@ -41,10 +41,10 @@ import transformers
 from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.moe4bit import _adapters, ops  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.registry import LAYOUTS, build_plan  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from testkit.moe4bit_models import convert_model_to_linear4bit_experts, linear4bit_experts_from  # noqa: E402
 from testkit.optimizations import only  # noqa: E402

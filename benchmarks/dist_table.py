@@ -120,7 +120,7 @@ def _within_bound(row: dict[str, Any], stock0: dict[str, Any]) -> bool | None:
     roundoffs of the run's dtype per rounding depth of its layers, carried along the loss's movement); None when
     there is nothing to compare or leantrain is not importable."""
     try:
-        from leantrain.compare import loss_bounds
+        from leantrain.cli.verdict import loss_bounds
     except ImportError:
         return None
     ref = stock0.get("losses") or []

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 
-from leantrain import tiny
+from leantrain.cli import tiny
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared shapes table
@@ -21,7 +21,7 @@ import shapes  # noqa: E402
 
 
 # Shapes of public models (benchmarks/shapes.py, the one table), built from config with random weights (nothing
-# downloaded): example name -> (leantrain.tiny family, shapes.py name). Embeddings untied, as tiny_config makes them.
+# downloaded): example name -> (tiny family, shapes.py name). Embeddings untied, as tiny_config makes them.
 SHAPES: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llama", "smollm2-135m"),
     "qwen2.5-0.5b": ("qwen2", "qwen2.5-0.5b"),
@@ -32,7 +32,7 @@ SHAPES: dict[str, tuple[str, str]] = {
 
 
 def build_model(shape: str, vocab_size: int, layers: int | None = None) -> transformers.PreTrainedModel:
-    """``tiny-<family>`` (leantrain.tiny) or a named shape; bf16 on CUDA, fp32 on CPU. The vocab of a named shape
+    """``tiny-<family>`` (leantrain.cli.tiny) or a named shape; bf16 on CUDA, fp32 on CPU. The vocab of a named shape
     is kept (it drives the LM-head cost); token ids from the small tokenizer are a subset of it. ``layers``
     overrides the decoder layer count. On CUDA the weights are initialised on this rank's GPU (LOCAL_RANK): a
     random init of half a billion parameters takes seconds on the CPU, milliseconds there."""

@@ -15,8 +15,8 @@ from _common import build_model, corpus_dataset, patch_train_record, run_args
 from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer
 
-from leantrain.demo import letter_reward
-from leantrain.tiny import train_tokenizer
+from leantrain.cli.demo import letter_reward
+from leantrain.cli.tiny import train_tokenizer
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from _common import build_model, corpus_dataset, lora_config, patch_train_record, run_args
 from trl import SFTConfig, SFTTrainer
 
-from leantrain.tiny import train_tokenizer
+from leantrain.cli.tiny import train_tokenizer
 
 
 def main() -> None:

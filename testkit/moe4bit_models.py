@@ -2,7 +2,7 @@
 
 Community pre-quantized gpt-oss 4-bit checkpoints store experts as ``gate_up_projs`` / ``down_projs`` ModuleLists
 of ``Linear4bit`` (weight = transpose of the 3-D slice, gate/up interleaved on rows, biases) and run a per-expert
-loop: the package's :class:`leantrain.tiny.Linear4bitMoeExperts` (the demo's stand-in, the one copy) reproduces
+loop: the package's :class:`leantrain.cli.tiny.Linear4bitMoeExperts` (the demo's stand-in, the one copy) reproduces
 that layout and loop; :func:`linear4bit_experts_from` converts a stock gpt-oss (or Qwen3-MoE / Mixtral-style)
 experts module into it. :func:`load_in_4bit_like` quantizes as ``from_pretrained(load_in_4bit=True)`` does, and
 :class:`SparseMoeBlock4x` rebuilds the transformers 4.57 Qwen MoE block.
@@ -14,7 +14,7 @@ import torch
 import transformers
 from torch import nn
 
-from leantrain.tiny import Linear4bitMoeExperts
+from leantrain.cli.tiny import Linear4bitMoeExperts
 
 
 def _linear4bit(
@@ -66,7 +66,7 @@ def linear4bit_experts_from(
 
 
 def convert_model_to_linear4bit_experts(model: nn.Module, **quant) -> list[str]:
-    """Replace every stock experts module of ``model`` by its :class:`~leantrain.tiny.Linear4bitMoeExperts` copy;
+    """Replace every stock experts module of ``model`` by its :class:`~leantrain.cli.tiny.Linear4bitMoeExperts` copy;
     returns their names."""
     targets = [
         (name, module)

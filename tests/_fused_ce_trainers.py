@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import transformers
 
-from leantrain.tiny import tiny_model, train_tokenizer
+from leantrain.cli.tiny import tiny_model, train_tokenizer
 
 
 VOCAB = 512
@@ -49,7 +49,7 @@ def sft_paths() -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------------------ models
 def extra_config(family: str, **overrides: Any) -> transformers.PretrainedConfig:
-    """Families beyond leantrain.tiny's: Cohere (logit_scale), Granite (divides by logits_scaling) and HyperCLOVA X
+    """Families beyond leantrain.cli.tiny's: Cohere (logit_scale), Granite (divides by logits_scaling) and HyperCLOVA X
     (multiplies by it; transformers 5)."""
     common = dict(
         vocab_size=VOCAB,

@@ -16,8 +16,8 @@ datasets = pytest.importorskip("datasets")
 import transformers  # noqa: E402
 
 from leantrain._compat import TRL_FUSED_LM_HEAD  # noqa: E402
+from leantrain.cli.tiny import corpus_texts  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
-from leantrain.tiny import corpus_texts  # noqa: E402
 
 
 HAS_FUSED_HEAD = hasattr(__import__("trl.trainer.utils", fromlist=["_"]), "add_fused_lm_head")

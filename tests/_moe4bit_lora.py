@@ -13,7 +13,7 @@ import transformers
 
 peft = pytest.importorskip("peft")
 import leantrain  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from testkit.moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 
 

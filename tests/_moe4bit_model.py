@@ -7,7 +7,7 @@ from __future__ import annotations
 import transformers
 
 import leantrain  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from testkit.moe4bit_models import convert_model_to_linear4bit_experts, token_trainer  # noqa: E402
 
 

@@ -21,8 +21,8 @@ from unittest import mock
 import torch
 import transformers
 
-from leantrain._measure import Completions
-from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer
+from leantrain.cli._measure import Completions
+from leantrain.cli.tiny import corpus_texts, tiny_model, train_tokenizer
 
 
 VOCAB = 512

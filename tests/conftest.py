@@ -1,7 +1,25 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+
+# Long CPU tests, whole files at a time: the 2-process distributed runs, the benchmark recipes' runs and
+# `leantrain run` end to end (its targets in subprocesses). Marked `slow` here, in one place: the README's test
+# command deselects them (-m "not slow", minutes on 2 cores), CI runs them after it (-m slow). Single tests elsewhere
+# carry the marker themselves.
+TESTS = Path(__file__).resolve().parent
+SLOW_DIRS = ("distributed",)
+SLOW_FILES = frozenset({"unit/test_bench_moe4bit_full.py", "unit/test_bench_recipes.py", "unit/test_run.py"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(TESTS)
+        if rel.parts[0] in SLOW_DIRS or rel.as_posix() in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
 
 
 # Leantrain reads LEANTRAIN_* at patch time; a developer's shell must not leak into the tests.

@@ -53,10 +53,10 @@ def grpo_hooks(trainer: Any, clock: StepClock) -> None:
 
 
 def prompts_and_tokenizer() -> tuple[Any, Any]:
-    """Prompts of 16 words from leantrain.tiny's corpus and its tokenizer, left-padded (as generation needs)."""
+    """Prompts of 16 words from leantrain.cli.tiny's corpus and its tokenizer, left-padded (as generation needs)."""
     from datasets import Dataset
 
-    from leantrain.tiny import corpus_texts
+    from leantrain.cli.tiny import corpus_texts
 
     tok = tokenizer()
     tok.padding_side = "left"
@@ -67,7 +67,7 @@ def prompts_and_tokenizer() -> tuple[Any, Any]:
 def grpo_trainer(model: Any, prompts: Any, tok: Any, out: Path, steps: int, beta: float, lr: float, s: Settings, **kw):
     from trl import GRPOConfig, GRPOTrainer
 
-    from leantrain.demo import letter_reward
+    from leantrain.cli.demo import letter_reward
 
     grpo_args = GRPOConfig(
         **trainer_args(out, steps, s),

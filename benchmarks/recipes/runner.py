@@ -45,7 +45,7 @@ SHORT = dict(
     optimizer="opt",
     other="other",
 )
-TOKENS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)  # leantrain.tiny's tokenizer
+TOKENS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)  # leantrain.cli.tiny's tokenizer
 
 
 # Every optimization explicitly off (the option table's names): a variant turns exactly one on.
@@ -459,7 +459,7 @@ def token_dataset(vocab: int, rows: int, seq: int, seed: int = 1):
 
 
 def tokenizer():
-    from leantrain.tiny import train_tokenizer
+    from leantrain.cli.tiny import train_tokenizer
 
     return train_tokenizer()
 

@@ -27,7 +27,7 @@ DENSE = {
 }  # fmt: skip
 
 
-# Smoke: vocab 2048 = leantrain.tiny's tokenizer (GRPO prompts are real text); 4-bit sizes are multiples of the
+# Smoke: vocab 2048 = leantrain.cli.tiny's tokenizer (GRPO prompts are real text); 4-bit sizes are multiples of the
 # blocksize (bitsandbytes' CPU dequantize needs it, see tests/parity/test_moe4bit_model.py).
 TINY = dict(
     vocab_size=2048,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 
 ENV_PREFIX = "LEANTRAIN_"
-Source = Literal["kwarg", "cli", "env", "default"]
+Source = Literal["kwarg", "cli", "env", "kept", "default"]
 
 _TRUE = {"1", "on", "yes", "true"}
 _FALSE = {"0", "off", "no", "false"}
@@ -220,8 +220,8 @@ def _suggest(name: str, known: list[str]) -> str:
 
 def as_typed(name: str, value: Any, source: str) -> str:
     """A setting as the user wrote it, for messages: ``cggr=True``, ``--cggr``, ``LEANTRAIN_CGGR=1``."""
-    if source == "kwarg" or source == "default":
-        return f"{name}={value!r}"
+    if source in ("kwarg", "default", "kept"):
+        return f"{name}={value!r}" + (" (kept by leantrain compare)" if source == "kept" else "")
     flag = "--" + name.replace("_", "-")
     if source == "cli" and isinstance(value, bool) and (name in OPTIMIZATIONS or (name == "strict" and value)):
         return flag if value else f"--no-{flag[2:]}"
@@ -252,11 +252,15 @@ def _layer(layer: Mapping[str, Any], fields: Mapping[str, dataclasses.Field], un
 
 
 def resolve_config(
-    kwargs: Mapping[str, Any], environ: Mapping[str, str] | None = None, cli: Mapping[str, Any] | None = None
+    kwargs: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+    kept: Mapping[str, Any] | None = None,
 ) -> ResolvedConfig:
     """Build the config from keywords, then the command line (``leantrain run``'s options: ``cli``), then
-    ``LEANTRAIN_*`` variables, then defaults. Every value given is checked, whether or not a higher layer overrides
-    it; anything unknown, unparsable or contradictory raises."""
+    ``LEANTRAIN_*`` variables, then what ``leantrain compare --keep`` kept for this target (``kept``), then
+    defaults. Every value given is checked, whether or not a higher layer overrides it; anything unknown, unparsable
+    or contradictory raises."""
     environ = os.environ if environ is None else environ
     fields = {f.name: f for f in LeantrainConfig.options()}
     env_names = {LeantrainConfig.env_name(n): n for n in fields}
@@ -267,6 +271,7 @@ def resolve_config(
         ("kwarg", _layer(kwargs, fields, "patch_trainer() got an unknown option")),
         ("cli", _layer(cli or {}, fields, "unknown option")),
         ("env", {n: _checked(fields[n], environ[v], v, parse=True) for v, n in env_names.items() if v in environ}),
+        ("kept", _layer(kept or {}, fields, "unknown kept option")),
     ]
     values: dict[str, Any] = {}
     sources: dict[str, Source] = {}

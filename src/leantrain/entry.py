@@ -40,9 +40,7 @@ def trainer_kind(trainer: Any) -> str:
     """'grpo' (GRPOTrainer, RLOOTrainer), 'sft' (SFTTrainer) or 'trainer' (transformers.Trainer); else TypeError.
 
     Imports nothing: a Trainer's module is in ``sys.modules`` already, and TRL classes are read off the MRO."""
-    trainer_module = sys.modules.get("transformers.trainer")
-    if trainer_module is None or not isinstance(trainer, trainer_module.Trainer):
-        raise TypeError(f"patch_trainer() needs a transformers.Trainer or a TRL trainer, got {type(trainer).__name__}")
+    _check_trainer(trainer, "patch_trainer")
     trl_classes = [c.__name__ for c in type(trainer).__mro__ if c.__module__.partition(".")[0] == "trl"]
     for kind, names in TRL_KINDS:
         if any(name in names for name in trl_classes):
@@ -53,6 +51,12 @@ def trainer_kind(trainer: Any) -> str:
             "GRPOTrainer, RLOOTrainer and a plain transformers Trainer"
         )
     return "trainer"
+
+
+def _check_trainer(trainer: Any, caller: str) -> None:
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None or not isinstance(trainer, trainer_module.Trainer):
+        raise TypeError(f"{caller}() needs a transformers.Trainer or a TRL trainer, got {type(trainer).__name__}")
 
 
 def _failed_import(error: BaseException) -> ImportError | None:
@@ -79,7 +83,7 @@ def _probe(opt: Optimization, trainer: Any, ctx: PatchContext) -> Readiness:
 
 # Where a setting came from, lowest first: an explicit request (in code, on the command line) overrides a kill switch
 # set lower down; the switch beats every environment toggle.
-_RANK = {"default": 0, "env": 1, "cli": 2, "kwarg": 3}
+_RANK = {"default": 0, "kept": 0, "env": 1, "cli": 2, "kwarg": 3}
 
 
 def _kill_switch(opt: Optimization, cfg: ResolvedConfig) -> tuple[str, ...] | None:
@@ -118,7 +122,8 @@ def _decide(
     if not opt.implemented:
         return Status.SKIPPED, source, ("not available in this version",), None
     if ctx.trainer_kind not in opt.trainer_kinds:
-        return Status.SKIPPED, source, (f"does not apply to {ctx.trainer_kind} trainers",), None
+        kinds = "plain Trainers" if ctx.trainer_kind == "trainer" else f"{ctx.trainer_kind} trainers"
+        return Status.SKIPPED, source, (f"does not apply to {kinds}",), None
     readiness = _probe(opt, trainer, ctx)
     if readiness.slower_evidence and wanted is not True:
         return Status.SKIPPED, source, (skipped_as_slower(opt.name, readiness.slower_evidence),), readiness
@@ -136,15 +141,17 @@ def applied_on_request(name: str, evidence: str) -> str:
     return f"applied on request ({name}=True); {evidence}"
 
 
-# The options of the innermost `leantrain run` in progress (the `cli` layer of every patch_trainer call in it).
-_COMMAND_LINE: list[dict[str, Any]] = []
+# The options of the innermost `leantrain run` in progress: (the `cli` layer, the `kept` layer) of every patch_trainer
+# call in it.
+_COMMAND_LINE: list[tuple[dict[str, Any], dict[str, Any]]] = []
 
 
 @contextlib.contextmanager
-def command_line(options: Mapping[str, Any]) -> Iterator[None]:
+def command_line(options: Mapping[str, Any], kept: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Within the block, every ``patch_trainer`` call resolves ``options`` as the command line's (source ``cli``):
-    below its own keywords, above ``LEANTRAIN_*``. ``leantrain run`` holds it for the target's whole run."""
-    _COMMAND_LINE.append(dict(options))
+    below its own keywords, above ``LEANTRAIN_*``; and ``kept`` (what ``leantrain compare --keep`` kept for this
+    target, source ``kept``) below ``LEANTRAIN_*``. ``leantrain run`` holds it for the target's whole run."""
+    _COMMAND_LINE.append((dict(options), dict(kept or {})))
     try:
         yield
     finally:
@@ -171,15 +178,18 @@ def patch_trainer(
     step with it) is None (auto: skipped where its probe declines or measured it slower), True (required: applied
     even where measured slower; raise if not ready) or False (off). ``options`` are the fields of
     :class:`leantrain.config.LeantrainConfig`. They resolve above ``leantrain run``'s command line, which resolves
-    above ``LEANTRAIN_*`` variables, then defaults. Patching an already patched trainer changes nothing.
+    above ``LEANTRAIN_*`` variables, then defaults. Patching an already patched trainer changes nothing; a
+    request that contradicts what is applied raises ValueError (unpatch first).
     """
     given = locals()
     toggles = {name: given[name] for name in (*OPTIMIZATIONS, "strict") if name in given}
     keywords = {**{k: v for k, v in toggles.items() if v is not None}, **options}
-    cfg = resolve_config(keywords, environ, _COMMAND_LINE[-1] if _COMMAND_LINE else None)
+    cli, kept = _COMMAND_LINE[-1] if _COMMAND_LINE else (None, None)
+    cfg = resolve_config(keywords, environ, cli, kept)
     kind = trainer_kind(trainer)
     state: _State | None = getattr(trainer, _STATE_ATTR, None)
     if state is not None:
+        _check_same_request(state.report, cfg)
         report = state.report.with_note("patch_trainer called again: already patched, nothing changed")
         _set_report(trainer, report)
         return report
@@ -195,8 +205,8 @@ def patch_trainer(
         required = getattr(cfg.config, opt.name) is True
         strict_miss = cfg.config.strict and readiness is not None and readiness.applicable
         if status is Status.SKIPPED and (required or strict_miss):
-            why = "required" if required else "strict mode"
-            raise NotReadyError(f"{opt.name} is {why} but not ready: " + "; ".join(reasons))
+            why = "is required but not ready" if required else "applies here but is not ready (strict mode)"
+            raise NotReadyError(f"{opt.name} {why}: " + "; ".join(reasons))
         if status is not None:
             outcomes.append(PatchOutcome(opt.name, status, source, reasons))
         else:
@@ -236,12 +246,32 @@ def patch_trainer(
         trainer.__dict__.pop(_STATE_ATTR, None)
         raise
     for opt in registry().values():
-        if opt.name in state.report.applied and opt.removes_metrics:
+        if opt.name in state.report.applied and opt.removes_metrics and kind != "trainer":  # TRL's metrics
             state.report = state.report.with_note(f"{opt.name}: {', '.join(opt.removes_metrics)}")
     _set_report(trainer, state.report)
     if _is_main_process(trainer):
         logger.info(state.report.summary())
     return state.report
+
+
+def _check_same_request(report: PatchReport, cfg: ResolvedConfig) -> None:
+    """A second ``patch_trainer`` call on a patched trainer changes nothing, so a request it could not honour is an
+    error, not a silent no-op: ``<name>=True`` for an optimization that is not applied, ``<name>=False`` for one that
+    is. Unpatch first to patch with another request."""
+    contradictions = []
+    for name in (o.name for o in report.outcomes):
+        wanted, source = getattr(cfg.config, name, None), cfg.sources.get(name)
+        if source not in ("kwarg", "cli") or wanted is None:
+            continue
+        if (wanted is True) != (name in report.applied):
+            state = "applied" if name in report.applied else "not applied"
+            contradictions.append(f"{as_typed(name, wanted, source)} but {name} is {state}")
+    if contradictions:
+        raise ValueError(
+            "patch_trainer() called again on a patched trainer with another request ("
+            + "; ".join(contradictions)
+            + "): call leantrain.unpatch_trainer(trainer) first, then patch_trainer with the new request"
+        )
 
 
 def _recorder(trainer: Any, name: str):
@@ -278,6 +308,7 @@ def current_report(trainer: Any) -> PatchReport | None:
 
 def unpatch_trainer(trainer: Any) -> None:
     """Undo every patch in reverse order, restoring the original methods and modules by identity."""
+    _check_trainer(trainer, "unpatch_trainer")
     state: _State | None = trainer.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return

@@ -45,6 +45,11 @@ class PatchReport:
         raise KeyError(name)
 
     @property
+    def kind_text(self) -> str:
+        """ "sft trainer", "grpo trainer", or "Trainer" for a plain transformers Trainer (not "trainer trainer")."""
+        return "Trainer" if self.trainer_kind == "trainer" else f"{self.trainer_kind} trainer"
+
+    @property
     def applied(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.outcomes if o.status is Status.APPLIED)
 
@@ -61,7 +66,7 @@ class PatchReport:
 
     def summary(self) -> str:
         parts = [f"{o.name}={o.status.value}" for o in self.outcomes]
-        return f"leantrain ({self.trainer_kind} trainer): " + ", ".join(parts)
+        return f"leantrain ({self.kind_text}): " + ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,10 +80,11 @@ class PatchReport:
         for o in self.outcomes:
             why = "; ".join(o.reasons) or o.detail
             if o.targets and o.status is Status.APPLIED:
-                why = f"{why} ({len(o.targets)} targets)" if why else f"{len(o.targets)} targets"
+                count = f"{len(o.targets)} target{'s' if len(o.targets) != 1 else ''}"
+                why = f"{why} ({count})" if why else count
             rows.append((o.name, o.status.value, o.source, why))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = [f"leantrain patch report ({self.trainer_kind} trainer)"]
+        lines = [f"leantrain patch report ({self.kind_text})"]
         for i, row in enumerate(rows):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
             if i == 0:

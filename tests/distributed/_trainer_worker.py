@@ -74,7 +74,7 @@ def sft_texts(tokenizer) -> list[str]:
     """STEPS * WORLD * PER_RANK texts in training order: step s, rank r takes rows [s*4 + 2r, s*4 + 2r + 2). Long
     texts (> SEQ tokens: truncated) and short ones (< SEQ - 8: padded) are mixed so that the two ranks hold different
     label counts at every step: a per-rank loss normalization would then be visibly wrong."""
-    from leantrain.tiny import corpus_texts
+    from leantrain.cli.tiny import corpus_texts
 
     texts = corpus_texts()
     sizes = [len(ids) for ids in tokenizer(texts)["input_ids"]]
@@ -151,7 +151,7 @@ def enable_fsdp_on_cpu(layer_cls: str = LAYER_CLS) -> None:
 
 
 def tiny_llama(tokenizer) -> Any:
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
 
     return tiny_model("llama", seed=0, vocab_size=len(tokenizer), hidden=64, layers=4).train()
 
@@ -261,7 +261,7 @@ def sft_trainer(engine: str, out: Path, batch: int, **overrides: Any):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from leantrain.tiny import train_tokenizer
+    from leantrain.cli.tiny import train_tokenizer
 
     tokenizer = train_tokenizer()
     args = common_args(engine, out, batch)
@@ -398,7 +398,7 @@ def grpo_trainer(engine: str, out: Path, batch: int, completions: list):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from leantrain.tiny import corpus_texts, train_tokenizer
+    from leantrain.cli.tiny import corpus_texts, train_tokenizer
 
     tokenizer = train_tokenizer()
     tokenizer.padding_side = "left"
@@ -474,7 +474,7 @@ def moe_model() -> Any:
     and expert intermediate 64, whole numbers of 64-element blocks per expert. Built before the training arguments
     exist, so never under ZeRO-3's zero.Init (which would leave no 3-D stacks to quantize)."""
     import leantrain
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
 
     model = tiny_model("qwen3_moe", seed=0, hidden=128, layers=MOE_LAYERS, vocab_size=MOE_VOCAB)
     model.set_experts_implementation("eager")  # the stock per-expert loop (the fallback)

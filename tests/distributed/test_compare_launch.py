@@ -30,7 +30,7 @@ def free_port() -> int:
 def test_compare_under_accelerate_launch_measures_rank_zero(tmp_path, monkeypatch):
     pytest.importorskip("deepspeed")
     pytest.importorskip("trl")
-    from leantrain import compare
+    from leantrain.cli import compare
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
     env.update(

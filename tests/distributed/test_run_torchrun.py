@@ -40,7 +40,7 @@ def test_torchrun_patches_every_rank_and_prints_once(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=400)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
-    assert log.count("leantrain patch report (trainer trainer)") == 1, log[-4000:]
+    assert log.count("leantrain patch report (Trainer)") == 1, log[-4000:]
     ranks = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in range(2)]
     for rank, got in enumerate(ranks):
         assert got["world"] == 2 and got["global_step"] == 2, rank

@@ -14,7 +14,7 @@ datasets = pytest.importorskip("datasets")
 
 import transformers  # noqa: E402
 
-from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
+from leantrain.cli.tiny import corpus_texts, tiny_model, train_tokenizer  # noqa: E402
 
 
 METRICS = ("loss", "grad_norm", "kl", "entropy")

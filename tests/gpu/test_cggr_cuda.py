@@ -40,7 +40,7 @@ from _trainer_helpers import (
 from transformers import TrainerCallback
 
 import leantrain
-from leantrain.tiny import tiny_model
+from leantrain.cli.tiny import tiny_model
 from testkit.optimizations import others_off
 
 

@@ -20,8 +20,8 @@ from transformers import Trainer, TrainingArguments
 
 import leantrain
 from leantrain import Status
+from leantrain.cli.tiny import tiny_model
 from leantrain.compile_layers import stats
-from leantrain.tiny import tiny_model
 from testkit.optimizations import only
 
 

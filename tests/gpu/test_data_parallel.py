@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leantrain import NotReadyError, Status, patch_trainer, tiny
+from leantrain import NotReadyError, Status, patch_trainer
+from leantrain.cli import tiny
 from leantrain.config import OPTIMIZATIONS
 
 

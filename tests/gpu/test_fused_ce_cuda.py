@@ -117,7 +117,7 @@ def test_no_full_logits_in_memory(dev, tmp_path, vocab, hidden, width, frozen):
     copy (N·V·6 bytes; 12 GiB at Gemma-2-2B's head, 4 x 2048 tokens) from the forward to the backward; the patched
     step's peak stays below stock's by at least that (the small case: by half of it, its tile is a larger share).
     The Gemma-2-2B-shaped case has one decoder layer and a frozen embedding and head, as under LoRA."""
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
 
     dtype = torch.bfloat16 if frozen else torch.float32
     model = tiny_model("llama", vocab_size=vocab, hidden=hidden, layers=1 if frozen else 2, dtype=dtype)

@@ -22,11 +22,11 @@ trl = pytest.importorskip("trl")
 pytest.importorskip("trl.kernels.chunked_logprob")
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.grpo_logps import nograd  # noqa: E402
 from leantrain.grpo_logps import patch as glue  # noqa: E402
 from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from tests._grpo_logps_trainers import count_op_calls  # noqa: E402
 from tests.gpu import _grpo_helpers as H  # noqa: E402
 from tests.gpu._grpo_op_cases import Case, reference  # noqa: E402

@@ -38,10 +38,10 @@ from _trainer_helpers import (
 from transformers import Trainer, TrainingArguments
 
 import leantrain
+from leantrain.cli.tiny import tiny_model
 from leantrain.config import OPTIMIZATIONS
 from leantrain.layer_kernels import FAMILIES, ops
 from leantrain.report import Status
-from leantrain.tiny import tiny_model
 from testkit.layer_kernels_refs import emulated
 
 

@@ -36,13 +36,13 @@ bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as bnbf  # noqa: E402
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.moe4bit import ops, readiness  # noqa: E402
 from leantrain.moe4bit._stacks import STACK_NAMES, state_tensors  # noqa: E402
 from leantrain.moe4bit.layout_stacked import live_stacked_plan  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.registry import build_plan  # noqa: E402
 from leantrain.report import Status  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from testkit.moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 from testkit.optimizations import others_off  # noqa: E402

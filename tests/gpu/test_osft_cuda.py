@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import leantrain
+from leantrain.cli.tiny import tiny_model
 from leantrain.config import OSFT_PRECISIONS
 from leantrain.osft import OSFTCallback, OSFTLinear, Projector, convert, merge, osft_layers
 from leantrain.osft.ops import gram_project
-from leantrain.tiny import tiny_model
 from testkit.optimizations import others_off
 
 

@@ -16,9 +16,9 @@ from leantrain import _compat
 from leantrain.cggr import ops as cggr_ops
 from leantrain.cggr import patch as cggr_patch
 from leantrain.cggr.ops import select_topk
+from leantrain.cli.tiny import FAMILIES, tiny_model
 from leantrain.models import decoder_parts
 from leantrain.report import Status
-from leantrain.tiny import FAMILIES, tiny_model
 from testkit.optimizations import others_off
 
 
@@ -55,7 +55,7 @@ def trainer_for(model, tmp_path, kind="trainer", **args):
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
-        from leantrain.tiny import train_tokenizer
+        from leantrain.cli.tiny import train_tokenizer
 
         g = torch.Generator().manual_seed(1)
         data = Dataset.from_list(

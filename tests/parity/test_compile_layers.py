@@ -18,12 +18,12 @@ from transformers import Trainer, TrainingArguments
 
 import leantrain
 from leantrain import NotReadyError, Status
+from leantrain.cli.tiny import tiny_model
 from leantrain.compile_layers import patch as compile_patch
 from leantrain.compile_layers import probe as compile_probe
 from leantrain.compile_layers import stats
 from leantrain.compile_layers.ops import Payback
 from leantrain.models import decoder_parts
-from leantrain.tiny import tiny_model
 from testkit.optimizations import only
 
 

@@ -14,11 +14,11 @@ import torch
 trl = pytest.importorskip("trl")
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model, train_tokenizer  # noqa: E402
 from leantrain.grpo_logps import nograd  # noqa: E402
 from leantrain.grpo_logps import patch as glue  # noqa: E402
 from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
-from leantrain.tiny import tiny_model, train_tokenizer  # noqa: E402
 from tests._grpo_logps_trainers import count_op_calls, make_trainer, needs_fused_head  # noqa: E402
 
 

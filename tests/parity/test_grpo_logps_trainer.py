@@ -16,10 +16,10 @@ datasets = pytest.importorskip("datasets")
 import transformers  # noqa: E402
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model, train_tokenizer  # noqa: E402
 from leantrain.grpo_logps import GrpoLogps, nograd  # noqa: E402
 from leantrain.grpo_logps import probe as logps_probe  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
-from leantrain.tiny import tiny_model, train_tokenizer  # noqa: E402
 from tests._grpo_logps_trainers import (  # noqa: E402
     HAS_FUSED_HEAD,
     assert_bf16_trajectory,

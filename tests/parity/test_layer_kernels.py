@@ -22,10 +22,10 @@ from transformers import Trainer, TrainingArguments
 
 import leantrain
 from leantrain import NotReadyError, Status, _compat
+from leantrain.cli.tiny import tiny_model
 from leantrain.config import OPTIMIZATIONS
 from leantrain.layer_kernels import FAMILIES, MEASURED
 from leantrain.layer_kernels.probe import ROPE, rope_reason
-from leantrain.tiny import tiny_model
 from testkit.layer_kernels_refs import emulated
 
 

@@ -37,7 +37,7 @@ _SCRIPT = textwrap.dedent(
     from leantrain.layer_kernels import FAMILIES, ops
     from leantrain.layer_kernels.patch import install
     from leantrain.layer_kernels.probe import plan_targets
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
     from leantrain.undo import Undo
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

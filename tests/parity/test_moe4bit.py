@@ -327,7 +327,7 @@ def test_routing_sorted_on_device():
 
 
 def test_probe_not_applicable_without_moe_or_without_4bit():
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
 
     dense = readiness(tiny_model("llama", hidden=64, layers=1, vocab_size=128))
     assert not dense.applicable and "no MoE experts" in dense.reasons[0]

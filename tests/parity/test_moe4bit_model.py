@@ -21,9 +21,9 @@ if _OLDER:
 pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.moe4bit import ops  # noqa: E402
 from leantrain.report import Status  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from testkit.optimizations import others_off  # noqa: E402
 from tests._moe4bit_model import SEQ, VOCAB, make_model, make_trainer  # noqa: E402
 

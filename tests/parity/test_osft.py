@@ -11,10 +11,10 @@ import torch
 import transformers
 from torch import nn
 
+from leantrain.cli.tiny import tiny_model
 from leantrain.osft import OSFTLinear, Projector, convert, dense_state_dict, frozen_overlap, merge, osft_layers
 from leantrain.osft.ops import PRECISIONS, check_precision, gram_project
 from leantrain.osft.probe import find_targets
-from leantrain.tiny import tiny_model
 
 
 torch.set_num_threads(1)

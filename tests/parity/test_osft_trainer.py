@@ -13,10 +13,10 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 import leantrain
+from leantrain.cli.tiny import corpus_texts, tiny_model, train_tokenizer
 from leantrain.entry import NotReadyError
 from leantrain.osft import OSFTCallback, OSFTLinear, frozen_overlap, osft_layers
 from leantrain.report import Status
-from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer
 
 
 torch.set_num_threads(1)

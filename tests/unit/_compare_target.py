@@ -21,7 +21,7 @@ def main() -> None:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
 
     torch.set_num_threads(1)
     model = tiny_model("llama", vocab_size=128, hidden=32, layers=2).train()

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
+from leantrain.cli.tiny import tiny_model
 from leantrain.optimization import Applied, Optimization, PatchContext, Readiness
-from leantrain.tiny import tiny_model
 
 
 def tiny_trainer(tmp_path, steps: int = 3, eval_dataset: Any = None, **args: Any) -> Trainer:

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from leantrain.tiny import tiny_model
+    from leantrain.cli.tiny import tiny_model
 
     out = Path(args.out)
     model = tiny_model("llama", vocab_size=128, hidden=64, layers=args.layers).train()

@@ -1,11 +1,11 @@
 """The package's shape, checked from the source: which module may import which (ARCHITECTURE.md says why).
 
-Layers, top to bottom: the entry point (``leantrain``, ``entry``, ``launch``, ``__main__``, ``demo``, ``compare``,
-``_measure``), the optimizations (one package each, named in ``config.OPTIMIZATIONS``), the framework (interface,
-undo, options, report, model adapters, versions) and the shared math (every other subpackage, e.g. ``lm_head``).
-An import may only run down; math takes plain values and imports no framework module. Which modules of an
-optimization are its math is read from ARCHITECTURE.md's package table (the "math" column), plus what those modules
-import inside the package."""
+Layers, top to bottom: the command line (``cli``: run, compare, demo, env, and ``__main__`` that calls it), the
+entry point (``leantrain``, ``entry``), the optimizations (one package each, named in ``config.OPTIMIZATIONS``),
+the framework (interface, undo, options, report, model adapters, versions) and the shared math (every other
+subpackage, e.g. ``lm_head``). An import may only run down; math takes plain values and imports no framework
+module. Which modules of an optimization are its math is read from ARCHITECTURE.md's package table (the "math"
+column), plus what those modules import inside the package."""
 
 from __future__ import annotations
 
@@ -20,19 +20,13 @@ from leantrain.config import OPTIMIZATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "leantrain"
-ENTRY = {
-    "leantrain",
-    "leantrain.entry",
-    "leantrain.launch",
-    "leantrain.__main__",
-    "leantrain.demo",
-    "leantrain.compare",
-    "leantrain._measure",
-}
-# Math that several optimizations share: every subpackage that is not an optimization. Plain values, and no
-# optimization, framework or entry point above it.
+CLI = "cli"  # the command line: the top layer, every module under src/leantrain/cli/ and the root's __main__
+# The entry point: the public surface and the command line above it. Derived from the tree, not listed.
+ENTRY = {"leantrain", "leantrain.entry"}
+# Math that several optimizations share: every subpackage that is neither an optimization nor the command line.
+# Plain values, and no optimization, framework or entry point above it.
 SHARED_MATH = tuple(
-    sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").exists() and p.name not in OPTIMIZATIONS)
+    sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").exists() and p.name not in (*OPTIMIZATIONS, CLI))
 )
 FRAMEWORK_FOR_MATH = {
     "leantrain.config",
@@ -76,6 +70,8 @@ def _exists(name: str) -> bool:
 
 
 GRAPH = {module_name(p): imports(p) for p in SRC.rglob("*.py")}
+COMMAND_LINE = {m for m in GRAPH if m.startswith(f"leantrain.{CLI}") or m == "leantrain.__main__"}
+ENTRY |= COMMAND_LINE
 
 
 def documented_math(package: str) -> tuple[str, ...]:
@@ -180,6 +176,27 @@ def test_no_import_cycle():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_nothing_below_imports_the_command_line():
+    """The command line only calls the library: no framework, optimization or math module imports ``cli``, and the
+    entry point (``leantrain``, ``entry``) does not either."""
+    assert {"leantrain.cli", "leantrain.cli.compare", "leantrain.cli.verdict"} <= COMMAND_LINE
+    bad = {m: sorted(GRAPH[m] & COMMAND_LINE) for m in GRAPH if m not in COMMAND_LINE and GRAPH[m] & COMMAND_LINE}
+    assert not bad, f"imports running up into the command line: {bad}"
+
+
+def test_the_library_root_holds_the_entry_point_and_the_framework_only():
+    """The command-line modules live in ``cli/``: the root keeps only ``__main__`` (a call into ``cli``)."""
+    stray = {"launch", "compare", "demo", "tiny", "_measure", "_keep"} & {p.stem for p in SRC.glob("*.py")}
+    assert not stray, f"command-line modules at the library root: {sorted(stray)}"
+
+
+def test_compare_and_demo_share_one_verdict():
+    """The statistics and the verdict are one module; compare and demo both conclude with it."""
+    for user in ("leantrain.cli.compare", "leantrain.cli.demo"):
+        assert "leantrain.cli.verdict" in GRAPH[user], f"{user} does not use leantrain.cli.verdict"
+    assert not GRAPH["leantrain.cli.verdict"] - {"leantrain.cli._measure"}
 
 
 def test_no_test_scaffolding_in_the_package():

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from leantrain import _keep, compare, launch
-from leantrain._measure import Measurement
+from leantrain.cli import _keep, compare, launch
+from leantrain.cli import runs as spawn
+from leantrain.cli import verdict as verdicts
+from leantrain.cli._measure import Measurement
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,91 +133,180 @@ WARM = [500.0, 400.0]  # two warm-up steps, left out
 
 def test_faster_needs_separated_spreads_and_every_run_ahead():
     runs = four([WARM + [100, 102, 98, 101], WARM + [99, 103, 100, 100]], [WARM + [70, 71, 69, 72]] * 2)
-    result = compare.verdict(runs, 2)
+    result = verdicts.verdict(runs, 2)
     assert result["speed"]["verdict"] == "faster" and result["text"].startswith("faster by 1.4")
-    assert result["text"].endswith("same losses") and result["helped"]
-    # one leantrain run as slow as stock: the modes' medians differ, but not every run is ahead
+    assert re.search(r"same losses \(max diff 0\.0e\+00, bound \d\.\de-0\d\)$", result["text"]) and result["helped"]
+    # one leantrain run as slow as stock: not every run is ahead, and the two leantrain runs disagree
     mixed = four([WARM + [100, 102, 98, 101]] * 2, [WARM + [70, 71, 69, 72], WARM + [101, 100, 99, 102]])
-    assert compare.verdict(mixed, 2)["text"] == "within noise: no claim"
+    assert verdicts.verdict(mixed, 2)["text"].startswith("no claim: the two leantrain runs disagree (70.5 vs 100.5")
 
 
 def test_overlapping_spreads_are_no_claim_even_with_a_different_median():
     runs = four([WARM + [100, 140, 90, 130]] * 2, [WARM + [95, 125, 85, 120]] * 2)
-    result = compare.verdict(runs, 2)
+    result = verdicts.verdict(runs, 2)
     assert result["speed"]["ratio"] > 1.04  # stock's median is higher ...
     assert result["text"] == "within noise: no claim" and not result["helped"]  # ... inside the spread
 
 
 def test_slower_and_leaner():
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [150, 151, 149, 152]] * 2)
-    assert compare.verdict(runs, 2)["text"].startswith("slower by 1.5")
+    assert verdicts.verdict(runs, 2)["text"].startswith("slower by 1.5")
     lean = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [100, 101, 99, 100]] * 2)
     for r in lean[1:3]:
         r.peak_bytes = 800
-    result = compare.verdict(lean, 2)
-    assert result["text"] == "step time within noise, 20% less peak memory, same losses" and result["helped"]
+    result = verdicts.verdict(lean, 2)
+    assert result["text"].startswith("step time within noise, 20% less peak memory, same losses (max diff")
+    assert result["helped"] and result["keep"] == "helped"
 
 
 def test_nothing_applied_is_never_a_claim():
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [50, 51, 49, 50]] * 2, applied=())
-    result = compare.verdict(runs, 2)
+    result = verdicts.verdict(runs, 2)
     assert result["speed"]["verdict"] == "faster"  # what the clock alone says ...
     assert result["text"] == "nothing applied: no claim" and not result["helped"]  # ... is not a claim
 
 
 def test_losses_differ_names_the_step_where_they_split():
     losses = [5.0, 4.9, 4.8 + 1e-3, 4.7]
-    runs = four([WARM + [100, 101]] * 2, [WARM + [50, 51]] * 2, lean_losses=losses)
-    result = compare.verdict(runs, 2)
+    runs = four([WARM + [100, 101, 100.5]] * 2, [WARM + [50, 51, 50.5]] * 2, lean_losses=losses)
+    result = verdicts.verdict(runs, 2)
     assert result["losses"]["split_step"] == 3 and result["text"] == "losses differ from step 3: no claim"
     # a math-changing optimization (CGGR) is not held to the bound
-    runs = four([WARM + [100, 101]] * 2, [WARM + [50, 51]] * 2, losses, ("cggr",), changes_math=["cggr"])
-    assert compare.verdict(runs, 2)["text"].startswith("faster by 1.99x (losses not compared: cggr")
+    runs = four([WARM + [100, 101, 100.5]] * 2, [WARM + [50, 51, 50.5]] * 2, losses, ("cggr",), changes_math=["cggr"])
+    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 1.99x (losses not compared: cggr")
 
 
 def test_grad_norm_and_entropy_are_held_to_the_same_rule():
     """GRPO with beta 0: the loss value is the advantages' alone; what the log-probs change shows in grad_norm."""
-    runs = four([WARM + [100, 101]] * 2, [WARM + [50, 51]] * 2)
+    runs = four([WARM + [100, 101, 100.5]] * 2, [WARM + [50, 51, 50.5]] * 2)
     for r in runs:
         r.metrics = {"grad_norm": [1.0, 1.1, 1.2, 1.3], "entropy": [6.0, 6.0, 6.0, 6.0]}
-    assert compare.verdict(runs, 2)["text"] == "faster by 1.99x, same losses"
+    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 1.99x, same losses (max diff")
     for r in runs[1:3]:
         r.metrics = {**r.metrics, "grad_norm": [1.0, 1.1, 1.25, 1.3]}
-    result = compare.verdict(runs, 2)
+    result = verdicts.verdict(runs, 2)
     assert result["text"] == "grad_norm differs from step 3: no claim" and not result["helped"]
     assert result["metrics"]["entropy"]["same"]
 
 
 def test_stock_runs_that_applied_something_are_no_claim():
-    runs = four([WARM + [100, 101]] * 2, [WARM + [50, 51]] * 2)
+    runs = four([WARM + [100, 101, 100.5]] * 2, [WARM + [50, 51, 50.5]] * 2)
     runs[0].applied = ["cggr"]
-    assert "despite the kill switch" in compare.verdict(runs, 2)["text"]
+    assert "despite the kill switch" in verdicts.verdict(runs, 2)["text"]
 
 
 def test_loss_bound_is_derived_from_the_unit_roundoff_and_the_loss():
     """8·u·√(2L+2)·(|loss| + Σ|Δloss|): at step 1 the parity suite's one-forward bound, then the loss's movement."""
     rel = 8 * 2.0**-24 * math.sqrt(2 * 2 + 2)
-    assert compare.loss_bounds([4.0, 3.0, 3.5], "fp32", 2) == pytest.approx(
+    assert verdicts.loss_bounds([4.0, 3.0, 3.5], "fp32", 2) == pytest.approx(
         [rel * 4, rel * (3 + 1), rel * (3.5 + 1.5)]
     )
-    assert compare.loss_bounds([4.0], "bf16", 2)[0] == pytest.approx(8 * 2.0**-8 * math.sqrt(6) * 4)
-    assert compare.loss_bounds([1.0], "fp32", None)[0] == pytest.approx(8 * 2.0**-24 * math.sqrt(66))  # L = 32
+    assert verdicts.loss_bounds([4.0], "bf16", 2)[0] == pytest.approx(8 * 2.0**-8 * math.sqrt(6) * 4)
+    assert verdicts.loss_bounds([1.0], "fp32", None)[0] == pytest.approx(8 * 2.0**-24 * math.sqrt(66))  # L = 32
 
 
 def test_run_to_run_spread_widens_the_bound():
     """A nondeterministic stack (stock differs from stock): leantrain may differ from stock by twice as much."""
     stock = [[5.0, 4.0], [5.0, 4.0 + 1e-3]]
     lean = [[5.0, 4.0 + 1.5e-3]] * 2
-    check = compare.loss_check(stock, lean, "fp32", 2)
+    check = verdicts.loss_check(stock, lean, "fp32", 2)
     assert check["same"] and check["bound"][1] > 2e-3
-    assert not compare.loss_check([[5.0, 4.0]] * 2, lean, "fp32", 2)["same"]
+    assert not verdicts.loss_check([[5.0, 4.0]] * 2, lean, "fp32", 2)["same"]
 
 
 def test_keep_decisions():
     req = compare.parse(["--cggr", TARGET], environ={})
-    helped = {"applied": ["moe4bit", "cggr"], "changes_math": ["cggr"], "helped": True}
-    assert compare.keep_decisions(req, helped) == {"moe4bit": None, "cggr": True}
-    assert compare.keep_decisions(req, {**helped, "helped": False}) == {"moe4bit": False, "cggr": False}
+    helped = {"applied": ["moe4bit", "cggr"], "changes_math": ["cggr"], "helped": True, "keep": "helped"}
+    assert _keep.decisions(req.options, helped) == {"moe4bit": None, "cggr": True}
+    assert _keep.decisions(req.options, {**helped, "keep": "hurt"}) == {"moe4bit": False, "cggr": False}
+    assert _keep.decisions(req.options, {**helped, "keep": None}) == {}  # no claim: nothing is kept
+
+
+def test_a_noise_verdict_keeps_nothing():
+    """Overlapping spreads, or runs that disagree, make no claim: --keep must not turn anything off from them."""
+    noise = verdicts.verdict(four([WARM + [100, 140, 90, 130]] * 2, [WARM + [95, 125, 85, 120]] * 2), 2)
+    busy = verdicts.verdict(four([WARM + [100, 101, 100], WARM + [900, 905, 910]], [WARM + [150, 151, 150]] * 2), 2)
+    for result in (noise, busy):
+        assert result["keep"] is None and _keep.decisions({}, result) == {}
+
+
+# --- a busy machine: no claim, and the cause named ---------------------------------------------------------------
+
+
+def test_one_disturbed_stock_run_is_no_claim_with_the_cause():
+    """A neighbour slows one stock run 9x: pooled, leantrain looks faster; the stock runs disagree, so no claim."""
+    runs = four([WARM + [100, 101, 99, 100], WARM + [900, 905, 910, 899]], [WARM + [98, 99, 97, 98]] * 2)
+    result = verdicts.verdict(runs, 2)
+    assert result["speed"]["verdict"] == "no claim" and not result["helped"]
+    assert result["text"].startswith("no claim: the two stock runs disagree (100.0 vs 902.5 ms a step")
+    assert "something else on the machine slowed stock 2" in result["text"]
+    # the ratio of the run medians is recorded, but no claim is made from it
+    assert result["speed"]["ratio"] == pytest.approx(501.25 / 98.0)
+
+
+def test_runs_that_agree_within_their_own_spread_still_claim():
+    runs = four([WARM + [100, 101, 99, 100], WARM + [106, 107, 105, 106]], [WARM + [70, 71, 69, 72]] * 2)
+    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 1.4")
+
+
+def test_a_disagreement_far_smaller_than_the_effect_still_claims():
+    """Stock runs 40% apart on a busy machine, leantrain 10x faster than either: the disagreement cannot make it."""
+    runs = four([WARM + [100, 101, 99, 100], WARM + [140, 141, 139, 140]], [WARM + [10, 10.1, 9.9, 10]] * 2)
+    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 12.0")
+    # the same disagreement against a 1.5x effect is no claim
+    close = four([WARM + [100, 101, 99, 100], WARM + [140, 141, 139, 140]], [WARM + [80, 81, 79, 80]] * 2)
+    assert verdicts.verdict(close, 2)["text"].startswith("no claim: the two stock runs disagree (100.0 vs 140.0")
+
+
+def test_a_loaded_host_is_no_claim_when_the_load_could_explain_the_ratio():
+    loaded = dict(host_load=[6.0] * 6, cores=2)  # 3 runnable threads a core: steps can take 3x as long
+    runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [70, 71, 69, 72]] * 2, **loaded)
+    result = verdicts.verdict(runs, 2)
+    assert result["text"].startswith("no claim: the host was loaded during stock 1 (host load average up to 6.0")
+    assert "up to 3.0x, more than the 1.42x measured" in result["text"] and result["keep"] is None
+    # a difference well beyond what the load explains (a 10x slower path) is still a claim
+    slow = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [1000, 1001, 999, 1002]] * 2, **loaded)
+    assert verdicts.verdict(slow, 2)["text"].startswith("slower by 10.0")
+
+
+def test_no_claim_from_fewer_timed_steps_and_the_cap_is_named():
+    runs = four([WARM + [100]] * 2, [WARM + [50]] * 2, requested_steps=5, max_steps=3)
+    result = verdicts.verdict(runs, 2)
+    assert result["text"] == (
+        "no claim: 1 timed step a run, and a speed claim needs at least 3; the script capped its runs at "
+        "max_steps=3 (5 steps asked for)"
+    )
+    assert result["capped"].startswith("the script capped")
+
+
+def test_warmup_warning_names_the_option_that_shortens_it():
+    req = compare.parse(["--steps", "10", "--cggr", TARGET], environ={})
+    text = compare.warmup_warning(req, ["cggr"], {})
+    assert "inside CGGR's warm-up (100 steps" in text and "--opt cggr_warmup_steps=0" in text
+    short = compare.parse(["--cggr", "--opt", "cggr_warmup_steps=0", TARGET], environ={})
+    assert compare.warmup_warning(short, ["cggr"], {}) is None
+    assert compare.warmup_warning(req, ["fused_ce"], {}) is None
+
+
+def test_kept_is_a_layer_of_its_own_below_the_environment():
+    from leantrain.config import resolve_config
+
+    cfg = resolve_config({}, {"LEANTRAIN_OSFT": "0"}, cli={"moe4bit": True}, kept={"cggr": True, "osft": True})
+    assert (cfg.config.cggr, cfg.sources["cggr"]) == (True, "kept")
+    assert (cfg.config.osft, cfg.sources["osft"]) == (False, "env") and cfg.sources["moe4bit"] == "cli"
+
+
+def test_kept_options_apply_only_to_the_measured_target(tmp_path):
+    other = tmp_path / "other.py"
+    other.write_text("")
+    path = str(tmp_path / "k.json")
+    _keep.write({"fused_ce": False}, {"verdict": "slower by 1.5x", "target": [TARGET, "--out", "x"]}, path)
+    said: list[str] = []
+    got = _keep.with_kept({}, {}, path, said.append, target=(TARGET,))
+    assert got == {"fused_ce": False} and "from the verdict: slower by 1.5x" in said[-1]
+    assert _keep.with_kept({}, {}, path, said.append, target=(str(other),)) == {}
+    assert "not read: it was measured on" in said[-1]
+    assert _keep.with_kept({}, {}, path, said.append, target=("-m", "pkg.train")) == {}
 
 
 # --- leantrain run reads what --keep wrote -----------------------------------------------------------------------
@@ -253,12 +344,14 @@ def test_leantrain_run_applies_the_kept_options(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for var in [v for v in os.environ if v.startswith("LEANTRAIN_")]:
         monkeypatch.delenv(var)
-    _keep.write({"cggr": True}, {"verdict": "x"})
+    kept_for = {"verdict": "faster by 1.5x, same losses", "target": [RUN_TARGET, "--out", "elsewhere"]}
+    _keep.write({"cggr": True}, kept_for)
     assert launch.main([RUN_TARGET, "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "result_rank0.json").read_text())["report"]
     cggr = next(o for o in report["outcomes"] if o["name"] == "cggr")
-    assert cggr["status"] == "applied"
-    assert "options kept by leantrain compare" in capsys.readouterr().err
+    assert cggr["status"] == "applied" and cggr["source"] == "kept"  # its own source, not the command line's
+    err = capsys.readouterr().err
+    assert "options kept by leantrain compare" in err and "(from the verdict: faster by 1.5x, same losses)" in err
 
 
 # --- the GPU recipe target's smoke mode (benchmarks/compare_recipe.py) ------------------------------------------
@@ -343,8 +436,9 @@ def test_keep_turns_off_what_did_not_help(slow_path):
     kept = json.loads((tmp / _keep.KEEP_FILE).read_text())
     applied = data["verdict"]["applied"]  # cggr, and what applies by default to a plain Trainer (fused_ce)
     assert kept["options"] == {name: {"value": False, "source": "compare"} for name in applied}
-    assert kept["compare"]["verdict"].startswith("slower by")
-    assert "kept in ./leantrain.json for leantrain run: " + ", ".join(f"{n}=False" for n in applied) in out
+    assert kept["compare"]["verdict"].startswith("slower by") and kept["compare"]["target"][0] == TARGET
+    listed = ", ".join(f"{n}=False" for n in applied)
+    assert f"kept in ./leantrain.json for leantrain run on {os.path.abspath(TARGET)} only: {listed}" in out
 
 
 @pytest.mark.slow
@@ -364,8 +458,8 @@ def test_kill_switch_is_nothing_applied(tmp_path):
         ["--steps", "4", "--warmup", "1", TARGET, "--out", str(tmp_path / "t")],
         child_env(LEANTRAIN_DISABLE="1"),
     )
-    assert data["verdict"]["text"] == "nothing applied: no claim", out
-    assert data["verdict"]["losses"]["same"] and all(d == 0 for d in data["verdict"]["losses"]["diff"])
+    assert data["verdict"]["text"].startswith("nothing applied: no claim (stopped after the first leantrain run"), out
+    assert data["order"] == ["stock", "leantrain"] and len(data["run_wall_s"]) == 2  # the other two never ran
 
 
 @pytest.mark.slow
@@ -388,7 +482,7 @@ def test_tokens_are_counted_from_a_batch_encoding():
     import torch
     from transformers import BatchEncoding
 
-    from leantrain._measure import StepMeter
+    from leantrain.cli._measure import StepMeter
 
     meter = StepMeter(1)
     batch = BatchEncoding(
@@ -402,7 +496,27 @@ def test_tokens_are_counted_from_a_batch_encoding():
 def test_stock_runs_get_none_of_the_run_options():
     """A flag such as --cggr overrides LEANTRAIN_DISABLE=1 (an explicit request): the stock runs must not get it."""
     req = compare.parse(["--cggr", "--opt", "cggr_scoring=margin", TARGET, "--out", "x"], environ={})
-    stock = compare._child_command(req, "stock", "spec.json")
-    lean = compare._child_command(req, "leantrain", "spec.json")
+    stock = spawn._child_command(req, "stock", "spec.json")
+    lean = spawn._child_command(req, "leantrain", "spec.json")
     assert stock[stock.index("run") + 1 :] == ["--measure=spec.json", "--", TARGET, "--out", "x"]
     assert lean[lean.index("run") + 1 :] == [*req.run_options, "--measure=spec.json", "--", TARGET, "--out", "x"]
+
+
+@pytest.mark.slow
+def test_a_disturbed_stock_run_is_no_claim_with_the_cause(tmp_path):
+    """One stock run slowed by a sleep in its every step (a neighbour on the machine): pooled, leantrain would look
+    faster; the two stock runs disagree, so the verdict makes no claim, names the cause, and --keep keeps nothing."""
+    data, out = compare_run(
+        tmp_path,
+        ["--steps", "4", "--warmup", "1", "--keep", TARGET, "--out", str(tmp_path / "t")],
+        child_env(),
+        {"stock 2": 1000.0},
+    )
+    verdict = data["verdict"]
+    assert verdict["speed"]["verdict"] == "no claim", out
+    assert verdict["text"].startswith("no claim: the two stock runs disagree"), out
+    assert "something else on the machine slowed stock 2" in verdict["text"]
+    assert min(data["stock"]["step_ms"][1][1:]) >= 1000  # the sleep is inside the second stock run's steps
+    assert all(len(run) == 4 for run in data["stock"]["step_cpu_ms"] + data["stock"]["host_load"])
+    assert "nothing kept in ./leantrain.json: the verdict made no claim" in out
+    assert not (tmp_path / _keep.KEEP_FILE).exists()

@@ -83,8 +83,8 @@ def test_script_prints_pins_for_ci():
 
 def test_moe4bit_declines_on_transformers_4_naming_the_version(monkeypatch):
     pytest.importorskip("bitsandbytes")
+    from leantrain.cli.tiny import tiny_model
     from leantrain.moe4bit import readiness
-    from leantrain.tiny import tiny_model
 
     moe, dense = (tiny_model(f, vocab_size=64, hidden=64, layers=1) for f in ("gpt_oss", "llama"))
     monkeypatch.setattr(_compat, "installed", lambda package: "4.57.6" if package == "transformers" else None)

@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from leantrain import compare
-from leantrain.__main__ import main
-from leantrain._measure import Measurement
-from leantrain.demo import NO_VALUE, build_parser, extra_rows
+from leantrain.cli import main
+from leantrain.cli import verdict as verdicts
+from leantrain.cli._measure import Measurement
+from leantrain.cli.demo import NO_VALUE, build_parser, extra_rows
 
 
 def demo(tmp_path, capsys, *argv: str) -> tuple[dict, str]:
@@ -113,7 +113,7 @@ def test_every_option_has_help():
 
 
 def test_extra_rows_show_no_nan():
-    runs = [Measurement(label=m, metrics={"reward": [0.5, None]}) for m in compare.ORDER]
+    runs = [Measurement(label=m, metrics={"reward": [0.5, None]}) for m in verdicts.ORDER]
     rows = extra_rows(runs, [float("nan"), None, None, float("nan")])
     assert rows[0] == ("eval loss, held-out, all tokens", NO_VALUE, NO_VALUE)
     assert rows[1] == ("reward (mean of last 5 steps)", "0.500", "0.500")

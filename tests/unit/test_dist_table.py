@@ -115,7 +115,7 @@ def test_opt_in_recipes_compare_with_the_recipe_they_modify(tmp_path):
 def test_loss_bound_is_compares_bound(tmp_path):
     """A default optimization's losses are judged per step against leantrain compare's bound, from stock's losses,
     the run's dtype and layer count: 8 u sqrt(2L+2) (|loss_k| + movement so far); bf16, L=2: 8 * 2^-8 * sqrt(6)."""
-    from leantrain.compare import loss_bounds
+    from leantrain.cli.verdict import loss_bounds
 
     stock = [_rank(0, 100.0, [2.0, 1.0]) | {"dtype": "bf16", "layers": 2}]
     (b1, b2) = loss_bounds([2.0, 1.0], "bf16", 2)

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from leantrain import launch
-from leantrain.__main__ import main
+from leantrain.cli import launch, main
 from leantrain.config import resolve_config
 
 

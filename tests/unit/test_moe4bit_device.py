@@ -21,6 +21,7 @@ import bitsandbytes.functional as bnbf  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.moe4bit import readiness  # noqa: E402
 from leantrain.moe4bit._qstate import FollowingParametrization  # noqa: E402
 from leantrain.moe4bit._stacks import (
@@ -29,7 +30,6 @@ from leantrain.moe4bit._stacks import (
 )
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.registry import build_plan  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from testkit.moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 from testkit.optimizations import others_off  # noqa: E402

@@ -15,12 +15,12 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
+from leantrain.cli.tiny import tiny_model  # noqa: E402
 from leantrain.moe4bit.layout_stacked import live_stacked_plan  # noqa: E402
 from leantrain.moe4bit.layouts import Found  # noqa: E402
 from leantrain.moe4bit.ops import grouped_forward  # noqa: E402
 from leantrain.moe4bit.probe import fsdp_reason  # noqa: E402
 from leantrain.moe4bit.registry import build_plan  # noqa: E402
-from leantrain.tiny import tiny_model  # noqa: E402
 from leantrain.undo import Undo  # noqa: E402
 from testkit.moe4bit_models import convert_model_to_linear4bit_experts  # noqa: E402
 

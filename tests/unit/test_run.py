@@ -20,8 +20,8 @@ from transformers import Trainer
 from transformers.trainer_utils import SaveStrategy
 
 import leantrain
-from leantrain import launch
 from leantrain._record import RECORD_NAME, TrackerConfigCallback
+from leantrain.cli import launch
 from leantrain.entry import NotReadyError
 from tests.unit._fakes import tiny_trainer
 
@@ -135,7 +135,7 @@ def test_importing_leantrain_patches_nothing():
     assert Trainer.__dict__["train"] is STOCK_TRAIN and STOCK_TRAIN.__module__ == "transformers.trainer"
     assert not hasattr(STOCK_TRAIN, "__leantrain_original__")
     done = subprocess.run(
-        [sys.executable, "-c", "import leantrain, leantrain.launch, transformers as t; "
+        [sys.executable, "-c", "import leantrain, leantrain.cli.launch, transformers as t; "
          "print(t.Trainer.train.__module__, hasattr(t.Trainer.train, '__leantrain_original__'))"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
@@ -152,7 +152,7 @@ def test_script_file(tmp_path, capsys):
     assert got["argv"] == ["--out", str(tmp_path), "--save", "--cggr"] and got["own_cggr_flag"]
     cggr = outcome(got["report"], "cggr")
     assert (cggr["status"], cggr["source"]) == ("applied", "cli")
-    assert capsys.readouterr().err.count("leantrain patch report (trainer trainer)") == 1
+    assert capsys.readouterr().err.count("leantrain patch report (Trainer)") == 1
 
     assert leantrain_entries(got["log_history"]) == [] and "loss" in got["log_history"][0]
     assert got["global_step"] == 2
@@ -227,7 +227,8 @@ def test_strict_fails_the_run_before_training(tmp_path, capsys):
     strict_out = tmp_path / "strict"
     assert launch.main(["--strict", *argv[:2], TARGET, "--out", str(strict_out), "--layers", "2"]) == 1
     err = capsys.readouterr().err
-    assert "leantrain run: error: cggr is strict mode but not ready" in err and "nothing was trained" in err
+    assert "leantrain run: error: cggr applies here but is not ready (strict mode)" in err
+    assert "nothing was trained" in err
     assert not (strict_out / "result_rank0.json").exists() and not list(strict_out.glob("**/*.safetensors"))
     assert Trainer.__dict__["train"] is STOCK_TRAIN
 
@@ -267,7 +268,7 @@ def test_console_script_in_a_subprocess(tmp_path):
     command = [sys.executable, "-m", "leantrain", "run", "--cggr", "fake-train", "--out", str(out), "--exit-code", "3"]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert done.returncode == 3, done.stderr[-3000:]
-    assert done.stderr.count("leantrain patch report (trainer trainer)") == 1
+    assert done.stderr.count("leantrain patch report (Trainer)") == 1
     got = result(out)
     assert got["argv"] == ["--out", str(out), "--exit-code", "3"]
     assert outcome(got["report"], "cggr")["status"] == "applied"
@@ -335,7 +336,7 @@ bf16: false
 
 def write_trl_recipe(root: Path) -> Path:
     """The README's `trl sft` example: a tiny local model and dataset, and the recipe above."""
-    from leantrain.tiny import corpus_texts, tiny_model, train_tokenizer
+    from leantrain.cli.tiny import corpus_texts, tiny_model, train_tokenizer
 
     tiny_model("llama", vocab_size=2048, hidden=64, layers=4).save_pretrained(root / "tiny-llama")
     train_tokenizer(2048).save_pretrained(root / "tiny-llama")

@@ -36,7 +36,7 @@ else:
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 import leantrain
-from leantrain.tiny import tiny_model, train_tokenizer
+from leantrain.cli.tiny import tiny_model, train_tokenizer
 args = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=4, report_to="none",
                  use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True)
 trainer = SFTTrainer(model=tiny_model("llama", vocab_size=256, hidden=64, layers=2), args=args,

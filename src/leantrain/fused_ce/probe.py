@@ -90,6 +90,8 @@ def base_model(trainer: Any) -> nn.Module:
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     model = base_model(trainer)
+    if _not_a_language_model(model):  # a classifier, an encoder: nothing here for the loss (strict ignores it)
+        return Readiness.not_applicable(f"{type(model).__name__} is not a language model: no LM head, no LM loss")
     path = path_of(trainer, ctx.trainer_kind, model)
     if path not in PATHS:
         return Readiness.no(path)
@@ -106,6 +108,19 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         evidence = f"the dispatch rule prefers {_replaced(path)} ({plan.dispatch_why})"
         return Readiness.slower(evidence, detail(plan), plan)
     return Readiness(detail=detail(plan), plan=plan)
+
+
+def _not_a_language_model(model: nn.Module) -> bool:
+    """A transformers model that cannot generate and has no LM head (a sequence classifier, an encoder). A causal LM
+    whose head is hidden is a language model the loss cannot serve: its probe says why (declined, not absent)."""
+    from transformers import GenerationMixin, PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or isinstance(model, GenerationMixin):
+        return False
+    try:
+        return model.get_output_embeddings() is None
+    except (AttributeError, NotImplementedError):
+        return False
 
 
 # ------------------------------------------------------------------------------------------------- the path

@@ -30,9 +30,9 @@ from importlib import metadata
 from importlib.util import find_spec
 from typing import Any
 
+from ..config import OPTIMIZATIONS, resolve_config
+from ..entry import NotReadyError, command_line, current_report, patch_trainer
 from . import _keep, _measure
-from .config import OPTIMIZATIONS, resolve_config
-from .entry import NotReadyError, command_line, current_report, patch_trainer
 
 
 USAGE = "leantrain run [options] (FILE | -m MODULE | CONSOLE_SCRIPT) [ARGS ...]"
@@ -167,8 +167,17 @@ def parse(argv: list[str], environ: Mapping[str, str] | None = None) -> RunReque
     parser = build_parser()
     prefix, tokens = _split(argv)
     ns = parser.parse_args(prefix)
+    _no_contradiction(parser, prefix)
     options = _options(parser, ns, os.environ if environ is None else environ)
     return RunRequest(options, _target(parser, tokens), tuple(prefix))
+
+
+def _no_contradiction(parser: argparse.ArgumentParser, prefix: list[str]) -> None:
+    """``--cggr --no-cggr`` asks for two things at once: say so instead of letting the last one win."""
+    for name in OPTIMIZATIONS:
+        flag = "--" + name.replace("_", "-")
+        if flag in prefix and f"--no-{flag[2:]}" in prefix:
+            parser.error(f"{flag} and --no-{flag[2:]} contradict each other: give one")
 
 
 def _is_rank_zero(trainer: Any) -> bool:
@@ -183,6 +192,7 @@ def trainers_patched(
     options: Mapping[str, Any],
     announce: Callable[[str], None] | None = None,
     around: Callable[..., Any] | None = None,
+    kept: Mapping[str, Any] | None = None,
 ) -> Iterator[list[Any]]:
     """Within the block, each Trainer's first ``train()`` patches it first; yields the trainers patched so far.
 
@@ -212,7 +222,7 @@ def trainers_patched(
     train.__leantrain_original__ = original  # type: ignore[attr-defined]
     Trainer.train = train
     try:
-        with command_line(options):  # also for a trainer the target patches itself: its keywords rank above
+        with command_line(options, kept):  # also for a trainer the target patches itself: its keywords rank above
             yield patched
     finally:
         if Trainer.__dict__.get("train") is train:
@@ -312,10 +322,14 @@ def _exit_code(result: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     request = parse(list(sys.argv[1:] if argv is None else argv))
     spec = _measure.spec_from_prefix(request.prefix)
-    options = request.options if spec is not None and spec.mode == "stock" else _keep.with_kept(request.options)
+    target = request.target
+    typed = ("-m", target.name) if target.kind == "module" else (target.name,)
+    stock = spec is not None and spec.mode == "stock"
+    kept = {} if stock else _keep.kept_for(request.options, target=typed)
+    options = request.options
     around = _measure.measured_train(spec) if spec is not None else None
     try:
-        with trainers_patched(options, around=around), launchers_followed(request):
+        with trainers_patched(options, around=around, kept=kept), launchers_followed(request):
             result = run_target(request.target)
     except _measure.MeasureDone:  # a compare child: the first trainer was measured, the rest of the script skipped
         return 0

@@ -33,9 +33,13 @@ from typing import Any
 
 import torch
 
-from . import compare, tiny
+from ..entry import current_report, patch_trainer, unpatch_trainer
+from . import tiny
 from ._measure import Completions, Measurement, measure_run
-from .entry import current_report, patch_trainer, unpatch_trainer
+from .plot import plot
+from .printing import metric_lines, report_text, table
+from .runs import Progress
+from .verdict import MODES, ORDER, quantile, verdict
 
 
 DEMO_MODELS = {"llama": "llama", "gpt2": "gpt2", "gpt-oss": "gpt_oss"}
@@ -138,14 +142,14 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(
-    args: argparse.Namespace, index: int, progress: compare.Progress, completions: Completions | None
+    args: argparse.Namespace, index: int, progress: Progress, completions: Completions | None
 ) -> tuple[Measurement, float | None]:
     """One run (ORDER[index]): build, patch (leantrain runs), train measured, evaluate; (measurement, eval loss)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    mode = compare.ORDER[index]
-    label = f"{mode} {1 + compare.ORDER[:index].count(mode)}"
-    head = f"[{index + 1}/{len(compare.ORDER)}] {mode}"
+    mode = ORDER[index]
+    label = f"{mode} {1 + ORDER[:index].count(mode)}"
+    head = f"[{index + 1}/{len(ORDER)}] {mode}"
     with tempfile.TemporaryDirectory(prefix="leantrain-demo-") as output_dir:  # the trainers save nothing
         trainer = _make_trainer(args, output_dir)
         trainer.remove_callback(ProgressCallback)
@@ -168,7 +172,7 @@ def _run(
         eval_loss = float(trainer.evaluate()["eval_loss"]) if trainer.eval_dataset is not None else None
         if mode == "leantrain":
             unpatch_trainer(trainer)
-    median = compare.quantile(result.step_ms[args.warmup :], 0.5)
+    median = quantile(result.step_ms[args.warmup :], 0.5)
     progress.done(f"{head}: {len(result.step_ms)} steps, median {median:.0f} ms after warm-up")
     gc.collect()
     return result, eval_loss
@@ -199,10 +203,10 @@ def _mean_tail(values: list[float | None]) -> float | None:
 
 def extra_rows(runs: list[Measurement], evals: list[float | None]) -> list[tuple[str, str, str]]:
     """The demo's rows beyond compare's table: held-out eval loss, and GRPO's reward."""
-    first = {m: compare.ORDER.index(m) for m in compare.MODES}
-    rows = [("eval loss, held-out, all tokens", *(_cell(evals[first[m]], ".4f") for m in compare.MODES))]
+    first = {m: ORDER.index(m) for m in MODES}
+    rows = [("eval loss, held-out, all tokens", *(_cell(evals[first[m]], ".4f") for m in MODES))]
     if any("reward" in r.metrics for r in runs):
-        rewards = (_cell(_mean_tail(runs[first[m]].metrics.get("reward", [])), ".3f") for m in compare.MODES)
+        rewards = (_cell(_mean_tail(runs[first[m]].metrics.get("reward", [])), ".3f") for m in MODES)
         rows.append(("reward (mean of last 5 steps)", *rewards))
     return rows
 
@@ -307,25 +311,25 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     print(
         f"leantrain demo: {args.steps} steps of {args.trainer} on a tiny {args.model}, 4 runs in this order: "
-        f"{', '.join(compare.ORDER)} (the first {args.warmup} steps of each not timed)",
+        f"{', '.join(ORDER)} (the first {args.warmup} steps of each not timed)",
         flush=True,
     )
     grpo = args.trainer == "grpo"
     recorded = Completions("record") if grpo else None
-    progress = compare.Progress()
+    progress = Progress()
     runs, evals = [], []
     with _quiet_datasets():
-        for index in range(len(compare.ORDER)):
+        for index in range(len(ORDER)):
             completions = recorded if index == 0 or recorded is None else Completions("replay", calls=recorded.calls)
             result, eval_loss = _run(args, index, progress, completions)
             runs.append(result)
             evals.append(eval_loss)
-    result = compare.verdict(runs, args.warmup)
-    print("\n== what leantrain applied (the leantrain runs' patch report) ==\n" + compare.report_text(runs))
+    result = verdict(runs, args.warmup)
+    print("\n== what leantrain applied (the leantrain runs' patch report) ==\n" + report_text(runs))
     if grpo:
         print("\nGRPO: every run trained on the completions the first stock run sampled (each run still samples)")
     print(f"\n== measured ({runs[1].device}, {runs[1].dtype}; 2 runs per mode) ==")
-    print(compare.table(runs, result, args.warmup, extra_rows(runs, evals)))
+    print(table(runs, result, args.warmup, extra_rows(runs, evals)))
     losses = result["losses"]
     diffs = [d for d in losses["diff"] if d is not None]
     worst = max(range(len(diffs)), key=lambda k: diffs[k] / (losses["bound"][k] or 1e-30)) if diffs else None
@@ -335,17 +339,17 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             f"closest to its bound at step {worst + 1}: {diffs[worst]:.2e} of {losses['bound'][worst]:.2e} "
             f"({losses['rule']})"
         )
-    for line in compare.metric_lines(result):
+    for line in metric_lines(result):
         print(line)
     if args.cggr:
         print("CGGR is on (opt-in, changes which tokens train): the curves are not expected to match")
     print(f"\nverdict: {result['text']}")
     png = out / "demo.png"
     title = f"leantrain demo: tiny {args.model}, {args.trainer}, {args.steps} steps per run"
-    compare.plot(runs, result, args.warmup, str(png), title + (" (CGGR on)" if args.cggr else " (defaults)"))
+    plot(runs, result, args.warmup, str(png), title + (" (CGGR on)" if args.cggr else " (defaults)"))
     summary = {
         "args": {k: str(v) for k, v in vars(args).items()},
-        "order": list(compare.ORDER),
+        "order": list(ORDER),
         "runs": [r.to_json() for r in runs],
         "eval_loss": evals,
         "verdict": result,

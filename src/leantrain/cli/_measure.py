@@ -71,6 +71,11 @@ class Measurement:
     label: str = ""
     steps: list[int] = field(default_factory=list)  # global step of each measured step
     step_ms: list[float] = field(default_factory=list)
+    # per step: this process's CPU time (all its threads), and the host's 1-minute load average at the step's end:
+    # what a busy machine does to the wall time shows up here and not there
+    step_cpu_ms: list[float] = field(default_factory=list)
+    host_load: list[float | None] = field(default_factory=list)
+    cores: int = 1  # the CPUs this process may run on: the load is read against them
     losses: list[float | None] = field(default_factory=list)
     tokens: list[int | None] = field(default_factory=list)  # tokens trained in each step
     tokens_source: str = ""  # "trl num_tokens (all ranks)" or "input tokens (rank 0)"
@@ -99,6 +104,24 @@ class Measurement:
     def load(cls, path: str) -> Measurement:
         with open(path, encoding="utf-8") as handle:
             return cls.from_json(json.load(handle))
+
+
+# --- the host ------------------------------------------------------------------------------------------------
+
+
+def host_load() -> float | None:
+    """The host's 1-minute load average (runnable threads, this process's included); None where the OS has none."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 # --- peak memory ------------------------------------------------------------------------------------------------
@@ -173,7 +196,7 @@ def decoder_layers(trainer: Any) -> int | None:
 
 
 def _math_changing(applied: list[str]) -> list[str]:
-    from .optimization import registry
+    from ..optimization import registry
 
     return [name for name, opt in registry().items() if name in applied and opt.off_by_default_why]
 
@@ -195,6 +218,7 @@ class StepMeter:
         self.total, self.progress, self.sleep_ms = total, progress, sleep_ms
         self.result = Measurement()
         self._t0 = 0.0
+        self._cpu0 = 0.0
         self._logs: dict[int, dict[str, float]] = {}
         self._inputs_tokens: Any = None  # a device tensor summed without a host sync; read at the step's end
         self._counted: list[int] = []
@@ -220,6 +244,7 @@ class StepMeter:
             def on_step_begin(self, args, state, control, **kwargs):
                 meter._inputs_tokens = None
                 meter._t0 = meter._now()
+                meter._cpu0 = time.process_time()
                 if meter.sleep_ms:
                     time.sleep(meter.sleep_ms / 1e3)
 
@@ -262,6 +287,8 @@ class StepMeter:
 
     def _step_end(self, step: int) -> None:
         self.result.step_ms.append((self._now() - self._t0) * 1e3)
+        self.result.step_cpu_ms.append((time.process_time() - self._cpu0) * 1e3)
+        self.result.host_load.append(host_load())
         self.result.steps.append(step)
         counted = self._inputs_tokens
         self._counted.append(int(counted.item()) if counted is not None else 0)
@@ -405,6 +432,7 @@ def measure_run(
     result.device = "cuda" if meter.cuda else "cpu"
     result.world_size = int(getattr(trainer.args, "world_size", 1) or 1)
     result.requested_steps, result.max_steps = steps, asked
+    result.cores = usable_cores()
     if completions is not None:
         completions.save()
         result.completions = completions.mode
@@ -416,7 +444,7 @@ def measured_train(spec: MeasureSpec) -> Callable[..., Any]:
     Measurement (rank 0) and raises :class:`MeasureDone`."""
 
     def around(trainer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        from .entry import current_report
+        from ..entry import current_report
 
         rank0 = _is_rank_zero(trainer)
         completions = None

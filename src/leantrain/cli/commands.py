@@ -1,0 +1,126 @@
+"""Command line: `leantrain demo` (stock vs patched training on a tiny local model), `leantrain env`,
+`leantrain run` (patch the trainers of an unmodified script, module or console script) and `leantrain compare`
+(train a script stock and with leantrain, a few steps each, and say what it buys)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from importlib import metadata
+
+
+PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "cut-cross-entropy", "triton")
+
+
+def env_report() -> str:
+    """Versions, device, and each optimization's readiness on this machine: paste it into bug reports."""
+    import torch
+
+    from .. import __version__
+    from ..optimization import registry
+
+    lines = [f"leantrain {__version__}", f"python {platform.python_version()} ({platform.platform()})"]
+    for name in PACKAGES:
+        try:
+            lines.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{name} not installed")
+    from .._compat import untested
+
+    lines += [f"untested: {note} (COMPATIBILITY.md)" for note in untested()]
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(0)
+        lines.append(f"device cuda: {torch.cuda.get_device_name(0)} (sm{cap[0]}{cap[1]}), CUDA {torch.version.cuda}")
+    else:
+        lines.append(f"device cpu: {torch.get_num_threads()} threads")
+    lines.append("optimizations (readiness on this machine, before seeing a trainer):")
+    for name, opt in registry().items():
+        reasons = opt.check_environment()
+        state = "ready" if not reasons else "not ready: " + "; ".join(reasons)
+        lines.append(f"  {name:<11} {state}")
+    return "\n".join(lines)
+
+
+def env_settings(environ: Mapping[str, str]) -> str:
+    """The ``LEANTRAIN_*`` variables set, each with the value it parses to. Checked exactly as ``leantrain run`` and
+    ``patch_trainer`` check them: an unknown name or a bad value raises the same error."""
+    from ..config import LeantrainConfig, resolve_config
+
+    cfg = resolve_config({}, environ)
+    rows = [
+        (f"{var}={environ[var]}", f.name, getattr(cfg.config, f.name), f.metadata["kind"])
+        for f in LeantrainConfig.options()
+        if (var := LeantrainConfig.env_name(f.name)) in environ
+    ]
+    if not rows:
+        return "LEANTRAIN_* variables: none set (defaults apply)"
+    width = max(len(row[0]) for row in rows)
+    lines = [f"LEANTRAIN_* variables set ({len(rows)}), as patch_trainer reads them:"]
+    for typed, name, value, kind in rows:
+        shown = {None: "auto", True: "True (required)", False: "False (off)"}[value] if kind == "tristate" else value
+        lines.append(f"  {typed:<{width}}  {name} = {shown!s}")
+    if cfg.config.disable:
+        lines.append("  the kill switch is on: every optimization off unless asked for in code or by a run flag")
+    return "\n".join(lines)
+
+
+class _NoKernelsHubNotice(logging.Filter):
+    """bitsandbytes' CPU backend logs, at import, that the optional ``kernels`` package is missing for one AVX-512
+    kernel; it then runs its own CPU path, and the notice says nothing about the user's training job. Dropped for
+    the commands (a library user's logging is left as it is)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward from kernels-community" not in record.getMessage()
+
+
+def quiet_third_party() -> None:
+    target = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _NoKernelsHubNotice) for f in target.filters):
+        target.addFilter(_NoKernelsHubNotice())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_third_party()
+    if argv[:1] == ["run"]:  # its own parser: the target's arguments pass through untouched, --flags included
+        from .launch import main as run_main
+
+        return run_main(argv[1:])
+    if argv[:1] == ["compare"]:  # the same: the target's arguments pass through untouched
+        from .compare import main as compare_main
+
+        return compare_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="leantrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    from .demo import build_parser, run_demo
+
+    build_parser(sub.add_parser("demo", help="train a tiny local model stock vs patched and compare"))
+    sub.add_parser("env", help="versions, device, readiness of each optimization, and the LEANTRAIN_* variables set")
+    sub.add_parser("run", help="run a script, -m module or console script with its trainers patched", add_help=False)
+    sub.add_parser("compare", help="train a script a few steps stock and with leantrain: what it buys", add_help=False)
+    args = parser.parse_args(argv)
+    if args.command == "env":
+        try:  # first, and exactly as `run` and patch_trainer would: a bad variable fails before anything loads
+            settings = env_settings(os.environ)
+        except (TypeError, ValueError) as error:
+            print(f"leantrain env: error: {error}", file=sys.stderr)
+            return 2
+        print(env_report())
+        print(settings)
+        return 0
+    if args.command is None:  # bare `leantrain`: say what there is; the demo trains for minutes and writes files
+        parser.print_help()
+        return 0
+    if args.command == "demo":
+        run_demo(args)
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

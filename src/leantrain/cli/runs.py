@@ -1,0 +1,169 @@
+"""Starting ``leantrain compare``'s four runs, each in its own process under ``leantrain run --measure``, with a
+progress line while they go."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import LeantrainConfig
+from ._measure import OPTION, Measurement, MeasureSpec
+from .verdict import ORDER, median
+
+
+@dataclass(frozen=True)
+class CompareRequest:
+    steps: int
+    warmup: int
+    json_path: str
+    plot_path: str
+    keep: bool
+    run_options: tuple[str, ...]  # leantrain run's options, for the leantrain runs
+    target: tuple[str, ...]  # the target and its arguments, as typed
+    options: dict[str, Any]  # the run options parsed (patch_trainer keywords)
+
+
+class Progress:
+    """``[2/4] leantrain: step 3 of 10`` while the runs go: updated in place on a terminal, one line per step
+    elsewhere."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.last = ""
+
+    def show(self, text: str) -> None:
+        if text == self.last:
+            return
+        self.last = text
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+        self.last = ""
+
+
+def _read_progress(path: str) -> int:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().split()
+    except OSError:
+        return 0
+    return int(lines[-2]) if len(lines) >= 2 else 0
+
+
+def _child_command(req: CompareRequest, mode: str, spec_path: str) -> list[str]:
+    options = list(req.run_options) if mode == "leantrain" else []
+    return [sys.executable, "-m", "leantrain", "run", *options, OPTION + spec_path, "--", *req.target]
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return "".join(handle.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class RunFailed(Exception):
+    pass
+
+
+def run_one(
+    req: CompareRequest,
+    index: int,
+    mode: str,
+    workdir: str,
+    progress: Progress,
+    environ: dict[str, str],
+    sleep_ms: float = 0.0,
+) -> tuple[Measurement, float]:
+    """One run in its own process; returns its Measurement and its wall time in seconds."""
+    label = f"{mode} {1 + sum(m == mode for m in ORDER[:index])}"
+    spec = MeasureSpec(
+        steps=req.steps,
+        out=os.path.join(workdir, f"run{index + 1}.json"),
+        label=label,
+        mode=mode,
+        progress=os.path.join(workdir, f"run{index + 1}.progress"),
+        completions="record" if index == 0 else "replay",
+        completions_path=os.path.join(workdir, "completions.pt"),
+        sleep_ms=sleep_ms,
+    )
+    spec_path = os.path.join(workdir, f"run{index + 1}.spec.json")
+    spec.save(spec_path)
+    env = dict(environ)
+    if mode == "stock":
+        env[LeantrainConfig.env_name("disable")] = "1"
+    log_path = os.path.join(workdir, f"run{index + 1}-{mode}.log")
+    head = f"[{index + 1}/{len(ORDER)}] {mode}"
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        child = subprocess.Popen(_child_command(req, mode, spec_path), stdout=log, stderr=subprocess.STDOUT, env=env)
+        progress.show(f"{head}: starting")
+        while child.poll() is None:
+            done = _read_progress(spec.progress or "")
+            if done:
+                progress.show(f"{head}: step {done} of {req.steps}")
+            time.sleep(0.2)
+    wall = time.perf_counter() - start
+    if child.returncode != 0:
+        progress.done(f"{head}: failed (exit {child.returncode})")
+        raise RunFailed(
+            f"the {label} run failed (exit {child.returncode}); its output is in {log_path}; last lines:\n"
+            + _tail(log_path)
+        )
+    if not os.path.exists(spec.out):
+        progress.done(f"{head}: no trainer was measured")
+        raise RunFailed(
+            f"the {label} run finished without training in a process leantrain compare follows: the target must "
+            "call Trainer.train() (TRL trainers included) in its own process or under an in-process `accelerate "
+            f"launch`; its output is in {log_path}"
+        )
+    result = Measurement.load(spec.out)
+    timed = result.step_ms[req.warmup :]
+    middle = median(timed) if timed else float("nan")
+    progress.done(f"{head}: {len(result.step_ms)} steps, median {middle:.1f} ms after warm-up ({wall:.0f} s)")
+    return result, wall
+
+
+def run_all(
+    req: CompareRequest,
+    progress: Progress | None = None,
+    environ: dict[str, str] | None = None,
+    sleep_ms: dict[str, float] | None = None,
+) -> tuple[list[Measurement], list[float]]:
+    """The four runs in ORDER; after the first leantrain run, none more when it applied nothing (the rest would
+    only say so again). ``sleep_ms`` (tests) injects a sleep into every step of a mode's runs (key "stock") or of
+    one run (key "stock 2": a neighbour that slows one run)."""
+    progress = progress or Progress()
+    environ = dict(os.environ if environ is None else environ)
+    workdir = tempfile.mkdtemp(prefix="leantrain-compare-")
+    runs, walls = [], []
+    try:
+        for index, mode in enumerate(ORDER):
+            sleep = sleep_ms or {}
+            label = f"{mode} {1 + ORDER[:index].count(mode)}"
+            result, wall = run_one(req, index, mode, workdir, progress, environ, sleep.get(label, sleep.get(mode, 0)))
+            runs.append(result)
+            walls.append(wall)
+            if mode == "leantrain" and not result.applied:
+                break
+    except BaseException:
+        print(f"leantrain compare: the runs' files are kept in {workdir}", file=sys.stderr)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
+    return runs, walls

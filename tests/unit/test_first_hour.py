@@ -1,0 +1,135 @@
+"""What a newcomer meets in the first hour: one meaning of strict (what applies to this model and trainer must be
+ready; what does not apply is never an error) in the API and the command line alike, a repeated patch_trainer that
+cannot silently ignore a new request, bad arguments refused clearly, advice that works on this machine, and no
+third-party notice the user's job has no use for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+import leantrain
+from leantrain import NotReadyError, Status, patch_trainer, unpatch_trainer
+from leantrain.cli import launch, main
+from leantrain.entry import command_line
+
+from ._fakes import FakeLossOpt, tiny_trainer
+
+
+AUTO = {"LEANTRAIN_CGGR": "auto"}
+
+
+def classifier_trainer(tmp_path) -> Trainer:
+    """A BERT sequence classifier: nothing here for a causal-LM loss, no experts, no served layer-kernel family."""
+    config = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=2
+    )
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    rows = [{"input_ids": torch.randint(1, 64, (8,)), "labels": torch.tensor(k % 2)} for k in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True, save_strategy="no")
+    return Trainer(model=model, args=args, train_dataset=rows)
+
+
+def test_strict_on_a_classifier_is_not_an_error(tmp_path):
+    """Nothing applies to a classifier: strict has nothing to hold ready, and says so instead of raising."""
+    trainer = classifier_trainer(tmp_path)
+    report = patch_trainer(trainer, strict=True, environ={})
+    assert report.applied == () and report["fused_ce"].status is Status.SKIPPED
+    assert "is not a language model" in report["fused_ce"].reasons[0]
+    unpatch_trainer(trainer)
+
+
+def test_strict_raises_for_a_declined_optimization_that_applies(tmp_path, monkeypatch):
+    """Declined (applicable, not ready) is an error under strict, from the API and from the command line alike."""
+    opt = FakeLossOpt()
+    opt.reasons = ("needs a GPU with sm90",)
+    from leantrain.optimization import NotAvailable
+
+    fakes = {name: opt if name == "cggr" else NotAvailable(name) for name in leantrain.config.OPTIMIZATIONS}
+    monkeypatch.setattr("leantrain.entry.registry", lambda: fakes)
+    for kwargs, cli in (({"strict": True}, None), ({}, {"strict": True})):
+        trainer = tiny_trainer(tmp_path)
+        strict = r"cggr applies here but is not ready \(strict mode\): needs a GPU"
+        with command_line(cli or {}), pytest.raises(NotReadyError, match=strict):
+            patch_trainer(trainer, environ=AUTO, **kwargs)
+    opt.applicable = False  # not applicable: never an error, strict or not
+    trainer = tiny_trainer(tmp_path)
+    assert patch_trainer(trainer, strict=True, environ=AUTO)["cggr"].status is Status.SKIPPED
+
+
+def test_a_repeated_patch_with_a_contradicting_request_raises(tmp_path, monkeypatch):
+    opt = FakeLossOpt()
+    from leantrain.optimization import NotAvailable
+
+    fakes = {name: opt if name == "cggr" else NotAvailable(name) for name in leantrain.config.OPTIMIZATIONS}
+    monkeypatch.setattr("leantrain.entry.registry", lambda: fakes)
+    trainer = tiny_trainer(tmp_path)
+    patch_trainer(trainer, environ=AUTO)  # cggr applied
+    assert "already patched" in patch_trainer(trainer, cggr=True, environ=AUTO).notes[-1]  # the same request
+    with pytest.raises(ValueError, match=r"cggr=False but cggr is applied\): call leantrain.unpatch_trainer"):
+        patch_trainer(trainer, cggr=False, environ=AUTO)
+    unpatch_trainer(trainer)  # the documented way: unpatch, then patch with the new request
+    assert patch_trainer(trainer, cggr=False, environ=AUTO)["cggr"].status is Status.DISABLED
+    with pytest.raises(ValueError, match="cggr=True but cggr is not applied"):
+        patch_trainer(trainer, cggr=True, environ=AUTO)
+    unpatch_trainer(trainer)
+
+
+@pytest.mark.parametrize("call", [patch_trainer, unpatch_trainer])
+def test_a_non_trainer_is_a_clear_type_error(call):
+    with pytest.raises(
+        TypeError, match=rf"{call.__name__}\(\) needs a transformers.Trainer or a TRL trainer, got int"
+    ):
+        call(42)
+
+
+def test_contradictory_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as done:
+        launch.parse(["--cggr", "--no-cggr", "train.py"], environ={})
+    assert done.value.code == 2 and "--cggr and --no-cggr contradict each other" in capsys.readouterr().err
+
+
+def test_bare_leantrain_prints_usage_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: leantrain") and "demo" in out and "compare" in out
+    assert not list(tmp_path.iterdir())  # no ./leantrain-demo/
+
+
+def test_layer_kernels_advice_on_cpu_is_the_device(tmp_path):
+    """On a CPU the report names the device, never "pass layer_kernels=True", which could only fail there."""
+    trainer = tiny_trainer(tmp_path)
+    report = patch_trainer(trainer, environ={})
+    reason = report["layer_kernels"].reasons[0]
+    assert "Triton kernels for CUDA; this trainer runs on cpu" in reason and "layer_kernels=True" not in reason
+    unpatch_trainer(trainer)
+
+
+def test_no_warning_from_patching_a_plain_trainer(tmp_path):
+    trainer = tiny_trainer(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_trainer(trainer, environ={})
+    unpatch_trainer(trainer)
+
+
+def test_commands_print_no_bitsandbytes_kernels_notice():
+    """bitsandbytes' CPU backend logs at import that an optional package is missing; the commands drop that notice
+    (it says nothing about the user's job), and only that one."""
+    script = (
+        "import logging, sys\n"
+        "from leantrain.cli.commands import quiet_third_party\n"
+        "quiet_third_party()\n"
+        "log = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+        "log.warning('Failed to load CPU gemm_4bit_forward from kernels-community: x')\n"
+        "log.warning('another bitsandbytes warning')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "gemm_4bit_forward" not in done.stderr and "another bitsandbytes warning" in done.stderr
