@@ -198,6 +198,23 @@ def test_declines(tmp_path):
     assert "vision-language" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
 
 
+def test_fsdp_keeps_the_stock_loss_unless_asked(tmp_path):
+    """Under FSDP the whole step measured slower with the fused loss: auto mode keeps the stock loss and quotes the
+    measurement; fused_ce=True applies it anyway (the distributed tests check its numbers under FSDP2)."""
+    from leantrain.fused_ce import dispatch
+
+    rows = greedy_rows(tiny())
+    trainer = plain_trainer(tiny(), tmp_path / "auto", rows)
+    trainer.is_fsdp_enabled = True  # what Trainer.__init__ sets under an FSDP accelerate config
+    outcome = leantrain.patch_trainer(trainer, **{**OFF, "fused_ce": None})["fused_ce"]
+    assert outcome.status is Status.SKIPPED, outcome
+    assert str(dispatch.FSDP2_EVIDENCE) in outcome.reasons[0] and "fused_ce=True" in outcome.reasons[0]
+    trainer = plain_trainer(tiny(), tmp_path / "asked", rows)
+    trainer.is_fsdp_enabled = True
+    outcome = leantrain.patch_trainer(trainer, **{**OFF, "fused_ce": True})["fused_ce"]
+    assert outcome.status is Status.APPLIED and "applied on request (fused_ce=True)" in outcome.detail
+
+
 def test_forced_probe_failure_runs_stock(tmp_path, monkeypatch):
     import leantrain.fused_ce.probe as probe_module
 

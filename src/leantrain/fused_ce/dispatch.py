@@ -24,13 +24,24 @@ from ..measured import NOISE, REACH, Evidence, beyond_noise
 # [B, T, V] logits of the model's own loss (TRL <= 1.14 "nll" / "dft", a plain transformers Trainer).
 PATHS = ("trl_fused", "chunked_nll", "full_logits")
 HEADS = ("frozen", "trainable")
-__all__ = ["EVIDENCE", "MEASURED", "NOISE", "PATHS", "REACH", "Measured", "choose", "emit_rule", "measured_from_rows"]
+__all__ = ["EVIDENCE", "FSDP2_EVIDENCE", "MEASURED", "NOISE", "PATHS", "REACH", "Measured", "choose", "emit_rule", "measured_from_rows"]
 # Without a measured cell: TRL's own fused head stays (it is already fused; only a measurement can show leantrain's
 # op faster there). The chunked cross-entropy (4 GEMMs on 256-row chunks, the tile recomputed in the backward) and
 # the full logits (3 GEMMs plus fp32 passes over [N, V], and N·V memory) do more work than the op's 2 GEMMs with a
 # frozen head and as many GEMMs with a trainable one.
 UNMEASURED = {"trl_fused": "stock", "chunked_nll": "leantrain", "full_logits": "leantrain"}
 # Cells farther than REACH in H or V from every measured cell count as unmeasured.
+
+
+# Under FSDP2 the whole training step measured slower with leantrain's op than with the loss it replaces (two
+# GPUs, TRL 1.16 SFTTrainer, dense LoRA SFT: benchmarks/results/distributed/), while DDP and ZeRO-2 measured faster
+# (414 -> 368 and 559 -> 511 ms): auto mode keeps the stock loss under FSDP2 until a measurement says otherwise.
+FSDP2_EVIDENCE = Evidence(
+    "the stock head",
+    "2 x H200",
+    "2026-11-27",
+    "Qwen2.5-0.5B LoRA SFT under FSDP2, 4 x 512 tokens per GPU: step 470.6 ms stock, 569.6 ms with the fused loss",
+)
 
 
 class Measured(NamedTuple):

@@ -107,6 +107,9 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     if verdict == "stock":  # auto keeps the faster head (nothing to gain here); fused_ce=True applies the op anyway
         evidence = f"the dispatch rule prefers {_replaced(path)} ({plan.dispatch_why})"
         return Readiness.slower(evidence, detail(plan), plan)
+    if getattr(trainer, "is_fsdp_enabled", False):  # the whole FSDP2 step measured slower with the op
+        evidence = f"under FSDP the training step measured slower with the fused loss ({dispatch.FSDP2_EVIDENCE})"
+        return Readiness.slower(evidence, detail(plan), plan)
     return Readiness(detail=detail(plan), plan=plan)
 
 

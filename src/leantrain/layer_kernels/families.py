@@ -67,7 +67,14 @@ MEASURED: dict[str, Evidence] = {
         "Qwen2.5-1.5B LoRA SFT step 372 / 356 / 362 -> 388 / 345 / 355 ms in three runs, inside the step-to-step "
         "spread (330-420 ms): no consistent win",
     ),
+    # Faster at a fixed 4 x 2048 (257 -> 223 and 251 -> 206 ms, H200, 2026-11-26) but slower on real, varying
+    # lengths, where the kernels are built again for new shapes: benchmarks/results/vs_unsloth.md, variable-length
+    # set, the fused loss on in both runs (leantrain provider with LEANTRAIN_LAYER_KERNELS=0 vs its default).
     "llama": Evidence(
-        "faster", "H200", "2026-11-26", "Llama-3.2-1B LoRA SFT step 257 -> 223 and 251 -> 206 ms in two runs"
+        "not faster",
+        "H200",
+        "2026-11-27",
+        "Llama-3.2-1B LoRA SFT on varying lengths (lognormal, median ~500 tokens): 5104 tok/s without the kernels, "
+        "4077 tok/s with them (stock 4453); faster only at a fixed 4 x 2048 (257 -> 223 ms)",
     ),
 }
