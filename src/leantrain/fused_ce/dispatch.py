@@ -24,7 +24,18 @@ from ..measured import NOISE, REACH, Evidence, beyond_noise
 # [B, T, V] logits of the model's own loss (TRL <= 1.14 "nll" / "dft", a plain transformers Trainer).
 PATHS = ("trl_fused", "chunked_nll", "full_logits")
 HEADS = ("frozen", "trainable")
-__all__ = ["EVIDENCE", "FSDP2_EVIDENCE", "MEASURED", "NOISE", "PATHS", "REACH", "Measured", "choose", "emit_rule", "measured_from_rows"]
+__all__ = [
+    "EVIDENCE",
+    "FSDP2_EVIDENCE",
+    "MEASURED",
+    "NOISE",
+    "PATHS",
+    "REACH",
+    "Measured",
+    "choose",
+    "emit_rule",
+    "measured_from_rows",
+]
 # Without a measured cell: TRL's own fused head stays (it is already fused; only a measurement can show leantrain's
 # op faster there). The chunked cross-entropy (4 GEMMs on 256-row chunks, the tile recomputed in the backward) and
 # the full logits (3 GEMMs plus fp32 passes over [N, V], and N·V memory) do more work than the op's 2 GEMMs with a
