@@ -117,7 +117,7 @@ def summarize(runs: dict[tuple[str, str, str], list[dict[str, Any]]]) -> list[di
 
 def _within_bound(row: dict[str, Any], stock0: dict[str, Any]) -> bool | None:
     """Every step's |loss - stock loss| within ``leantrain compare``'s bound (``compare.loss_bounds``: a few unit
-    roundoffs of the run's dtype per rounding depth of its layers, carried along the loss's movement); None when
+    roundoffs of the run's dtype per rounding depth of its layers, propagated along the loss's movement); None when
     there is nothing to compare or leantrain is not importable."""
     try:
         from leantrain.cli.verdict import loss_bounds
@@ -213,7 +213,7 @@ NOTES = (
     "run's, both the slowest rank's median after 2 warm-up steps. osft and cggr are opt-in (they change what "
     "trains): their baseline is sft_full's stock run, and their loss difference is a measurement, not a bound. "
     "Loss within bound: every step's difference from stock within the bound `leantrain compare` derives (unit "
-    "roundoff of the dtype times the rounding depth of the layers, carried along the loss's movement)."
+    "roundoff of the dtype times the rounding depth of the layers, propagated along the loss's movement)."
 )
 
 

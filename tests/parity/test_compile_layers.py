@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import Trainer, TrainingArguments
 
 import leantrain
@@ -29,6 +30,11 @@ from testkit.optimizations import only
 
 VOCAB = 256
 AOT = {"compile_layers_backend": "aot_eager"}
+# transformers 4.x: the probe declines (each layer compiles its own graph there); test_compile_layers_probe.py
+# checks that decline on every version.
+pytestmark = pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5, reason="compile_layers declines on transformers 4.x"
+)
 
 
 @pytest.fixture(autouse=True)

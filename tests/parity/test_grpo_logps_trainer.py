@@ -248,7 +248,7 @@ def test_probe_declines_lm_head_lora(model_dir, tmp_path):
     assert GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).ready
 
 
-# ------------------------------------------------------------------------------- TRL <= 1.14 (faked API shape)
+@needs_fused_head
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_fused_forward_moe_aux_loss_matches_trl(tmp_path, family):
     """An MoE policy asked for router logits: the same aux loss and total loss as TRL's own fused head (the expert
@@ -283,6 +283,7 @@ def test_fused_forward_moe_aux_loss_matches_trl(tmp_path, family):
     torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-7)
 
 
+# ------------------------------------------------------------------------------- TRL <= 1.14 (faked API shape)
 def old_trl_method(trainer, n_values):
     """TRL 1.7-1.14's full-logits `_get_per_token_logps_and_entropies` (text part), 3-tuple; 0.20-1.6: 2-tuple."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
@@ -373,6 +374,7 @@ def _raise_injected(*args, **kwargs):
     raise RuntimeError("injected failure")
 
 
+@pytest.mark.expect_fallback
 @pytest.mark.skipif(HAS_FUSED_HEAD, reason=f"the real TRL <= 1.14 method: installed trl {trl.__version__}")
 def test_legacy_real_trl_method(model_dir, tmp_path, monkeypatch):
     """The installed TRL's own full-logits method (0.29: 2 values; GRPO 1.14: ``_full_logits_logps``, 3 values)."""

@@ -40,6 +40,7 @@ def test_find_code_through_wrappers():
     assert trl_head.fused_forward_of(owner).__code__ is _fused_forward.__code__
 
 
+@pytest.mark.expect_fallback
 def test_kernel_guard_reports_through_the_fallback():
     """A Triton failure warns once, the torch path serves, and the optimization's fallback hears of it."""
     heard = []

@@ -91,6 +91,25 @@ def slower_reason(trainer: Any, kind: str, family: str, layer: nn.Module) -> str
     return payback_reason(trainer, family)
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _transformers_4_reason() -> str | None:
+    """On transformers 4.x every decoder layer compiled its own graph (3 compiles for a 3-layer tiny Llama, where
+    transformers 5 shares one), so a real model's layers would pass the recompile limit and run eagerly."""
+    version = _transformers_version()
+    if int(version.split(".")[0]) >= 5:
+        return None
+    return (
+        f"on transformers {version} each decoder layer compiles its own graph (no code shared between layers), so "
+        "a model's layers would pass the recompile limit: compile_layers needs transformers >= 5; upgrade it or pass "
+        "compile_layers=False"
+    )
+
+
 def run_reasons(trainer: Any, model: nn.Module, family: str, layers: list[nn.Module], cfg: Any) -> list[str]:
     """What stops the compiled layers from serving this run (each a sentence naming the next step)."""
     reasons = []
@@ -98,6 +117,9 @@ def run_reasons(trainer: Any, model: nn.Module, family: str, layers: list[nn.Mod
         reasons.append(
             f"torch.compile is not supported here (Python {sys.version.split()[0]}, torch {torch.__version__})"
         )
+    old = _transformers_4_reason()
+    if old:
+        reasons.append(old)
     classes = {type(layer) for layer in layers}
     if len(classes) > 1:
         names = ", ".join(sorted(c.__name__ for c in classes))
