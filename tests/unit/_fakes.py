@@ -11,8 +11,8 @@ from leantrain.cli.tiny import tiny_model
 from leantrain.optimization import Applied, Optimization, PatchContext, Readiness
 
 
-def tiny_trainer(tmp_path, steps: int = 3, eval_dataset: Any = None, **args: Any) -> Trainer:
-    model = tiny_model("llama", vocab_size=128, hidden=64, layers=2).train()
+def tiny_trainer(tmp_path, steps: int = 3, eval_dataset: Any = None, layers: int = 2, **args: Any) -> Trainer:
+    model = tiny_model("llama", vocab_size=128, hidden=64, layers=layers).train()
     torch.manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(3, 128, (16, 12))]
     defaults = dict(save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=1e-3)

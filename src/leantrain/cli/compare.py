@@ -231,10 +231,16 @@ def _nothing_applied(req: CompareRequest, runs: Sequence[Measurement], walls: Se
     """The first leantrain run applied nothing: the other two runs could only say so again."""
     text = "nothing applied: no claim (stopped after the first leantrain run: the other runs would train the same)"
     result = {"text": text, "applied": [], "changes_math": [], "helped": False, "keep": None, "stopped_early": True}
-    out("\n== what leantrain applied (the leantrain run's patch report) ==\n" + report_text(runs))
+    lean = runs[-1]
+    where = f"{lean.device}, {lean.dtype}" + (
+        f", {lean.world_size} processes (rank 0's timings)" if lean.world_size > 1 else ""
+    )
+    out(f"\n== what leantrain applied (the leantrain run's patch report; {where}) ==\n" + report_text(runs))
     out(f"\nverdict: {text}")
     data = {"target": list(req.target), "steps": req.steps, "order": list(ORDER[: len(runs)]), "verdict": result}
-    data["run_wall_s"] = list(walls)
+    data.update(device=lean.device, dtype=lean.dtype, world_size=lean.world_size, run_wall_s=list(walls))
+    for run, mode in zip(runs, ORDER):  # the runs measured before stopping, as in the full summary
+        data[mode] = {"step_ms": [run.step_ms], "losses": [run.losses], "applied": run.applied}
     with open(req.json_path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1)
     out(f"\nnumbers: {req.json_path}")
