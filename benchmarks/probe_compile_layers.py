@@ -52,22 +52,14 @@ def rows(kind: str, n: int, vocab: int) -> list[dict[str, list[int]]]:
     return [{"input_ids": torch.randint(3, vocab, (k,), generator=g).tolist()} for k in sizes]
 
 
-def pad(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    width = max(len(r["input_ids"]) for r in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, r in enumerate(batch):
-        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-        mask[i, : len(r["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 def make_trainer(kind: str, timed: int, out: str) -> Any:
     from peft import get_peft_model
     from recipes.dense_sft import LORA_TARGETS, build, lora
     from recipes.runner import checkpointing
     from recipes.settings import DENSE
     from transformers import Trainer, TrainingArguments, set_seed
+
+    from testkit.batches import pad_right as pad
 
     s = SimpleNamespace(device="cuda", dtype=torch.bfloat16, dense_lora_r=16, cuda=True)
     spec = DENSE["llama-3.2-1b"]

@@ -22,6 +22,7 @@ import leantrain
 from leantrain import Status
 from leantrain.cli.tiny import tiny_model
 from leantrain.compile_layers import stats
+from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
 
 
@@ -31,20 +32,10 @@ U = 2.0**-8
 
 
 def rows(n: int, lengths: tuple[int, ...]) -> list[dict[str, list[int]]]:
-    g = torch.Generator().manual_seed(5)
-    return [
-        {"input_ids": torch.randint(3, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()} for i in range(n)
-    ]
+    return random_rows(n, lengths, VOCAB)
 
 
-def pad(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    width = max(len(r["input_ids"]) for r in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, r in enumerate(batch):
-        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-        mask[i, : len(r["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+pad = pad_right
 
 
 def lora_model(family: str, device: torch.device) -> torch.nn.Module:

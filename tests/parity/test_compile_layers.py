@@ -25,6 +25,7 @@ from leantrain.compile_layers import probe as compile_probe
 from leantrain.compile_layers import stats
 from leantrain.compile_layers.ops import Payback
 from leantrain.models import decoder_parts
+from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
 
 
@@ -53,21 +54,10 @@ def tiny(family: str = "llama", layers: int = 3) -> torch.nn.Module:
 
 
 def rows(n: int = 8, lengths: tuple[int, ...] = (12,)) -> list[dict[str, list[int]]]:
-    g = torch.Generator().manual_seed(5)
-    return [
-        {"input_ids": torch.randint(3, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()} for i in range(n)
-    ]
+    return random_rows(n, lengths, VOCAB)
 
 
-def pad(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    """Right-pad a batch to its longest row: pad id 0, mask 0, label -100 (the stock run sees the same batches)."""
-    width = max(len(r["input_ids"]) for r in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, r in enumerate(batch):
-        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-        mask[i, : len(r["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+pad = pad_right  # the stock run sees the same padded batches
 
 
 def trainer_for(model, tmp_path, data=None, **args) -> Trainer:
