@@ -109,7 +109,11 @@ def patch_train_record(trainer, out: Path, name: str) -> dict[str, Any]:
     stats = StepStats()
     trainer.add_callback(stats.callback())
     trainer.train()
-    return stats.write(out, name, trainer, leantrain.current_report(trainer))
+    written = stats.write(out, name, trainer, leantrain.current_report(trainer))
+    # Tear the process group down before the interpreter does: left to exit, a gloo/DeepSpeed rank can abort
+    # ("terminate called without an active exception") after a finished run.
+    trainer.accelerator.end_training()
+    return written
 
 
 def versions() -> dict[str, str]:
