@@ -364,6 +364,19 @@ def test_lists_factors_rehomed_after_patching_are_stacked_per_call(tmp_path):
     leantrain.unpatch_trainer(trainer)
 
 
+def test_lists_decline_weights_repacked_for_cpu_inference(tmp_path):
+    """bitsandbytes repacks a Linear4bit for its CPU kernel at an eval forward without grad (on AVX512-BF16 CPUs):
+    those bytes are no longer NF4 blocks, so the probe declines (forced here through the flag bitsandbytes sets)."""
+    model = lists_model()
+    expert = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
+    expert.weight.quant_state.packing_format_for_cpu = True
+    trainer = make_trainer(model, tmp_path)
+    report = leantrain.patch_trainer(trainer, **ONLY_MOE)
+    assert report["moe4bit"].status is not Status.APPLIED
+    assert "repacked by bitsandbytes" in report["moe4bit"].reasons[0], report["moe4bit"].reasons
+    leantrain.unpatch_trainer(trainer)
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("placement", ["stacked", "lists"])
 def test_gradient_checkpointing_matches_plain(placement, reentrant, tmp_path):

@@ -6,6 +6,7 @@ Used by the demo, the tests and the benchmarks' smoke mode: nothing is downloade
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 
 import torch
@@ -111,6 +112,7 @@ def tiny_config(
             num_local_experts=6,
             num_experts_per_tok=2,
             sliding_window=128,
+            **_gpt_oss_yarn(llama_like["max_position_embeddings"]),
         )
     else:
         raise ValueError(f"unknown tiny family {family!r}; choose from {', '.join(FAMILIES)}")
@@ -118,6 +120,17 @@ def tiny_config(
         setattr(config, key, value)
     config._attn_implementation = "eager"
     return config
+
+
+def _gpt_oss_yarn(max_positions: int) -> dict:
+    """GPT-OSS's YaRN (4096 positions stretched by 32) with the same ratio for a tiny context: transformers warns when
+    the factor disagrees with max_position_embeddings / original_max_position_embeddings. transformers 5 names the
+    dict ``rope_parameters`` (with rope_theta inside), 4.x ``rope_scaling``."""
+    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    yarn["original_max_position_embeddings"] = max_positions // 32
+    if "rope_parameters" in inspect.signature(transformers.GptOssConfig.__init__).parameters:
+        return {"rope_parameters": {**yarn, "rope_theta": 150000.0}}
+    return {"rope_scaling": yarn}
 
 
 def tiny_model(

@@ -70,7 +70,10 @@ def layer_reason(layer: nn.Module, wrapped: dict[int, nn.Module] | None) -> str 
     if weight.requires_grad or (layer.bias is not None and layer.bias.requires_grad):
         return "expert weights or biases require grad: the grouped path computes no expert gradients"
     if getattr(weight.quant_state, "packing_format_for_cpu", False):
-        return "an expert weight was repacked by bitsandbytes for CPU inference (eval without grad on CPU)"
+        return (
+            "an expert weight was repacked by bitsandbytes for its CPU inference kernel (an eval-mode forward without "
+            "grad on CPU): patch the freshly loaded model, before evaluating it on CPU"
+        )
     return None
 
 
