@@ -214,8 +214,11 @@ def _coerce(kind: str, value: Any, name: str) -> Any:
 
 
 def _suggest(name: str, known: list[str]) -> str:
+    """The close matches, or (nothing close) every name there is: a guess from far off is no help."""
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
+    if close:
+        return f" (did you mean {' or '.join(close)}?)"
+    return f"; the options are {', '.join(known)}"
 
 
 def as_typed(name: str, value: Any, source: str) -> str:

@@ -133,3 +133,44 @@ def test_commands_print_no_bitsandbytes_kernels_notice():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "gemm_4bit_forward" not in done.stderr and "another bitsandbytes warning" in done.stderr
+
+
+def test_an_unknown_name_nothing_is_close_to_lists_the_options(tmp_path):
+    """A near miss gets its match; a name nothing resembles gets every option, not a guess or nothing."""
+    trainer = tiny_trainer(tmp_path)
+    with pytest.raises(TypeError, match=r"'fusedce' \(did you mean fused_ce\?\)"):
+        patch_trainer(trainer, fusedce=True)
+    with pytest.raises(TypeError) as caught:
+        patch_trainer(trainer, liger=True)
+    names = [f.name for f in leantrain.LeantrainConfig.options()]
+    assert str(caught.value).endswith("; the options are " + ", ".join(names))
+
+
+def test_osft_on_a_classifier_names_its_own_layers_not_llama_defaults(tmp_path):
+    """BERT has no OSFT defaults: the reason says so and suggests patterns from the model's own linears."""
+    trainer = classifier_trainer(tmp_path)
+    report = patch_trainer(trainer, environ={"LEANTRAIN_OSFT": "auto"})
+    reason = report["osft"].reasons[0]
+    assert report["osft"].status is Status.SKIPPED
+    assert "model type 'bert' has no OSFT defaults" in reason, reason
+    assert "its linear layers include attention.self.query, attention.self.key" in reason, reason
+    unpatch_trainer(trainer)
+
+
+def test_tiny_configs_raise_no_transformers_warning():
+    """The demo's and the tests' tiny configs are valid as written (no RoPE-scaling or other config complaints)."""
+    import logging
+
+    from leantrain.cli import tiny
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    try:
+        for family in tiny.FAMILIES:
+            tiny.tiny_config(family)
+    finally:
+        root.removeHandler(handler)
+    assert not records, [r.getMessage() for r in records]

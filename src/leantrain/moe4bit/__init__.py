@@ -18,6 +18,7 @@ LoRA), ``_stacks`` / ``_qstate`` (packed 4-bit stacks and the stock names every 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from ..optimization import Applied, Optimization, PatchContext, Readiness, register
@@ -38,8 +39,11 @@ class Moe4bit(Optimization):
     saved_weights = DECLARATION
 
     def check_environment(self) -> tuple[str, ...]:
-        reason = bnb_reason()
-        return (reason,) if reason else ()
+        # Looked up, not imported: importing bitsandbytes logs backend notices, and only a model with MoE experts
+        # needs it (the probe imports it then, and reports a broken install there).
+        if importlib.util.find_spec("bitsandbytes") is None:
+            return (bnb_reason() or "bitsandbytes not installed: pip install leantrain[bnb]",)
+        return ()
 
     def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
         from .probe import probe

@@ -143,6 +143,34 @@ def _readiness_problem(trainer: Any) -> str | None:
     return None
 
 
+def _linear_suffixes(model: nn.Module, limit: int = 4) -> list[str]:
+    """The model's own linear names with the layer index cut off (``encoder.layer.0.attention.self.query`` ->
+    ``attention.self.query``): patterns a user can pass as ``osft_targets``."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not is_target_type(module):
+            continue
+        parts = name.split(".")
+        digits = [i for i, part in enumerate(parts) if part.isdigit()]
+        suffix = ".".join(parts[digits[-1] + 1 :]) if digits else name
+        if suffix and suffix not in found:
+            found.append(suffix)
+    return found[:limit]
+
+
+def _no_targets_reason(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(text_config(config), "model_type", None) or "?"
+    patterns = ", ".join(default_patterns(config))
+    if model_type in DEFAULT_TARGETS:
+        tried = f"the defaults for model type {model_type!r} ({patterns}) matched nothing"
+    else:
+        tried = f"model type {model_type!r} has no OSFT defaults and the Llama-style names ({patterns}) matched nothing"
+    own = _linear_suffixes(model)
+    hint = f"; its linear layers include {', '.join(own)}" if own else ""
+    return f"no OSFT target linears in {type(model).__name__}: {tried}{hint}; pass osft_targets=[...] name patterns"
+
+
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     problem = _readiness_problem(trainer)
     if problem:
@@ -153,12 +181,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         if skipped:
             name, why = next(iter(skipped.items()))
             return Readiness.no(f"no usable OSFT target: {name}: {why} ({len(skipped)} such)")
-        config_obj = getattr(model, "config", None)
-        return Readiness.not_applicable(
-            f"no OSFT target linears in {type(model).__name__} (defaults for model type "
-            f"{getattr(config_obj, 'model_type', '?')!r}: {', '.join(default_patterns(config_obj))}); "
-            "pass osft_targets=[...] name patterns"
-        )
+        return Readiness.not_applicable(_no_targets_reason(model))
     if any(hasattr(module.weight, "device_mesh") for _, module in named):
         return Readiness.no(
             "the model is already sharded (DTensor weights, e.g. loaded with tp_plan or a device mesh): OSFT "
