@@ -165,7 +165,7 @@ def _no_targets_reason(model: nn.Module) -> str:
     if model_type in DEFAULT_TARGETS:
         tried = f"the defaults for model type {model_type!r} ({patterns}) matched nothing"
     else:
-        tried = f"model type {model_type!r} has no OSFT defaults and the Llama-style names ({patterns}) matched nothing"
+        tried = f"model type {model_type!r} has no OSFT defaults, and the Llama names ({patterns}) matched nothing"
     own = _linear_suffixes(model)
     hint = f"; its linear layers include {', '.join(own)}" if own else ""
     return f"no OSFT target linears in {type(model).__name__}: {tried}{hint}; pass osft_targets=[...] name patterns"
