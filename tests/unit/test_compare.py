@@ -520,3 +520,20 @@ def test_a_disturbed_stock_run_is_no_claim_with_the_cause(tmp_path):
     assert all(len(run) == 4 for run in data["stock"]["step_cpu_ms"] + data["stock"]["host_load"])
     assert "nothing kept in ./leantrain.json: the verdict made no claim" in out
     assert not (tmp_path / _keep.KEEP_FILE).exists()
+
+
+def test_a_failed_launch_names_the_rank_error_above_the_launcher_report(tmp_path):
+    """Under accelerate/torchrun the log ends in the launcher's traceback (a signal, no cause): the message brings
+    the rank's own error line along; a plain tail is left as it is."""
+    from leantrain.cli import runs
+
+    launcher = ["Traceback (most recent call last):\n"]
+    launcher += [f'  File "/x/torch/distributed/run.py", line {k}, in run\n' for k in range(30)]
+    launcher += ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"]
+    log = tmp_path / "run.log"
+    log.write_text("{'loss': '7.6'}\nterminate called without an active exception\n" + "".join(launcher))
+    message = runs._tail(str(log))
+    assert message.startswith("first error above these lines: terminate called without an active exception\n")
+    assert message.endswith("ChildFailedError:\n")
+    log.write_text("step 1\nValueError: bad batch\n")
+    assert runs._tail(str(log)) == "step 1\nValueError: bad batch\n"

@@ -4,6 +4,7 @@ progress line while they go."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,12 +71,23 @@ def _child_command(req: CompareRequest, mode: str, spec_path: str) -> list[str]:
     return [sys.executable, "-m", "leantrain", "run", *options, OPTION + spec_path, "--", *req.target]
 
 
+# A rank's own last words: under a launcher the log ends in the launcher's traceback, which names only the signal.
+_CAUSE = re.compile(r"terminate called|Segmentation fault|Killed|(?<!ChildFailed)Error\b|Exception\b")
+_LAUNCHER = ("torch/distributed/elastic", "torch/distributed/run.py", "ChildFailedError", "launcher/api.py")
+
+
 def _tail(path: str, lines: int = 25) -> str:
+    """The log's last lines; when a rank's error line sits above them (the launcher's report fills the tail), that
+    line first, so the cause is in the message."""
     try:
         with open(path, encoding="utf-8", errors="replace") as handle:
-            return "".join(handle.readlines()[-lines:])
+            every = handle.readlines()
     except OSError:
         return ""
+    tail = every[-lines:]
+    above = every[: max(0, len(every) - lines)]
+    causes = [line for line in above if _CAUSE.search(line) and not any(m in line for m in _LAUNCHER)]
+    return (f"first error above these lines: {causes[-1].strip()}\n" if causes else "") + "".join(tail)
 
 
 class RunFailed(Exception):
