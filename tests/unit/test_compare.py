@@ -141,6 +141,26 @@ def test_faster_needs_separated_spreads_and_every_run_ahead():
     assert verdicts.verdict(mixed, 2)["text"].startswith("no claim: the two leantrain runs disagree (70.5 vs 100.5")
 
 
+def test_the_first_step_counts_with_its_payback():
+    """A first step that every leantrain run spends longer (compiling) is named with the steps the saving needs to
+    pay it back; one that only some runs spend longer is noise; without a saving nothing pays it back."""
+    stock = [[500.0, 400, 100, 102, 98, 101], [520.0, 400, 99, 103, 100, 100]]
+    lean = [[12500.0, 400, 70, 71, 69, 72], [13100.0, 400, 70, 71, 69, 72]]
+    result = verdicts.verdict(four(stock, lean), 2)
+    first = result["first_step"]
+    assert first["stock_ms"] == [500.0, 520.0] and first["leantrain_ms"] == [12500.0, 13100.0]
+    extra, saved = 12800.0 - 510.0, 100.0 - 70.5  # medians of the first steps, then of the pooled timed steps
+    assert first["extra_ms"] == extra and first["payback_steps"] == math.ceil(extra / saved) == 417
+    assert result["text"].endswith(
+        "; the first step took 12.3 s longer (once: compiling, set-up), paid back after 417 steps"
+    )
+    mixed = verdicts.verdict(four(stock, [[300.0, 400, 70, 71, 69, 72], lean[1]]), 2)
+    assert mixed["first_step"]["extra_ms"] == 0.0 and "first step" not in mixed["text"]
+    same = four([WARM + [100, 101, 99, 100]] * 2, [[9000.0, 400, 100, 101, 99, 100]] * 2)
+    text = verdicts.verdict(same, 2)["text"]
+    assert text.endswith("took 8.5 s longer (once: compiling, set-up), and no step-time saving pays it back"), text
+
+
 def test_overlapping_spreads_are_no_claim_even_with_a_different_median():
     runs = four([WARM + [100, 140, 90, 130]] * 2, [WARM + [95, 125, 85, 120]] * 2)
     result = verdicts.verdict(runs, 2)

@@ -65,6 +65,7 @@ def table(
         ("step time, median (ms)", *(_fmt(speed[m]["median_ms"], ".1f") for m in MODES)),
         ("step time, p20-p80 (ms)", *(f"{speed[m]['p20_ms']:.1f}-{speed[m]['p80_ms']:.1f}" for m in MODES)),
         ("median of each run (ms)", *(per_run(speed[m]["run_medians_ms"], ".1f") for m in MODES)),
+        ("first step of each run (ms)", *(per_run(result["first_step"][f"{m}_ms"], ".1f") for m in MODES)),
         ("process CPU time, median (ms)", *(per_run([_cpu(r, warmup) for r in by_mode[m]], ".1f") for m in MODES)),
         ("host load average, max", *(per_run([_load(r) for r in by_mode[m]], ".1f") for m in MODES)),
         (f"{kind} (MiB)", *(" / ".join(_mib(r.peak_bytes) for r in by_mode[m]) for m in MODES)),

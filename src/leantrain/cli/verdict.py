@@ -132,6 +132,27 @@ def disturbance(runs: Sequence[Measurement], by_mode: dict[str, Sequence[Measure
     return None
 
 
+def first_step(by_mode: dict[str, Sequence[Measurement]], saved_ms: float) -> dict[str, Any]:
+    """The first step of every run, where compiling and other one-off set-up land (the warm-up keeps it out of the
+    step-time median). ``extra_ms``: how much longer leantrain's first step took, counted only when every leantrain
+    run's first step is slower than every stock one's (else 0.0, within noise); ``payback_steps``: the steps the
+    per-step saving ``saved_ms`` needs to earn it back (None without a saving)."""
+    firsts = {m: [r.step_ms[0] for r in by_mode[m] if r.step_ms] for m in MODES}
+    stock, lean = firsts["stock"], firsts["leantrain"]
+    extra = median(lean) - median(stock) if stock and lean and min(lean) > max(stock) else 0.0
+    payback = math.ceil(extra / saved_ms) if extra > 0 and saved_ms > 0 else None
+    return {"stock_ms": stock, "leantrain_ms": lean, "extra_ms": extra, "payback_steps": payback}
+
+
+def _first_step_text(first: dict[str, Any]) -> str:
+    if not first["extra_ms"]:
+        return ""
+    once = f"; the first step took {first['extra_ms'] / 1e3:.1f} s longer (once: compiling, set-up)"
+    if first["payback_steps"] is None:
+        return once + ", and no step-time saving pays it back"
+    return once + f", paid back after {first['payback_steps']:,} steps"
+
+
 def memory_verdict(stock_peaks: Sequence[int | None], lean_peaks: Sequence[int | None]) -> dict[str, Any]:
     """ "leaner" / "heavier" when every run of one mode peaks more than 1% below every run of the other."""
     if any(p is None for p in (*stock_peaks, *lean_peaks)) or not stock_peaks or not lean_peaks:
@@ -251,6 +272,8 @@ def verdict(runs: Sequence[Measurement], warmup: int) -> dict[str, Any]:
     if cause:
         speed.update(verdict="no claim", cause=cause + (f"; {cap}" if cap and "timed step" in cause else ""))
     memory = memory_verdict([r.peak_bytes for r in stock], [r.peak_bytes for r in lean])
+    saved = times["stock"]["median_ms"] - times["leantrain"]["median_ms"] if speed["verdict"] == "faster" else 0.0
+    first = first_step(by_mode, saved)
     checks = agreement(stock, lean)
     parts = [(c["split_step"], name != "loss", name) for name, c in checks.items() if c["split_step"]]
     split = min(parts, default=None)  # the first step past a bound; the loss first among metrics of that step
@@ -286,6 +309,8 @@ def verdict(runs: Sequence[Measurement], warmup: int) -> dict[str, Any]:
         text = f"{', '.join(claims)}, {_losses_text(checks['loss'])}{tail}"
     else:
         text = quiet
+    if applied and not stock_applied and not split:  # the one-off cost belongs to every verdict on what applied
+        text += _first_step_text(first)
     measured = bool(applied and not stock_applied and claims and (split is None or changes_math))
     hurt = speed["verdict"] == "slower" or memory["verdict"] == "heavier"
     return {
@@ -294,6 +319,7 @@ def verdict(runs: Sequence[Measurement], warmup: int) -> dict[str, Any]:
         "changes_math": changes_math,
         "speed": {**speed, **{m: times[m] for m in MODES}},
         "memory": memory,
+        "first_step": first,
         "losses": checks["loss"],
         "metrics": {name: c for name, c in checks.items() if name != "loss"},
         "capped": cap,
