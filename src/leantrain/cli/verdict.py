@@ -135,11 +135,12 @@ def disturbance(runs: Sequence[Measurement], by_mode: dict[str, Sequence[Measure
 def first_step(by_mode: dict[str, Sequence[Measurement]], saved_ms: float) -> dict[str, Any]:
     """The first step of every run, where compiling and other one-off set-up land (the warm-up keeps it out of the
     step-time median). ``extra_ms``: how much longer leantrain's first step took, counted only when every leantrain
-    run's first step is slower than every stock one's (else 0.0, within noise); ``payback_steps``: the steps the
-    per-step saving ``saved_ms`` needs to earn it back (None without a saving)."""
+    run's first step is slower than every stock one's and the medians differ by more than AGREE (else 0.0, within
+    noise); ``payback_steps``: the steps the per-step saving ``saved_ms`` needs to earn it back (None without one)."""
     firsts = {m: [r.step_ms[0] for r in by_mode[m] if r.step_ms] for m in MODES}
     stock, lean = firsts["stock"], firsts["leantrain"]
-    extra = median(lean) - median(stock) if stock and lean and min(lean) > max(stock) else 0.0
+    separated = bool(stock and lean) and min(lean) > max(stock) and median(lean) > (1 + AGREE) * median(stock)
+    extra = median(lean) - median(stock) if separated else 0.0
     payback = math.ceil(extra / saved_ms) if extra > 0 and saved_ms > 0 else None
     return {"stock_ms": stock, "leantrain_ms": lean, "extra_ms": extra, "payback_steps": payback}
 
