@@ -135,7 +135,8 @@ def test_faster_needs_separated_spreads_and_every_run_ahead():
     runs = four([WARM + [100, 102, 98, 101], WARM + [99, 103, 100, 100]], [WARM + [70, 71, 69, 72]] * 2)
     result = verdicts.verdict(runs, 2)
     assert result["speed"]["verdict"] == "faster" and result["text"].startswith("faster by 1.4")
-    assert re.search(r"same losses \(max diff 0\.0e\+00, bound \d\.\de-0\d\)$", result["text"]) and result["helped"]
+    assert re.search(r"same losses \(max diff 0\.0e\+00, bound \d\.\de-0\d at that step\)$", result["text"])
+    assert result["helped"]
     # one leantrain run as slow as stock: not every run is ahead, and the two leantrain runs disagree
     mixed = four([WARM + [100, 102, 98, 101]] * 2, [WARM + [70, 71, 69, 72], WARM + [101, 100, 99, 102]])
     assert verdicts.verdict(mixed, 2)["text"].startswith("no claim: the two leantrain runs disagree (70.5 vs 100.5")
@@ -161,6 +162,19 @@ def test_the_first_step_counts_with_its_payback():
     same = four([WARM + [100, 101, 99, 100]] * 2, [[9000.0, 400, 100, 101, 99, 100]] * 2)
     text = verdicts.verdict(same, 2)["text"]
     assert text.endswith("took 8.5 s longer (once: compiling, set-up), and no step-time saving pays it back"), text
+
+
+def test_the_largest_loss_difference_is_shown_with_its_own_steps_bound():
+    """Not the run's smallest bound (step 1's, before the loss moved): that would read as if the diff broke it."""
+    losses = [5.0, 4.0, 5.0, 4.0, 5.0, 4.0]  # the moved term grows the bound step by step
+    lean = [*losses[:4], 5.0 + 3e-6, 4.0]
+    fast, slow = WARM + [70, 71, 69, 72], WARM + [100, 102, 98, 101]
+    runs = [run("stock 1", slow, losses), run("leantrain 1", fast, lean, ("moe4bit",))]
+    runs += [run("leantrain 2", fast, lean, ("moe4bit",)), run("stock 2", slow, losses)]
+    result = verdicts.verdict(runs, 2)
+    check = result["losses"]
+    assert check["diff"].index(max(check["diff"])) == 4 and check["bound"][4] > 1.5 * check["bound"][0]
+    assert result["text"].endswith(f"(max diff {check['diff'][4]:.1e}, bound {check['bound'][4]:.1e} at that step)")
 
 
 def test_overlapping_spreads_are_no_claim_even_with_a_different_median():
