@@ -9,8 +9,13 @@ checks the default backend with a tolerance (its fused kernels reorder fp32 redu
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,6 +248,28 @@ def test_inductor_backend_trains_within_fp32_rounding(tmp_path):
     # of Adam at lr 1e-3 on losses ~5.5 keep the loss within 1e-5 relative, far below a wrong-layer error (~1e-2)
     for a, b in zip(compiled[0], stock[0], strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_second_launch_reuses_the_compile_caches(tmp_path):
+    """What the report says of the cache ("a second launch reuses them"): two processes on one cache directory; the
+    first compiles (FX-graph and AOTAutograd cache misses), the second only loads (hits, no miss)."""
+    pytest.importorskip("torch._inductor")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join(str(repo / p) for p in ("src", ".", "benchmarks"))
+    child = [sys.executable, str(Path(__file__).with_name("_compile_cache_child.py")), str(tmp_path / "out")]
+    launches = []
+    for _ in range(2):
+        done = subprocess.run(child, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        launches.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = launches
+    assert first["status"] == second["status"] == "applied"
+    assert first["inductor"].get("fxgraph_cache_miss", 0) > 0 and not first["inductor"].get("fxgraph_cache_hit")
+    assert first["aot"].get("autograd_cache_miss", 0) > 0
+    assert second["inductor"].get("fxgraph_cache_hit", 0) > 0 and not second["inductor"].get("fxgraph_cache_miss")
+    assert second["aot"].get("autograd_cache_hit", 0) > 0 and not second["aot"].get("autograd_cache_miss")
 
 
 def test_the_checkpoint_wraps_the_compiled_region(tmp_path):
