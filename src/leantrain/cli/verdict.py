@@ -150,7 +150,7 @@ def _first_step_text(first: dict[str, Any]) -> str:
         return ""
     once = f"; the first step took {first['extra_ms'] / 1e3:.1f} s longer (once: compiling, set-up)"
     if first["payback_steps"] is None:
-        return once + ", and no step-time saving pays it back"
+        return once + ", and no measured step-time saving pays it back"
     return once + f", paid back after {first['payback_steps']:,} steps"
 
 
