@@ -24,7 +24,16 @@ _FALSE = {"0", "off", "no", "false"}
 # Optimizations in the order they are applied: model surgery first, then forward/loss patches. fused_ce comes before
 # cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss. compile_layers
 # comes after everything that rebinds code inside the decoder layers, so it compiles what will run.
-OPTIMIZATIONS = ("moe4bit", "osft", "layer_kernels", "compile_layers", "fused_ce", "cggr", "grpo_logps")
+OPTIMIZATIONS = (
+    "moe4bit",
+    "osft",
+    "layer_kernels",
+    "compile_layers",
+    "fused_ce",
+    "cggr",
+    "grpo_logps",
+    "compile_generation",
+)
 CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -80,6 +89,12 @@ class LeantrainConfig:
     )
     fused_ce: bool | None = _opt(
         None, "tristate", "SFT / Trainer causal-LM loss from hidden states and the LM head, no [B,T,V] logits"
+    )
+    compile_generation: bool | None = _opt(
+        None,
+        "tristate",
+        "GRPO / RLOO generation: transformers' generate with its decode step compiled over a static KV cache (auto: "
+        "CUDA, where the measured saving pays the compile back within the run's generation calls)",
     )
     disable: bool = _opt(
         False,
@@ -138,6 +153,22 @@ class LeantrainConfig:
         4,
         "int",
         f"recompiles of the layer code before the eager layers take over for the run (0-{MAX_LAYER_RECOMPILES})",
+        lambda v: None if 0 <= v <= MAX_LAYER_RECOMPILES else f"must be in [0, {MAX_LAYER_RECOMPILES}], got {v!r}",
+    )
+    # Compiled generation
+    compile_generation_backend: str = _opt(
+        "inductor", "str", "torch.compile backend of the decode step", _one_of(*COMPILE_BACKENDS)
+    )
+    compile_generation_cuda_graphs: bool = _opt(
+        True,
+        "bool",
+        "replay the compiled decode step as CUDA graphs (inductor on CUDA; what mode='reduce-overhead' does)",
+    )
+    compile_generation_max_recompiles: int = _opt(
+        4,
+        "int",
+        "recompiles of the decode step (new batch sizes, longer prompts) before stock generate takes over "
+        f"(0-{MAX_LAYER_RECOMPILES})",
         lambda v: None if 0 <= v <= MAX_LAYER_RECOMPILES else f"must be in [0, {MAX_LAYER_RECOMPILES}], got {v!r}",
     )
     # MoE 4-bit

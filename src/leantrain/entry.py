@@ -168,6 +168,7 @@ def patch_trainer(
     fused_ce: bool | None = None,
     cggr: bool | None = None,
     grpo_logps: bool | None = None,
+    compile_generation: bool | None = None,
     strict: bool | None = None,
     environ: Mapping[str, str] | None = None,
     **options: Any,

@@ -48,6 +48,20 @@ def data_parallel_reason(trainer: Any, why: str) -> str | None:
     )
 
 
+def planned_steps(trainer: Any) -> int | None:
+    """The optimizer steps the trainer will run: ``max_steps``, else epochs x batches of a sized dataset."""
+    args = trainer.args
+    if getattr(args, "max_steps", -1) and args.max_steps > 0:
+        return int(args.max_steps)
+    data = getattr(trainer, "train_dataset", None)
+    try:
+        rows = len(data)
+    except TypeError:
+        return None
+    per_step = max(1, args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size))
+    return max(1, int(args.num_train_epochs * -(-rows // per_step)))
+
+
 def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 

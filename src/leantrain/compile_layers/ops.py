@@ -1,10 +1,8 @@
 """The compiled layer function and the pay-back arithmetic, in plain values (functions, numbers, strings).
 
-Dynamo keeps its compiled entries on the *code object* it compiled. Compiling the class's own ``forward`` would share
-those entries (and torch's per-code recompile limit) with every other ``torch.compile`` of that class in the process,
-and they would outlive ``unpatch_trainer``. :func:`private_copy` gives each install its own code object with the same
-bytecode, globals, defaults and closure: every layer instance of one model runs that one copy (Dynamo treats the
-layer's parameters as inputs, so one compiled entry serves all of them), and it goes away with the patch."""
+The layer's forward is compiled as a private copy (``leantrain.code_copy.private_copy``): every layer instance of one
+model runs that one copy (Dynamo treats the layer's parameters as inputs, so one compiled entry serves all of them),
+and it goes away with the patch."""
 
 from __future__ import annotations
 
@@ -12,19 +10,6 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-
-def private_copy(func: Callable[..., Any]) -> types.FunctionType:
-    """A function equal to ``func`` with its own code object (``code.replace()`` returns a new one)."""
-    if not isinstance(func, types.FunctionType):
-        raise TypeError(f"expected a plain function, got {type(func).__name__}")
-    copy = types.FunctionType(
-        func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__
-    )
-    copy.__kwdefaults__ = func.__kwdefaults__
-    copy.__qualname__, copy.__doc__, copy.__module__ = func.__qualname__, func.__doc__, func.__module__
-    copy.__dict__.update(func.__dict__)
-    return copy
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The compiled forward ``apply`` binds on every decoder layer instance (never on the class).
 
-One ``torch.compile`` of a private copy of the layer class's forward (``ops.private_copy``) serves every layer: the
-layer is an argument, so Dynamo compiles once and reuses the entry for each instance. Transformers' checkpointing
+One ``torch.compile`` of a private copy of the layer class's forward (``code_copy.private_copy``) serves every layer:
+the layer is an argument, so Dynamo compiles once and reuses the entry for each instance. Transformers' checkpointing
 (``GradientCheckpointingLayer.__call__``) wraps ``nn.Module.__call__``, which calls the instance's forward: the
 checkpoint wraps the compiled region, in both modes. Every call runs through the run-time fallback: a compile error
 warns once and the stock forward serves from then on. The compile backend is wrapped to count compiles: past the
@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from ..code_copy import private_copy
 from ..fallback import RuntimeFallback
 from ..undo import Undo
-from .ops import checkpointing_inner, private_copy, with_inner
+from .ops import checkpointing_inner, with_inner
 from .probe import CompilePlan
 
 

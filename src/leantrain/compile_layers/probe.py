@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models import data_parallel_reason, decoder_parts, unwrap_model
+from ..models import data_parallel_reason, decoder_parts, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
 from .measured import KNOWN_FAILURES, MEASURED
 from .ops import Payback
@@ -189,20 +189,6 @@ def payback_reason(trainer: Any, family: str) -> str | tuple[None, str]:
     if not payback.pays:
         return f"does not pay back within this run: {payback.sentence()} ({measured.evidence})"
     return None, f"pays back within this run: {payback.sentence()} ({measured.evidence})"
-
-
-def planned_steps(trainer: Any) -> int | None:
-    """The optimizer steps the trainer will run: ``max_steps``, else epochs x batches of a sized dataset."""
-    args = trainer.args
-    if getattr(args, "max_steps", -1) and args.max_steps > 0:
-        return int(args.max_steps)
-    data = getattr(trainer, "train_dataset", None)
-    try:
-        rows = len(data)
-    except TypeError:
-        return None
-    per_step = max(1, args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size))
-    return max(1, int(args.num_train_epochs * -(-rows // per_step)))
 
 
 def cache_description(backend: str) -> str:
