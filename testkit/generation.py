@@ -84,7 +84,8 @@ def trainer(
         disable_tqdm=True,
     )
     fields.update(config)
-    config_cls, trainer_cls = (trl.RLOOConfig, trl.RLOOTrainer) if kind == "rloo" else (trl.GRPOConfig, trl.GRPOTrainer)
+    rloo = kind == "rloo"
+    config_cls, trainer_cls = (trl.RLOOConfig, trl.RLOOTrainer) if rloo else (trl.GRPOConfig, trl.GRPOTrainer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return trainer_cls(
