@@ -83,7 +83,7 @@ class LeantrainConfig:
         None,
         "tristate",
         "Liger-Kernel's RMSNorm, SwiGLU/GeGLU and RoPE kernels on this model's modules (auto: the model families "
-        "where they measured faster; needs leantrain[kernels] and CUDA)",
+        "where they measured faster; needs the liger-kernel package and CUDA)",
     )
     compile_layers: bool | None = _opt(
         None,
