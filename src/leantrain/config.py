@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -56,8 +57,20 @@ def _nonzero(value: int) -> str | None:
     return None if value != 0 else "must be a layer: N >= 1 (after decoder layer N) or negative from the top, got 0"
 
 
-def _one_of(*choices: str) -> Callable[[str], str | None]:
-    return lambda value: None if value in choices else f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
+@dataclass(frozen=True)
+class _OneOf:
+    """The check of a named-choice option; it keeps its choices so that the docs' tables can list them."""
+
+    choices: tuple[str, ...]
+
+    def __call__(self, value: str) -> str | None:
+        if value in self.choices:
+            return None
+        return f"must be one of {', '.join(map(repr, self.choices))}, got {value!r}"
+
+
+def _one_of(*choices: str) -> _OneOf:
+    return _OneOf(choices)
 
 
 def _opt(default: Any, kind: str, doc: str, check: Callable[[Any], str | None] | None = None) -> Any:
@@ -79,7 +92,7 @@ class LeantrainConfig:
         None,
         "tristate",
         "Liger-Kernel's RMSNorm, SwiGLU/GeGLU and RoPE kernels on this model's modules (auto: the model families "
-        "where they measured faster; needs leantrain[kernels] and CUDA)",
+        "where they measured faster; needs the liger-kernel package and CUDA)",
     )
     compile_layers: bool | None = _opt(
         None,
@@ -337,12 +350,51 @@ def _contradiction(cfg: ResolvedConfig) -> None:
     )
 
 
+# --- the docs' generated blocks (testkit/doc_blocks.py writes them; a test keeps them equal) -----------------------
+
+
+def patch_trainer_signature() -> str:
+    """``patch_trainer``'s keywords as the docs show them: one toggle per optimization in apply order, then strict
+    (``tests/unit/test_patching.py`` keeps the function's own signature in this order)."""
+    keywords = [f"{name}=None" for name in (*OPTIMIZATIONS, "strict")]
+    body = textwrap.fill(", ".join(["trainer", "*", *keywords, "**options"]) + ",", width=115, break_long_words=False)
+    return "leantrain.patch_trainer(\n" + textwrap.indent(body, "    ") + "\n) -> leantrain.PatchReport"
+
+
+def _values(f: dataclasses.Field) -> str:
+    """What an option takes, as the environment and ``--opt NAME=VALUE`` spell it."""
+    check = f.metadata["check"]
+    if isinstance(check, _OneOf):
+        return ", ".join(check.choices)
+    kind = f.metadata["kind"]
+    return {"tristate": "auto, 1, 0", "bool": "1, 0", "names": "comma-separated"}.get(kind, kind)
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.metadata["kind"] == "names":
+        return "per model"
+    return str({None: "auto", True: "1", False: "0"}.get(f.default, f.default))
+
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: a pipe would end the cell and ``<name>`` would read as an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "\\<")
+
+
 def env_table_markdown() -> str:
-    """The README's environment-variable table, generated from the dataclass (a test keeps them equal)."""
+    """The README's environment-variable table, generated from the dataclass."""
     rows = ["| variable | values | default | what it does |", "| --- | --- | --- | --- |"]
     for f in LeantrainConfig.options():
-        kind = f.metadata["kind"]
-        values = {"tristate": "auto, 1, 0", "bool": "1, 0", "names": "comma-separated"}.get(kind, kind)
-        default = {None: "auto", True: "1", False: "0"}.get(f.default, f.default) if kind != "names" else "per model"
-        rows.append(f"| `{LeantrainConfig.env_name(f.name)}` | {values} | {default} | {f.metadata['doc']} |")
+        rows.append(
+            f"| `{LeantrainConfig.env_name(f.name)}` | {_values(f)} | {_default(f)} | {_cell(f.metadata['doc'])} |"
+        )
+    return "\n".join(rows)
+
+
+def options_table_markdown() -> str:
+    """docs/configuration.md's table: every option by its keyword, with its variable, values, default and use."""
+    rows = ["| option | variable | values | default | what it does |", "| --- | --- | --- | --- | --- |"]
+    for f in LeantrainConfig.options():
+        variable = LeantrainConfig.env_name(f.name)
+        rows.append(f"| `{f.name}` | `{variable}` | {_values(f)} | {_default(f)} | {_cell(f.metadata['doc'])} |")
     return "\n".join(rows)

@@ -138,10 +138,28 @@ def registry() -> dict[str, Optimization]:
     return {name: _REGISTRY[name] for name in OPTIMIZATIONS}
 
 
+# pyproject.toml's optional extras, each as the requirement it installs (tests/unit/test_install_commands.py keeps
+# them equal). leantrain installs from its repository, not from PyPI, so a reason that tells a user what to install
+# names the package itself: an install command naming leantrain's extras would look for leantrain on PyPI.
+EXTRAS = {
+    "bnb": "bitsandbytes>=0.50.2",
+    "cce": "cut-cross-entropy>=25.1.1",
+    "deepspeed": "deepspeed>=0.19.8",
+    "kernels": "liger-kernel>=0.8.5",
+}
+
+
+def install_command(extra: str) -> str:
+    """The command that installs what a pyproject extra installs, to paste from a reason."""
+    if extra not in EXTRAS:
+        raise ValueError(f"{extra!r} is not one of leantrain's extras: {', '.join(EXTRAS)}")
+    return f"pip install '{EXTRAS[extra]}'"
+
+
 def optional_import_reason(module: str, extra: str) -> str | None:
-    """None if ``module`` imports, else a reason naming the pip extra."""
+    """None if ``module`` imports, else a reason naming the command that installs the extra's package."""
     try:
         importlib.import_module(module)
     except Exception as error:  # ImportError, or a broken install raising something else
-        return f"{module} not installed or not importable ({type(error).__name__}): pip install leantrain[{extra}]"
+        return f"{module} not installed or not importable ({type(error).__name__}): {install_command(extra)}"
     return None

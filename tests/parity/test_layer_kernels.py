@@ -249,10 +249,8 @@ def test_declines_when_liger_kernel_is_not_installed(tmp_path, monkeypatch):
         probe.liger_reason = real  # only the device check emulated (restored by emulated())
         outcome = patch(trainer)["layer_kernels"]
     assert outcome.status is Status.SKIPPED
-    assert outcome.reasons == (
-        "liger_kernel is not installed: pip install 'leantrain[kernels]' (Liger-Kernel >= 0.8.5)",
-    )
-    assert LayerKernels().check_environment()[0] == "liger_kernel is not installed: pip install 'leantrain[kernels]'"
+    assert outcome.reasons == ("liger_kernel is not installed: pip install 'liger-kernel>=0.8.5'",)
+    assert LayerKernels().check_environment()[0] == "liger_kernel is not installed: pip install 'liger-kernel>=0.8.5'"
     assert (
         "needs CUDA (Liger-Kernel's kernels are Triton kernels for CUDA)" in LayerKernels().check_environment()
     ) == (not torch.cuda.is_available())

@@ -15,15 +15,11 @@ import copy
 import pytest
 import torch
 
-from leantrain._compat import TRANSFORMERS_3D_EXPERTS, installed, version_tuple
+from tests._floor import floor_only
 
 
-if version_tuple(installed("transformers") or "0") >= version_tuple(TRANSFORMERS_3D_EXPERTS):
-    pytest.skip(
-        f"transformers {installed('transformers')}: the per-expert ModuleList MoE blocks exist in transformers < "
-        f"{TRANSFORMERS_3D_EXPERTS} only (the floor venv .ci/venvs/trl-0.29 runs these tests)",
-        allow_module_level=True,
-    )
+if _NEWER := floor_only("the per-expert ModuleList MoE blocks"):
+    pytest.skip(_NEWER, allow_module_level=True)
 pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 

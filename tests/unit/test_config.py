@@ -105,13 +105,6 @@ def test_readme_states_the_default_rule():
     assert "CGGR and OSFT are opt-in" in readme
 
 
-def test_readme_env_table_matches_code():
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    block = re.search(r"<!-- env-table:start -->\n(.*?)\n<!-- env-table:end -->", readme, re.S)
-    assert block, "README lacks the env-table markers"
-    assert block.group(1).strip() == env_table_markdown().strip(), "regenerate with config.env_table_markdown()"
-
-
 def test_option_choices_match_what_the_math_serves():
     """The option table offers exactly the choices the math modules implement (they take plain values, so each
     keeps its own tuple; this keeps the two equal)."""

@@ -28,6 +28,8 @@ BUILD_NOTES = re.compile(
 # A commit hash in prose: 7 to 40 hex digits with at least one letter and one digit (not a number, not a word).
 HASH = re.compile(r"(?<![\w./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w/-])")
 README_LINES = 300
+# How the project is built and checked, not what a user gets: CI's jobs, packaging files, the project's environments.
+PROCESS = re.compile(r"\bCI\b|pyproject|\.ci/|\bvenvs?\b")
 
 
 def _prose(text: str) -> list[tuple[int, str]]:
@@ -79,6 +81,18 @@ def test_readme_is_a_product_page():
     assert "GPU results" in readme and "CPU" in readme[: readme.index("```bash")]
     sections = [line for line in lines if line.startswith("## ")]
     assert sections[:3] == ["## What the one line buys (GPU)", "## Usage", "## Compatibility"], sections
+
+
+def test_readme_usage_and_compatibility_state_the_product():
+    """Those sections say what a user gets (the options, the tested version sets, what happens outside them), not how
+    CI or packaging gets there."""
+    readme = (ROOT / "README.md").read_text()
+    for section in ("## Usage", "## Compatibility"):
+        text = readme.split(f"\n{section}\n", 1)[1].split("\n## ", 1)[0]
+        found = [line.strip()[:100] for _, line in _prose(text) if PROCESS.search(line)]
+        assert not found, f"{section}: " + "\n".join(found)
+    for line in ("CI runs the full suite", "pyproject admits exactly", "the floor venv .ci/venvs/trl-0.29"):
+        assert PROCESS.search(line), line
 
 
 def test_readme_links_resolve_or_are_announced():

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..entry import current_report, patch_trainer, unpatch_trainer
+from ..optimization import install_command
 from . import tiny
 from ._measure import Completions, Measurement, measure_run
 from .plot import plot
@@ -280,7 +281,7 @@ def _check(args: argparse.Namespace) -> None:
         problems.append(f"--lr must be > 0, got {args.lr}")
     if args.model == "gpt-oss" and not importlib.util.find_spec("bitsandbytes"):
         problems.append(
-            'the gpt-oss demo trains frozen 4-bit experts: install bitsandbytes (pip install -e ".[bnb]"), '
+            f"the gpt-oss demo trains frozen 4-bit experts: install bitsandbytes ({install_command('bnb')}), "
             "or run a dense model: leantrain demo --model llama"
         )
     if problems:

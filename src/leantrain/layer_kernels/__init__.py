@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..optimization import Applied, Optimization, PatchContext, Readiness, register
+from ..optimization import Applied, Optimization, PatchContext, Readiness, install_command, register
 from .families import FAMILIES, MEASURED, Family
 from .probe import LayerKernelsPlan, describe, liger_reason
 from .probe import probe as probe_trainer  # the submodule keeps its name
@@ -29,7 +29,7 @@ class LayerKernels(Optimization):
 
         reasons = []
         if importlib.util.find_spec("liger_kernel") is None:
-            reasons.append("liger_kernel is not installed: pip install 'leantrain[kernels]'")
+            reasons.append(f"liger_kernel is not installed: {install_command('kernels')}")
         if not torch.cuda.is_available():
             reasons.append("needs CUDA (Liger-Kernel's kernels are Triton kernels for CUDA)")
         return tuple(reasons)

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..models import data_parallel_reason, decoder_parts, unwrap_model
-from ..optimization import PatchContext, Readiness
+from ..optimization import PatchContext, Readiness, install_command
 from . import ops
 from .families import FAMILIES, MEASURED, Family
 
@@ -77,7 +77,7 @@ def _ready(trainer: Any, model: nn.Module, name: str, spec: Family, why: str) ->
 def liger_reason() -> str | None:
     """None when Liger-Kernel's ops import; else what to install. Imported only here and at apply (seconds)."""
     if importlib.util.find_spec("liger_kernel") is None:
-        return "liger_kernel is not installed: pip install 'leantrain[kernels]' (Liger-Kernel >= 0.8.5)"
+        return f"liger_kernel is not installed: {install_command('kernels')}"
     try:
         ops.kernels()
     except Exception as error:  # ImportError, or a broken install raising something else

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ..optimization import Applied, Optimization, PatchContext, Readiness, register
+from ..optimization import Applied, Optimization, PatchContext, Readiness, install_command, register
 from ._adapters import expert_lora_targets
 from .probe import bnb_reason, readiness
 from .quantize import QuantizeReport, quantize_experts_4bit
@@ -42,7 +42,7 @@ class Moe4bit(Optimization):
         # Looked up, not imported: importing bitsandbytes logs backend notices, and only a model with MoE experts
         # needs it (the probe imports it then, and reports a broken install there).
         if importlib.util.find_spec("bitsandbytes") is None:
-            return (bnb_reason() or "bitsandbytes not installed: pip install leantrain[bnb]",)
+            return (bnb_reason() or f"bitsandbytes not installed: {install_command('bnb')}",)
         return ()
 
     def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
