@@ -8,17 +8,34 @@ parity (max |Δlogp| vs fp64 on a slice).
     python benchmarks/bench_grpo_logps.py --smoke    # tiny shapes, CPU or GPU, < 60 s
 
 Writes grpo_logps.json / .md / .png into $BENCH_RESULTS or benchmarks/results/.
+
+``--nograd``: the measurements behind the no-grad rule (``leantrain.grpo_logps.nograd``: no-grad calls on TRL's fused
+path go to TRL's own head). GRPO scores the old policy and the reference model under ``torch.no_grad()``; TRL 1.16
+calls the model once per ``per_device_train_batch_size`` rows (default 8) and its fused head scores only the labelled
+positions: N = those rows' completion tokens (<= 8 x 512 = 4096 by default, 16384 at 8 x 2048). The policy's head
+computes log-probs + entropy there (its outputs are fixed when TRL patches it), the reference model's log-probs only:
+both are measured, TRL's head against leantrain's op (default tile budget), over the heads of Qwen2.5-0.5B to 14B and
+Llama-3-8B x N 1024-16384. ``--emit-rule [JSON]`` checks those rows against the rule and prints its constants.
+
+    python benchmarks/bench_grpo_logps.py --nograd [--smoke]   # CUDA, full grid (H100: ~2 min); writes
+                                                               # grpo_logps_nograd.json / .md
+    python benchmarks/bench_grpo_logps.py --emit-rule [JSON]   # CPU; default: grpo_logps_nograd.json of the results
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, time_fn, write_results  # noqa: E402
+from _harness import RESULTS, Row, bar_plot, markdown_table, peak_memory, read_rows, time_fn, write_results  # noqa: E402
 
+from leantrain.config import LeantrainConfig  # noqa: E402
+from leantrain.grpo_logps import nograd  # noqa: E402
 from leantrain.lm_head import ops  # noqa: E402
 
 
@@ -190,16 +207,140 @@ def parity(device: str, shape, rows: int = 1024) -> list[tuple[str, float, float
     return out
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------------------ --nograd, --emit-rule
+NOGRAD = "grpo_logps_nograd"
+STOCK, FUSED = "trl_stock", "leantrain"
+# (model, H, V): Qwen2.5 0.5B-14B (the 7B and 14B vocabularies are 152064) and Llama-3 8B
+NOGRAD_MODELS = [
+    ("qwen2.5-0.5b", 896, 151936),
+    ("qwen2.5-1.5b", 1536, 151936),
+    ("qwen2.5-3b", 2048, 151936),
+    ("qwen2.5-7b", 3584, 152064),
+    ("qwen2.5-14b", 5120, 152064),
+    ("llama-3-8b", 4096, 128256),
+]
+NOGRAD_N = (1024, 2048, 4096, 8192, 16384)
+NOGRAD_SMOKE_MODELS = [("tiny-a", 32, 1001), ("tiny-b", 64, 2003)]
+NOGRAD_SMOKE_N = (64, 128)
+
+
+def nograd_heads(entropy: bool, backend: str) -> dict[str, Callable]:
+    """TRL's fused head as it is called under no_grad (the outputs TRL asks for) and leantrain's op as the trainer's
+    wrapped forward runs it (default tile budget)."""
+    outputs = ("log_probs", "entropy") if entropy else ("log_probs",)
+    tile_mib = LeantrainConfig().grpo_logps_tile_mib
+    kw = dict(temperature=TEMPERATURE, need_entropy=entropy, tile_mib=tile_mib, backend=backend)
+    return {
+        STOCK: lambda h, w, t: trl_chunked(h, w, t, outputs=outputs),
+        FUSED: lambda h, w, t: ops.logp_entropy(h, w, t, **kw),
+    }
+
+
+def nograd_grid(models, n_values, device: str, reps: int, warmup: int) -> tuple[list[Row], list[list]]:
+    """Rows (speed, memory) and table lines of both heads under no_grad, bf16, over models x N x entropy."""
+    backend = ops.default_backend(torch.device(device))
+    rows: list[Row] = []
+    table: list[list] = []
+    for model, h, v in models:
+        hidden_all, weight, targets_all = make_inputs(max(n_values), h, v, device, torch.bfloat16)
+        for i, n in enumerate(n_values):
+            hidden, targets = hidden_all[:n], targets_all[:n]
+            for entropy in (True, False):
+                config = dict(model=model, N=n, H=h, V=v, dtype="bfloat16", entropy=entropy)
+                heads = list(nograd_heads(entropy, backend).items())
+                if (i + entropy) % 2:  # alternate the order over N and entropy: neither always runs first
+                    heads.reverse()
+                got = {}
+                for name, fn in heads:
+                    t, mem = bench_case(name, fn, hidden, weight, targets, "forward", False, reps, warmup)
+                    got[name] = (t.p50, mem)
+                    rows.append(Row.timing(NOGRAD, name, "no_grad", "N", n, t, **config, backend=backend))
+                    rows.append(Row(NOGRAD, name, "no_grad", "memory", "GiB", "N", n, mem, config=config))
+                (ts, ms), (tf, mf) = got[STOCK], got[FUSED]
+                rule = "stock" if nograd.trl_head_serves(v, backend) else "fused"
+                table.append([model, n, h, v, entropy, ts, tf, ts / tf, ms, mf, "stock" if ts < tf else "fused", rule])
+                print(
+                    f"{model:13s} N={n:6d} entropy={entropy!s:5s} stock {ts:8.3f} ms  fused {tf:8.3f} ms", flush=True
+                )
+        del hidden_all, weight, targets_all
+    return rows, table
+
+
+def run_nograd(smoke: bool, device: str) -> Path:
+    models, n_values = (NOGRAD_SMOKE_MODELS, NOGRAD_SMOKE_N) if smoke else (NOGRAD_MODELS, NOGRAD_N)
+    reps, warmup = (3, 1) if smoke else (25, 5)
+    rows, table = nograd_grid(models, n_values, device, reps, warmup)
+    header = ["model", "N", "H", "V", "entropy", "TRL ms", "leantrain ms", "speed-up vs TRL", "TRL GiB",
+              "leantrain GiB", "faster", "rule now"]  # fmt: skip
+    md = markdown_table(header, table) + (
+        "\n\nNo-grad calls (torch.no_grad), bf16, median CUDA-event ms. TRL: ChunkedLogProbFunction as TRL's fused "
+        "head calls it on the scored rows; leantrain: its op (default tile budget). 'rule now': what "
+        "leantrain.grpo_logps.nograd decides at the time of the run; check it with "
+        "`python benchmarks/bench_grpo_logps.py --emit-rule`."
+    )
+    out = write_results(NOGRAD, rows, md)
+    print(md)
+    return out
+
+
+def rule_cells(rows: list[Row]) -> dict[tuple, tuple[float, float]]:
+    """(TRL ms, leantrain ms) per measured (N, H, V, dtype, entropy) cell of the no-grad speed rows."""
+    cells: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        if row.benchmark != NOGRAD or row.metric != "speed":
+            continue
+        c = row.config
+        key = (int(c["N"]), int(c["H"]), int(c["V"]), str(c["dtype"]), bool(c["entropy"]))
+        cells.setdefault(key, {})[row.provider] = float(row.p50)
+    return {key: (t[STOCK], t[FUSED]) for key, t in sorted(cells.items()) if STOCK in t and FUSED in t}
+
+
+def emit_rule(path: Path) -> str:
+    """Check no-grad rows against ``nograd.py``'s rule (TRL's head serves every no-grad call on TRL's fused path) and
+    return the rule's constants from them, as Python to paste; exit naming the cells that break the rule."""
+    rows = read_rows(path)
+    cells = rule_cells(rows)
+    if not cells:
+        raise SystemExit(f"no no-grad rows in {path}: run `python benchmarks/bench_grpo_logps.py --nograd` first")
+    lost = [key for key, (stock, fused) in cells.items() if not nograd.trl_head_wins(stock, fused)]
+    if lost:
+        where = ", ".join(f"N={n} H={h} V={v} {dtype} entropy={entropy}" for n, h, v, dtype, entropy in lost)
+        raise SystemExit(
+            f"leantrain's op measured faster beyond the {nograd.NOISE:.0%} noise at {where}: no-grad calls no longer "
+            "all belong to TRL's head; grpo_logps/nograd.py needs a rule by shape"
+        )
+    faster = sum(stock < fused for stock, fused in cells.values())
+    vocabularies = sorted({key[2] for key in cells})
+    head = rows[0]
+    source = f"{head.device}, {head.date[:10]}, {NOGRAD}.json at {head.commit}"
+    return "\n".join([
+        f"# {len(cells)} cells: TRL's head faster in {faster}, the others within {nograd.NOISE:.0%}",
+        f"SOURCE = {json.dumps(source)}",
+        f"MEASURED_V = ({vocabularies[0]}, {vocabularies[-1]})",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few reps (CPU ok)")
-    args = parser.parse_args()
+    parser.add_argument("--nograd", action="store_true", help="TRL's head vs leantrain's op under no_grad, by shape")
+    parser.add_argument(
+        "--emit-rule", nargs="?", const="", metavar="JSON", help="check the no-grad rule against the rows, print it"
+    )
+    args = parser.parse_args(argv)
+    if args.emit_rule is not None:
+        out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+        print(emit_rule(Path(args.emit_rule) if args.emit_rule else out_dir / f"{NOGRAD}.json"))
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not args.smoke and device != "cuda":
         sys.exit("full benchmark needs CUDA; use --smoke on CPU")
     torch.manual_seed(0)
     if device == "cpu":
         torch.set_num_threads(1)
+    if args.nograd:
+        print(f"results in {run_nograd(args.smoke, device)}")
+        return
     shapes = SMOKE_SHAPES if args.smoke else FULL_SHAPES
     reps, warmup = (3, 1) if args.smoke else (10, 3)
     dtype = torch.bfloat16

@@ -308,7 +308,7 @@ def run_group(
     ``prime`` first runs every variant once untimed on the same steps and data, and discards it: compile and
     specialization caches (TRL's Triton kernels and torch.compile'd chunks, leantrain's kernels, cuBLAS heuristics,
     and on the H100 SDPA's default attention backend: 0.1-2.7 s the first time a padded sequence length appears,
-    measured by benchmarks/sdpa_shape_warmup.py) fill per process and per shape, and without a priming round over
+    benchmarks/results/sdpa_shape_warmup.md) fill per process and per shape, and without a priming round over
     all the steps whichever variant first meets a length pays for it (a 2-step priming left steps 3-6 to it)."""
     if not budget.allows(len(variants) * (2 if prime else 1)):
         reason = f"recipe time budget ({budget.seconds:.0f} s) would be exceeded"

@@ -1,4 +1,5 @@
-"""benchmarks/bench_grpo_logps.py: the GEMM floor and achieved-TFLOP/s columns (issue #13's ratio to the floor)."""
+"""benchmarks/bench_grpo_logps.py: the GEMM floor and achieved-TFLOP/s columns (issue #13's ratio to the floor), and
+the no-grad grid with the rule it checks (--nograd, --emit-rule)."""
 
 from __future__ import annotations
 
@@ -94,39 +95,33 @@ def test_trl_chunked_is_trls_fused_head_call():
     assert bench.trl_chunked(hidden, weight, targets)[1] is not None
 
 
-# ------------------------------------------------------------------------------------- probe_logps_nograd.py
-def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
-    """--smoke runs on CPU and writes the rows; --emit-rule checks them against the no-grad rule: it prints the
-    rule's constants where TRL's head won or tied every cell, and exits naming a cell where leantrain's op won."""
-    import probe_logps_nograd as probe
-
+# ------------------------------------------------------------------------------------- --nograd, --emit-rule
+def test_nograd_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
+    """--nograd --smoke runs on CPU and writes the rows; --emit-rule checks them against the no-grad rule: it prints
+    the rule's constants where TRL's head won or tied every cell, and exits naming a cell where leantrain's op won."""
     from leantrain.grpo_logps import nograd
 
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
-    monkeypatch.setattr(probe, "SMOKE_MODELS", [("tiny", 16, 257)])
-    monkeypatch.setattr(probe, "SMOKE_N", (8, 32))
-    monkeypatch.setattr(probe.ops, "MAX_TILE_ROWS", 16)  # the tall-tiles candidate (32 rows) runs at N=32
-    probe.main(["--smoke"])
-    rows = probe.read_rows(tmp_path / "grpo_logps_nograd.json")
+    monkeypatch.setattr(bench, "NOGRAD_SMOKE_MODELS", [("tiny", 16, 257)])
+    monkeypatch.setattr(bench, "NOGRAD_SMOKE_N", (8, 32))
+    bench.main(["--nograd", "--smoke"])
+    rows = bench.read_rows(tmp_path / "grpo_logps_nograd.json")
     speed = [r for r in rows if r.metric == "speed"]
-    tall = [(r.x_value, r.config["entropy"]) for r in speed if r.provider == probe.TALL]
-    assert tall == [(32, True)] and probe.ops.MAX_TILE_ROWS == 16  # restored after each call
-    speed = [r for r in speed if r.provider != probe.TALL]
-    assert len(speed) == 2 * 2 * 2 and {r.provider for r in speed} == {probe.STOCK, probe.FUSED}
-    profile = (tmp_path / "grpo_logps_nograd_profile.txt").read_text()
-    assert "## trl_stock" in profile and "## leantrain" in profile
+    assert len(speed) == 2 * 2 * 2 and {r.provider for r in speed} == {bench.STOCK, bench.FUSED}
+    assert {(r.x_value, r.config["entropy"]) for r in speed} == {(n, e) for n in (8, 32) for e in (True, False)}
     assert all(r.device and r.versions and r.date and r.commit for r in rows)
+    assert "| rule now |" in (tmp_path / "grpo_logps_nograd.md").read_text()
     data = json.loads((tmp_path / "grpo_logps_nograd.json").read_text())
 
     def emitted(fused_ms) -> str:
         """--emit-rule on the smoke rows with TRL's head at 1 ms and leantrain's op at ``fused_ms(config)``."""
         for row in data:
-            if row["metric"] == "speed" and row["provider"] in (probe.STOCK, probe.FUSED):
-                row["p50"] = 1.0 if row["provider"] == probe.STOCK else fused_ms(row["config"])
+            if row["metric"] == "speed":
+                row["p50"] = 1.0 if row["provider"] == bench.STOCK else fused_ms(row["config"])
         path = tmp_path / "edited.json"
         path.write_text(json.dumps(data))
         capsys.readouterr()
-        probe.main(["--emit-rule", str(path)])
+        bench.main(["--emit-rule", str(path)])
         return capsys.readouterr().out
 
     scope: dict = {}
@@ -136,22 +131,25 @@ def test_probe_smoke_and_emitted_rule(tmp_path, monkeypatch, capsys):
         emitted(lambda c: 1.0 - 2 * nograd.NOISE if (c["N"], c["entropy"]) == (32, False) else 1.0)
 
 
+def test_emit_rule_without_nograd_rows_says_what_to_run(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text("[]")
+    with pytest.raises(SystemExit, match="run `python benchmarks/bench_grpo_logps.py --nograd` first"):
+        bench.main(["--emit-rule", str(path)])
+
+
 def test_committed_results_emit_the_rule_in_the_package(capsys):
     """The rule in grpo_logps/nograd.py is what --emit-rule derives from benchmarks/results/grpo_logps_nograd.json."""
-    import probe_logps_nograd as probe
-
     from leantrain.grpo_logps import nograd
 
-    probe.main(["--emit-rule", str(probe.RESULTS / "grpo_logps_nograd.json")])
+    bench.main(["--emit-rule", str(bench.RESULTS / "grpo_logps_nograd.json")])
     scope: dict = {}
     exec(capsys.readouterr().out, scope)
     assert (scope["SOURCE"], scope["MEASURED_V"]) == (nograd.SOURCE, nograd.MEASURED_V)
 
 
-def test_probe_grid_covers_the_recipe_shapes():
-    import probe_logps_nograd as probe
-
-    assert {(h, v) for _, h, v in probe.MODELS} == {
+def test_nograd_grid_covers_the_recipe_shapes():
+    assert {(h, v) for _, h, v in bench.NOGRAD_MODELS} == {
         (896, 151936), (1536, 151936), (2048, 151936), (3584, 152064), (5120, 152064), (4096, 128256),
     }  # fmt: skip
-    assert probe.N_VALUES == (1024, 2048, 4096, 8192, 16384)
+    assert bench.NOGRAD_N == (1024, 2048, 4096, 8192, 16384)

@@ -55,17 +55,3 @@ def test_step_bench_smoke(tmp_path, monkeypatch):
     assert {r["provider"] for r in rows} == {"stock", "leantrain", "leantrain_attn_only"}
     with pytest.raises(SystemExit, match="needs transformers 4.x"):
         step.main(["--smoke", "--transformers4"])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True])
-def test_modulelist_probe_smoke(lora, tmp_path, monkeypatch):
-    """probe_moe4bit_modulelist.py --smoke [--lora] runs its providers on CPU (the 4.x block mirror, patched through
-    the same install as patch_trainer) and writes its rows."""
-    import probe_moe4bit_modulelist as probe
-
-    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
-    out = probe.main(["--smoke", "--lora"] if lora else ["--smoke"])
-    name = "moe4bit_modulelist_lora" if lora else "moe4bit_modulelist"
-    providers = {r["provider"] for r in _rows(out / f"{name}.json")}
-    assert providers == {"stock", "leantrain", "leantrain_frozen" if lora else "leantrain_no_recompute"}

@@ -1,5 +1,5 @@
-"""benchmarks/bench_moe4bit_full.py and benchmarks/probe_moe4bit_recompute.py: the run plan, the memory arithmetic
-and the rules (fast), and both scripts' --smoke on CPU (slow: the GPU run must not die on a typo)."""
+"""benchmarks/bench_moe4bit_full.py: the run plan, the memory arithmetic and the rules (fast), and the driver's --smoke
+on CPU (slow: the GPU run must not die on a typo)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ for name in ("bitsandbytes", "peft", "trl", "datasets", "matplotlib"):
     pytest.importorskip(name)
 
 import bench_moe4bit_full as full  # noqa: E402
-import probe_moe4bit_recompute as probe  # noqa: E402
 
 
 GIB = 2**30
@@ -131,34 +130,6 @@ def test_merge_replaces_the_same_run_only():
     ]  # fmt: skip
 
 
-# -- the probe's rule ----------------------------------------------------------------------------------------------
-
-
-def test_probe_stacks_and_rule():
-    for shape, (gate_up, down) in {"gpt-oss-20b": (0.989, 0.494), "qwen3-30b-a3b": (0.75, 0.375)}.items():
-        assert probe.stack_gib(probe.layer_config(shape, smoke=False, as_qwen3=False)[1]) == pytest.approx(
-            (gate_up, down), abs=1e-3
-        )
-    cls, fields = probe.layer_config("gpt-oss-20b", smoke=False, as_qwen3=True)  # 4.x blocks at gpt-oss sizes
-    assert cls == "Qwen3MoeConfig" and (fields["num_experts"], fields["moe_intermediate_size"]) == (32, 2880)
-    on, off = (9.49, 1.41), (8.46, 2.36)  # gpt-oss-20b layer, 4096 tokens (README); stock grouped_mm held 2.41
-    recompute, why = probe.decide(on, off, budget=2.41 + 0.05 * 0.989)
-    assert not recompute and "within budget 2.46" in why
-    assert probe.decide(on, off, budget=2.30)[0]  # over the budget: keep on
-    assert probe.decide(on, (9.30, 1.5), budget=2.46)[0]  # under 3% faster: keep on
-    assert probe.decide(on, (math.nan, math.nan), budget=math.nan) == (True, "no CUDA memory measured: keep on")
-    config = dict(gate_up_stack_gib=0.989, down_stack_gib=0.494)
-    got = {("3-D stacks", "gpt-oss-20b", 4096, "transformers grouped_mm"): {"memory": 2.41, "speed": 8.62}}
-    assert probe.budget(got, "gpt-oss-20b", 4096, 1.41, config) == (
-        pytest.approx(2.41 + 0.05 * 0.989),
-        "transformers grouped_mm on the 3-D stacks",
-    )  # also the budget of the lists and 4.x blocks at that shape and length
-    assert probe.budget(got, "gpt-oss-20b", 2048, 1.0, config) == (
-        pytest.approx(1.0 + 0.494 + 0.05 * 0.989),
-        "recompute on + the down stack",
-    )
-
-
 # -- the smoke runs ------------------------------------------------------------------------------------------------
 
 
@@ -220,26 +191,3 @@ def test_driver_records_a_crashed_run(tmp_path):
     assert result["status"] == "failed" and result["reason"].startswith("process exit code")
     (row,) = full.to_rows(result)
     assert row.metric == "memory" and math.isnan(row.p50) and row.config["status"] == "failed"
-
-
-@pytest.mark.slow
-def test_probe_smoke(tmp_path):
-    script = ROOT / "benchmarks" / "probe_moe4bit_recompute.py"
-    cmd = [sys.executable, str(script), "--smoke", "--shapes", "qwen3-30b-a3b"]
-    proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads((tmp_path / f"{probe.NAME}.json").read_text())
-    stock = {"3-D stacks": "transformers grouped_mm", "Linear4bit lists": "per-expert loop (stock)"}  # 5.x default
-    for layout, name in stock.items():
-        providers = {r["provider"] for r in rows if r["config"]["layout"] == layout}
-        assert providers == {name, "leantrain recompute on", "leantrain recompute off"}, layout
-    scale = 64 * torch.finfo(torch.float32).eps  # fp32: the grouped path and the loop sum in other orders
-    for r in rows:
-        assert r["config"]["status"] == "ok", r["config"]
-        assert r["config"]["max_diff_vs_stock"] <= scale, (r["provider"], r["config"]["max_diff_vs_stock"])
-        if r["provider"].startswith("leantrain"):
-            word = "on" if r["config"]["recompute"] else "off"
-            assert f"recompute {word}" in r["config"]["detail"], r["config"]["detail"]
-    verdicts = json.loads((tmp_path / f"{probe.NAME}_verdict.json").read_text())
-    assert {(v["layout"], v["tokens"]) for v in verdicts} == {(lay, n) for lay in stock for n in (32, 64)}
-    assert all(v["recompute"] for v in verdicts)  # no CUDA memory on CPU: the rule keeps recompute on

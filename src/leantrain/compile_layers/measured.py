@@ -3,8 +3,9 @@
 One row per family: the step time saved and the one-off compile cost (the first step's extra time, cold caches),
 measured on one GPU with LoRA r16 on every projection, head frozen, bf16, gradient checkpointing, AdamW,
 4 x 2048 tokens. Auto mode applies ``compile_layers`` on CUDA when ``max_steps x saving > compile cost``;
-``compile_layers=True`` compiles any family regardless. Update from ``benchmarks/probe_compile_layers.py`` (compiled
-vs ``patch_trainer`` without it, same process order, same device) and the dense recipe's compiled variant."""
+``compile_layers=True`` compiles any family regardless. Update from ``benchmarks/bench_compile_layers.py`` (compiled
+vs ``patch_trainer`` without it, each variant in its own process, same device) and the dense recipe's compiled
+variant."""
 
 from __future__ import annotations
 

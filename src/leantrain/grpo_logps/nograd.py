@@ -1,12 +1,12 @@
 """The no-grad rule: no-grad calls on TRL's fused path go to TRL's own head.
 
-GRPO scores the old policy and the reference model under ``torch.no_grad()``. ``benchmarks/probe_logps_nograd.py``
-timed TRL 1.16's fused head against leantrain's Triton op on such calls (bf16, with and without the entropy, the heads
-of Qwen2.5-0.5B to 14B and Llama-3-8B: H 896-5120, V 128256-152064, N 1024-16384). TRL's head measured faster or
-within the timing noise in every cell of ``benchmarks/results/grpo_logps_nograd.json``, so the rule needs no H, N,
-dtype or entropy (and no label count: no host sync). Nothing was measured off Triton or beyond ``V_REACH`` times the
-measured vocabularies: leantrain's op serves those calls, and every call that wants a gradient.
-``python benchmarks/probe_logps_nograd.py --emit-rule`` checks a new run against this rule."""
+GRPO scores the old policy and the reference model under ``torch.no_grad()``. ``python benchmarks/bench_grpo_logps.py
+--nograd`` times TRL 1.16's fused head against leantrain's Triton op on such calls (bf16, with and without the
+entropy, the heads of Qwen2.5-0.5B to 14B and Llama-3-8B: H 896-5120, V 128256-152064, N 1024-16384). TRL's head
+measured faster or within the timing noise in every cell of ``benchmarks/results/grpo_logps_nograd.json``, so the
+rule needs no H, N, dtype or entropy (and no label count: no host sync). Nothing was measured off Triton or beyond
+``V_REACH`` times the measured vocabularies: leantrain's op serves those calls, and every call that wants a gradient.
+``python benchmarks/bench_grpo_logps.py --emit-rule`` checks a new run against this rule."""
 
 from __future__ import annotations
 

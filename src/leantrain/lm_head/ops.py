@@ -72,7 +72,8 @@ from . import _checks
 # Tiles beyond these sizes make cuBLAS no faster; smaller caps keep peak memory low (TRL uses 4096 x 32768).
 MAX_TILE_ROWS = 4096
 MAX_TILE_COLS = 32768
-# Columns per Triton fold program and its warps (benchmarks/probe_lm_head.py measures other settings)
+# Columns per Triton fold program and its warps. Another setting is measured by changing these and rerunning
+# benchmarks/bench_fused_ce.py and bench_grpo_logps.py (the op's time over its GEMM floor)
 FOLD_BLOCK = 4096
 FOLD_WARPS = 8
 _GRAD_BLOCK = 1024

@@ -4,8 +4,14 @@ dequantized stacks stay alive until its backward). A small table of measured ver
 option (``moe_recompute`` / ``LEANTRAIN_MOE_RECOMPUTE`` = 1 or 0) overrides it.
 
 A verdict applies to its layout and to layers whose largest dequantized stack is at most ``max_stack_mib`` (None:
-any size), first match wins. Fill it from ``benchmarks/`` runs (device, shape, ms and peak each way); a layout
-without a verdict recomputes (the smaller peak).
+any size), first match wins; a layout without a verdict recomputes (the smaller peak). Fill it from measurements
+(device, shape, ms and peak each way). Those below come from one-layer runs per layout
+(``benchmarks/results/moe4bit_recompute.md``; ``moe4bit_modulelist.md`` for the 4.x blocks). The kept benchmarks
+measure them again: ``python benchmarks/bench_moe4bit.py --shape <shape>`` times a layer of per-expert ``Linear4bit``
+lists with recompute on and off (``leantrain grouped`` and ``... (no recompute)``, ms and peak each) beside
+transformers' ``grouped_mm`` over the same 4-bit stacks; for 3-D stacks and 4.x blocks, run
+``benchmarks/bench_moe4bit_step.py`` (``--transformers4`` for the blocks) once with ``LEANTRAIN_MOE_RECOMPUTE=1`` and
+once with ``=0``.
 """
 
 from __future__ import annotations

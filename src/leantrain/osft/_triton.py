@@ -54,11 +54,12 @@ class TileConfig:
     group_m: int = 8
 
 
-# Measured on an H100 (triton 3.6, benchmarks/probe_osft_triton.py, every shape class of a 1B Llama batched over
-# 16 layers; benchmarks/results/osft_projection_triton.md). 128x64x32, 4 warps, 4 stages (q/o 11.4 ms, gate/up 24.9,
+# Measured on an H100 (triton 3.6, every shape class of a 1B Llama batched over 16 layers; the tile sweep in
+# benchmarks/results/osft_projection_triton.md). 128x64x32, 4 warps, 4 stages (q/o 11.4 ms, gate/up 24.9,
 # down 11.7, k/v 3.1 per pass; 2026-11-23: 128x128x32 / 8 warps 15.4, 38.2, 15.6) needs 96 KiB of shared memory;
 # 256x64x32, 8 warps, 3 stages is faster on every class (10.7, 23.0, 11.2, 2.8 on 2026-11-24: -6.5% a pass) and
 # needs 120 KiB, so it is the default where the GPU grants a block that much (Hopper, A100), else the former.
+# Other tiles are measured by changing these and rerunning benchmarks/bench_osft.py (projection time per step).
 DEFAULT_TILES = TileConfig(block_m=128, block_n=64, block_k=32, num_warps=4, num_stages=4)
 LARGE_TILES = TileConfig(block_m=256, block_n=64, block_k=32, num_warps=8, num_stages=3)
 REDUCE_BLOCK = 1024
