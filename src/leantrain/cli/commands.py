@@ -38,11 +38,18 @@ def env_report() -> str:
     else:
         lines.append(f"device cpu: {torch.get_num_threads()} threads")
     lines.append("optimizations (readiness on this machine, before seeing a trainer):")
+    states = {}
     for name, opt in registry().items():
         reasons = opt.check_environment()
-        state = "ready" if not reasons else "not ready: " + "; ".join(reasons)
-        lines.append(f"  {name:<11} {state}")
+        states[name] = "ready" if not reasons else "not ready: " + "; ".join(reasons)
+    lines += _aligned(states)
     return "\n".join(lines)
+
+
+def _aligned(states: Mapping[str, str]) -> list[str]:
+    """One indented line per name, the states in one column after the longest name."""
+    width = max(map(len, states), default=0)
+    return [f"  {name:<{width}}  {state}" for name, state in states.items()]
 
 
 def env_settings(environ: Mapping[str, str]) -> str:
