@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from importlib import metadata
 
 
+DEMO = "train a tiny local model stock vs patched and compare"
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "cut-cross-entropy", "triton")
 
 
@@ -101,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         from .compare import main as compare_main
 
         return compare_main(argv[1:])
+    if argv[:1] == ["demo"]:  # its own parser too: the demo's module loads torch, which the other commands' help skips
+        from .demo import build_parser, run_demo
+
+        run_demo(build_parser(argparse.ArgumentParser(prog="leantrain demo", description=DEMO)).parse_args(argv[1:]))
+        return 0
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__)
     sub = parser.add_subparsers(dest="command")
-    from .demo import build_parser, run_demo
-
-    build_parser(sub.add_parser("demo", help="train a tiny local model stock vs patched and compare"))
+    sub.add_parser("demo", help=DEMO, add_help=False)
     sub.add_parser("env", help="versions, device, readiness of each optimization, and the LEANTRAIN_* variables set")
     sub.add_parser("run", help="run a script, -m module or console script with its trainers patched", add_help=False)
     sub.add_parser("compare", help="train a script a few steps stock and with leantrain: what it buys", add_help=False)
@@ -121,9 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command is None:  # bare `leantrain`: say what there is; the demo trains for minutes and writes files
         parser.print_help()
-        return 0
-    if args.command == "demo":
-        run_demo(args)
         return 0
     parser.print_help()
     return 2

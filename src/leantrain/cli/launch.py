@@ -33,7 +33,6 @@ from importlib.util import find_spec
 from typing import Any
 
 from ..config import OPTIMIZATIONS, resolve_config
-from ..entry import NotReadyError, command_line, current_report, patch_trainer
 from . import _keep, _measure
 
 
@@ -241,7 +240,9 @@ def trainers_patched(
     A trainer the target patched itself is left as it is. ``announce`` gets the report (rank 0 only). ``around``
     (``leantrain compare``'s measurement) runs that first ``train()`` as ``around(trainer, original, *args)``.
     """
-    from transformers import Trainer
+    from transformers import Trainer  # here, as the entry point (torch): --help and bad input need neither
+
+    from ..entry import command_line, current_report, patch_trainer
 
     announce = announce or (lambda text: print(text, file=sys.stderr, flush=True))
     original, original_init = Trainer.__dict__["train"], Trainer.__dict__["__init__"]
@@ -378,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     kept = {} if stock else _keep.kept_for(request.options, target=typed)
     options = request.options
     around = _measure.measured_train(spec) if spec is not None else None
+    from ..entry import NotReadyError
+
     with contextlib.ExitStack() as stack:
         trainers = stack.enter_context(trainers_patched(options, around=around, kept=kept))
         launched = stack.enter_context(launchers_followed(request))
