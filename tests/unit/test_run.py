@@ -318,6 +318,35 @@ def test_console_script_in_a_subprocess(tmp_path):
     assert outcome(got["report"], "cggr")["status"] == "applied"
 
 
+# Third-party notices the commands drop (cli/commands.py QUIET_LOGS, QUIET_WARNINGS), as they print
+NOTICES = (
+    "Setting accelerator to CPU",  # DeepSpeed
+    "gemm_4bit_forward from kernels-community",  # bitsandbytes
+    "FutureWarning: `gradient_checkpointing",  # transformers, for TRL's config default and calls
+    "FutureWarning: `is_gradient_checkpointing",
+)
+
+
+def test_a_trl_script_under_run_prints_no_third_party_notice(tmp_path):
+    """The same TRL SFT script under plain python shows which notices this environment produces; under
+    `leantrain run` none of them reaches the output."""
+    args = [str(REPO / "examples" / "train_sft.py"), "--steps", "1", "--seq", "32"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+
+    def output(*command: str) -> str:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    plain = output(sys.executable, *args, "--out", str(tmp_path / "plain"))
+    seen = [notice for notice in NOTICES if notice in plain]
+    if not seen:
+        pytest.skip("this environment's packages print none of the notices the commands drop")
+    ran = output(sys.executable, "-m", "leantrain", "run", *args, "--out", str(tmp_path / "run"))
+    assert "leantrain patch report (sft trainer)" in ran
+    assert [notice for notice in NOTICES if notice in ran] == [], (seen, ran[-3000:])
+
+
 # --- what patch_trainer keeps with the run (with or without `run`) -------------------------------------------------
 
 
