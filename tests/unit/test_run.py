@@ -432,6 +432,7 @@ def test_trl_sft_cli_with_a_yaml_recipe(tmp_path):
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     assert log.count("leantrain patch report (sft trainer)") == 1, log[-4000:]
+    assert "nothing was patched" not in log  # the trl CLI's own process leaves that to the child it launched
     record = json.loads((tmp_path / "out" / RECORD_NAME).read_text())
     assert record["report"]["trainer_kind"] == "sft" and record["options"]["cggr"] == {
         "value": True,
