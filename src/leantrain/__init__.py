@@ -1,9 +1,17 @@
 """leantrain: one call after the trainer is built makes Hugging Face / TRL fine-tuning faster and leaner."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
 from .config import LeantrainConfig
-from .entry import NotReadyError, current_report, patch_trainer, patched, trainer_kind, unpatch_trainer
 from .report import PatchOutcome, PatchReport, Status
+
+
+if TYPE_CHECKING:
+    from .entry import NotReadyError, current_report, patch_trainer, patched, trainer_kind, unpatch_trainer
+    from .moe4bit import expert_lora_targets, quantize_experts_4bit
 
 
 __all__ = [
@@ -20,16 +28,26 @@ __all__ = [
     "quantize_experts_4bit",
     "expert_lora_targets",
 ]
+# Loaded on first use (PEP 562): the entry point imports torch, which the command line's --help must not wait for;
+# the MoE module imports bitsandbytes only when asked for.
+_ENTRY = ("NotReadyError", "current_report", "patch_trainer", "patched", "trainer_kind", "unpatch_trainer")
+_MOE4BIT = ("quantize_experts_4bit", "expert_lora_targets")
 
 
-def __getattr__(name: str):
-    # Lazy: the MoE module imports bitsandbytes only when asked for.
-    if name == "quantize_experts_4bit":
-        from .moe4bit import quantize_experts_4bit
+def __getattr__(name: str) -> Any:
+    if name in _ENTRY:
+        from . import entry
 
-        return quantize_experts_4bit
-    if name == "expert_lora_targets":
-        from .moe4bit import expert_lora_targets
+        value = getattr(entry, name)
+    elif name in _MOE4BIT:
+        from . import moe4bit
 
-        return expert_lora_targets
-    raise AttributeError(name)
+        value = getattr(moe4bit, name)
+    else:
+        raise AttributeError(f"module 'leantrain' has no attribute {name!r}")
+    globals()[name] = value  # cached: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -21,6 +21,7 @@ Source = Literal["kwarg", "cli", "env", "kept", "default"]
 
 _TRUE = {"1", "on", "yes", "true"}
 _FALSE = {"0", "off", "no", "false"}
+_SWITCH_WORDS = "1/0/on/off/yes/no/true/false"  # _TRUE and _FALSE, as messages list them
 
 # Optimizations in the order they are applied: model surgery first, then forward/loss patches. fused_ce comes before
 # cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss. compile_layers
@@ -222,7 +223,7 @@ def _parse(kind: str, raw: str, name: str) -> Any:
         if low in _FALSE:
             return False
         extra = "/auto" if kind == "tristate" else ""
-        raise ValueError(f"{name}={raw!r}: expected one of 1/0/on/off/yes/no/true/false{extra}")
+        raise ValueError(f"{name}={raw!r}: expected one of {_SWITCH_WORDS}{extra}")
     try:
         if kind == "int":
             return int(text)
@@ -236,13 +237,29 @@ def _parse(kind: str, raw: str, name: str) -> Any:
     return text
 
 
+def _switch(kind: str, value: Any, name: str) -> bool | None:
+    """A tristate or bool keyword: True/False (None, auto, for a tristate), or the ints 1 and 0, read as the strings
+    "1" and "0" are. Anything else raises naming what is accepted."""
+    if isinstance(value, bool) or (value is None and kind == "tristate"):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    accepted = (
+        f"True, False or None (auto); 1 or 0; or one of the strings {_SWITCH_WORDS}/auto"
+        if kind == "tristate"
+        else f"True or False; 1 or 0; or one of the strings {_SWITCH_WORDS}"
+    )
+    error = ValueError if isinstance(value, int) else TypeError  # an int out of range, or not a switch at all
+    raise error(f"{name}={value!r}: expected {accepted}")
+
+
 def _coerce(kind: str, value: Any, name: str) -> Any:
     """Type-check a keyword value; strings are parsed like environment values."""
     if isinstance(value, str) and kind != "str":
         return _parse(kind, value, name)
+    if kind in ("tristate", "bool"):
+        return _switch(kind, value, name)
     ok = {
-        "tristate": value is None or isinstance(value, bool),
-        "bool": isinstance(value, bool),
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),
         "str": isinstance(value, str),

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
+
+
+WIDTH = 119  # printed lines at most this long: a report pasted into a terminal or an issue reads without scrolling
+MIN_REASON = 40  # the reason column never narrower, however wide the columns before it
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, every word kept (a word longer than a line is split, not
+    cut); at least one line."""
+    return textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=False) or [""]
 
 
 class Status(str, enum.Enum):
@@ -76,6 +87,11 @@ class PatchReport:
         }
 
     def __str__(self) -> str:
+        return self.render()
+
+    def render(self, width: int = WIDTH) -> str:
+        """The table, each line at most ``width`` characters: a long reason continues on the next lines, indented
+        under the reason column (``MIN_REASON`` wide at least); notes continue indented under their text."""
         rows = [("optimization", "status", "source", "reason")]
         for o in self.outcomes:
             why = "; ".join(o.reasons) or o.detail
@@ -84,10 +100,17 @@ class PatchReport:
                 why = f"{why} ({count})" if why else count
             rows.append((o.name, o.status.value, o.source, why))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        indent = " " * (sum(widths) + 2 * len(widths))
+        reason_width = max(width - len(indent), MIN_REASON)
         lines = [f"leantrain patch report ({self.kind_text})"]
         for i, row in enumerate(rows):
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
+            first, *rest = _wrapped(row[3], reason_width)
+            lines.append(("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + first).rstrip())
+            lines.extend(indent + part for part in rest)
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 6)
-        lines.extend(f"note: {n}" for n in self.notes)
+        for note in self.notes:
+            first, *rest = _wrapped(note, max(width - len("note: "), MIN_REASON))
+            lines.append(f"note: {first}")
+            lines.extend(" " * len("note: ") + part for part in rest)
         return "\n".join(lines)

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--cggr", action="store_true", help="the target's own flag, same name as leantrain's")
+    parser.add_argument("--no-train", action="store_true", help="build the trainer, then stop before train()")
     args = parser.parse_args(argv)
 
     import torch
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         ddp_timeout=180,  # a rank that dies must not leave the other waiting for 30 minutes
     )
     trainer = Trainer(model=model, args=config, train_dataset=rows)
+    if args.no_train:
+        return 0
     trainer.train()
     if args.save:
         trainer.save_model()

@@ -575,3 +575,90 @@ def test_a_failed_launch_names_the_rank_error_above_the_launcher_report(tmp_path
     assert message.endswith("ChildFailedError:\n")
     log.write_text("step 1\nValueError: bad batch\n")
     assert runs._tail(str(log)) == "step 1\nValueError: bad batch\n"
+
+
+# --- the runs' temporary folder: removed however compare ends -------------------------------------------------------
+
+
+@pytest.fixture
+def temp_root(tmp_path, monkeypatch):
+    """tempfile's folder for this test only: what compare leaves behind shows up here."""
+    import tempfile
+
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def quiet() -> spawn.Progress:
+    import io
+
+    return spawn.Progress(io.StringIO())
+
+
+@pytest.mark.parametrize("ending", ["success", "a run failing", "KeyboardInterrupt"])
+def test_the_runs_folder_is_removed_however_compare_ends(temp_root, tmp_path, monkeypatch, ending):
+    req = compare.parse(["--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"), TARGET], environ={})
+    started: list[str] = []
+
+    def run_one(req, index, mode, workdir, progress, environ, sleep_ms):
+        started.append(workdir)
+        for name in (f"run{index + 1}.spec.json", f"run{index + 1}-{mode}.log", "completions.pt"):
+            Path(workdir, name).write_text("x")
+        if index == 1 and ending != "success":
+            raise spawn.RunFailed("the leantrain 1 run failed") if ending == "a run failing" else KeyboardInterrupt
+        return Measurement(label=mode, applied=["fused_ce"]), 0.0
+
+    monkeypatch.setattr(spawn, "run_one", run_one)
+    if ending == "success":
+        runs, _ = spawn.run_all(req, progress=quiet(), environ={})
+        assert len(runs) == 4
+    else:
+        with pytest.raises(spawn.RunFailed if ending == "a run failing" else KeyboardInterrupt):
+            spawn.run_all(req, progress=quiet(), environ={})
+    assert started and all(str(Path(w).parent) == str(temp_root) for w in started)
+    assert list(temp_root.iterdir()) == []
+
+
+def test_a_failed_run_keeps_its_log_beside_the_json_and_nothing_in_the_temporary_folder(temp_root, tmp_path):
+    env = child_env()
+    out = tmp_path / "results"
+    out.mkdir()
+    argv = ["--json", str(out / "c.json"), "--plot", str(out / "c.png"), TARGET]  # no --out: the target exits 2
+    req = compare.parse(argv, environ=env)
+    with pytest.raises(spawn.RunFailed) as failed:
+        spawn.run_all(req, progress=quiet(), environ=env)
+    log = out / "run1-stock.log"
+    assert f"the stock 1 run failed (exit 2); its output is in {log}; last lines:" in str(failed.value)
+    assert "the following arguments are required: --out" in log.read_text()
+    assert list(temp_root.iterdir()) == []
+
+
+def test_an_interrupted_compare_stops_its_run_and_removes_the_folder(temp_root, tmp_path, monkeypatch):
+    env = child_env()
+    req = compare.parse(
+        ["--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"), TARGET, "--out", str(tmp_path / "t")],
+        environ=env,
+    )
+    children: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            children.append(self)
+
+    real_sleep, calls = spawn.time.sleep, []
+
+    def interrupted(seconds):  # the time module's own: Popen.wait(timeout) sleeps through it too
+        calls.append(seconds)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while the first run starts
+        real_sleep(seconds)
+
+    monkeypatch.setattr(spawn.subprocess, "Popen", Recorded)
+    monkeypatch.setattr(spawn.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        spawn.run_all(req, progress=quiet(), environ=env)
+    assert len(children) == 1 and children[0].returncode is not None  # ended, not left training
+    assert list(temp_root.iterdir()) == [] and not (tmp_path / "run1-stock.log").exists()

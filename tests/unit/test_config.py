@@ -155,3 +155,33 @@ def test_settings_named_as_the_user_wrote_them():
     )
     assert as_typed("strict", True, "cli") == "--strict" and as_typed("disable", True, "cli") == "--opt disable=1"
     assert as_typed("osft_targets", ("q", "v"), "cli") == "--opt osft_targets=q,v"
+
+
+@pytest.mark.parametrize(("given", "value"), [(1, True), (0, False), ("1", True), ("0", False), (True, True)])
+@pytest.mark.parametrize("name", ["cggr", "moe4bit", "strict"])  # tristate, tristate, bool
+def test_the_ints_1_and_0_read_as_the_strings_do(name, given, value):
+    cfg = resolve_config({name: given}, environ={})
+    assert getattr(cfg, name) is value and cfg.sources[name] == "kwarg"
+    assert resolve_config({}, environ={}, cli={name: given}).sources[name] == "cli"
+
+
+@pytest.mark.parametrize(
+    ("name", "given", "error"),
+    [
+        ("cggr", 2, ValueError),
+        ("cggr", -1, ValueError),
+        ("cggr", 1.0, TypeError),
+        ("cggr", 0.5, TypeError),
+        ("cggr", [True], TypeError),
+        ("strict", 2, ValueError),
+        ("strict", 0.0, TypeError),
+        ("strict", None, TypeError),
+    ],
+)
+def test_other_numbers_for_a_switch_name_what_is_accepted(name, given, error):
+    with pytest.raises(error) as raised:
+        resolve_config({name: given}, environ={})
+    message = str(raised.value)
+    assert message.startswith(f"{name}={given!r}: expected True")
+    assert "1 or 0" in message and "1/0/on/off/yes/no/true/false" in message
+    assert ("None (auto)" in message and message.endswith("/auto")) == (name == "cggr")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from leantrain.cli import launch, main
-from leantrain.config import resolve_config
+from leantrain.config import OPTIMIZATIONS, resolve_config
 
 
 BAD = [
@@ -62,3 +62,14 @@ def test_env_lists_the_variables_set_with_their_parsed_values(monkeypatch, capsy
 def test_env_with_nothing_set_says_so():
     done = subprocess.run([sys.executable, "-m", "leantrain", "env"], capture_output=True, text=True, check=True)
     assert done.stdout.rstrip().endswith("LEANTRAIN_* variables: none set (defaults apply)")
+
+
+def test_env_aligns_the_readiness_column_after_the_longest_name():
+    from leantrain.cli.commands import env_report
+
+    lines = env_report().splitlines()
+    start = lines.index("optimizations (readiness on this machine, before seeing a trainer):") + 1
+    rows = lines[start : start + len(OPTIMIZATIONS)]
+    assert [row.split()[0] for row in rows] == list(OPTIMIZATIONS)
+    columns = {len(row) - len(row[2:].split(maxsplit=1)[1]) for row in rows}  # where each state starts
+    assert columns == {2 + max(map(len, OPTIMIZATIONS)) + 2}, rows

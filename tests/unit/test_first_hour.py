@@ -120,19 +120,57 @@ def test_no_warning_from_patching_a_plain_trainer(tmp_path):
     unpatch_trainer(trainer)
 
 
-def test_commands_print_no_bitsandbytes_kernels_notice():
-    """bitsandbytes' CPU backend logs at import that an optional package is missing; the commands drop that notice
-    (it says nothing about the user's job), and only that one."""
-    script = (
-        "import logging, sys\n"
-        "from leantrain.cli.commands import quiet_third_party\n"
-        "quiet_third_party()\n"
-        "log = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
-        "log.warning('Failed to load CPU gemm_4bit_forward from kernels-community: x')\n"
-        "log.warning('another bitsandbytes warning')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "gemm_4bit_forward" not in done.stderr and "another bitsandbytes warning" in done.stderr
+NOTICES = """
+import logging, warnings
+bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: x")
+logging.getLogger("DeepSpeed").warning(
+    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+)
+for old, new in [("gradient_checkpointing", "activation_checkpointing"), ("is_gradient_checkpointing",
+        "is_activation_checkpointing"), ("gradient_checkpointing_enable", "activation_checkpointing_enable"),
+        ("gradient_checkpointing_disable", "activation_checkpointing_disable"),
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")]:
+    warnings.warn(f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead.", FutureWarning)
+# their neighbours: the same sources, other words or another category
+bnb.warning("another bitsandbytes warning")
+logging.getLogger("DeepSpeed").warning("another DeepSpeed warning")
+warnings.warn("`max_seq_length` is deprecated and will be removed in v6. Use `max_length` instead.", FutureWarning)
+warnings.warn("`gradient_checkpointing` is deprecated and will be removed in v6.", UserWarning)
+"""
+DROPPED = (
+    "gemm_4bit_forward",
+    "Setting accelerator to CPU",
+    "FutureWarning: `gradient_checkpointing",
+    "FutureWarning: `is_gradient_checkpointing",
+)
+KEPT = (
+    "another bitsandbytes warning",
+    "another DeepSpeed warning",
+    "FutureWarning: `max_seq_length` is deprecated",
+    "UserWarning: `gradient_checkpointing` is deprecated",
+)
+
+
+def _stderr(prelude: str) -> str:
+    done = subprocess.run([sys.executable, "-c", prelude + NOTICES], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_commands_drop_the_third_party_notices_and_only_those():
+    """bitsandbytes' missing-`kernels` notice, DeepSpeed's CPU-accelerator notice and transformers' checkpointing
+    renames (TRL's defaults and calls, not the user's) say nothing about the user's job: the commands drop exactly
+    those, by source and words, and let their neighbours through."""
+    err = _stderr("from leantrain.cli.commands import quiet_third_party\nquiet_third_party()\n")
+    assert not [d for d in DROPPED if d in err], err
+    assert all(k in err for k in KEPT), err
+
+
+def test_a_library_user_keeps_every_notice():
+    """Importing leantrain and patching a trainer leave the process's warnings and logging as they were."""
+    err = _stderr("import leantrain\nfrom leantrain import patch_trainer\nimport leantrain.cli\n")
+    assert all(d in err for d in DROPPED) and all(k in err for k in KEPT), err
 
 
 def test_an_unknown_name_nothing_is_close_to_lists_the_options(tmp_path):

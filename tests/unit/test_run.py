@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET = str(Path(__file__).with_name("_run_target.py"))
 MODULE = "tests.unit._run_target"
 STOCK_TRAIN = Trainer.__dict__["train"]
+STOCK_INIT = Trainer.__dict__["__init__"]
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +153,8 @@ def test_script_file(tmp_path, capsys):
     assert got["argv"] == ["--out", str(tmp_path), "--save", "--cggr"] and got["own_cggr_flag"]
     cggr = outcome(got["report"], "cggr")
     assert (cggr["status"], cggr["source"]) == ("applied", "cli")
-    assert capsys.readouterr().err.count("leantrain patch report (Trainer)") == 1
+    err = capsys.readouterr().err
+    assert err.count("leantrain patch report (Trainer)") == 1 and "nothing was patched" not in err
 
     assert leantrain_entries(got["log_history"]) == [] and "loss" in got["log_history"][0]
     assert got["global_step"] == 2
@@ -201,10 +203,11 @@ def test_command_line_ranks_below_the_targets_own_keywords(tmp_path):
     its own keywords, above the environment; `run` then leaves it alone."""
     own = tiny_trainer(tmp_path / "run", steps=1)
     environ = {"LEANTRAIN_CGGR_SCORING": "loss", "LEANTRAIN_CGGR_MIN_TOKENS_RATIO": "0.5"}
-    with launch.trainers_patched({"osft": True, "cggr_scoring": "margin", "cggr_warmup_steps": "3"}) as patched:
+    with launch.trainers_patched({"osft": True, "cggr_scoring": "margin", "cggr_warmup_steps": "3"}) as trainers:
         report = leantrain.patch_trainer(own, osft=False, cggr_warmup_steps=5, environ=environ)
         own.train()
-    assert patched == [] and own.leantrain_report is report
+    assert trainers.patched == [] and own.leantrain_report is report
+    assert trainers.trained == 1 and trainers.why_nothing_patched() is None  # the target reported it itself
     own.save_model(str(tmp_path / "saved"))
     options = json.loads((tmp_path / "saved" / RECORD_NAME).read_text())["options"]
     assert options["osft"] == {"value": False, "source": "kwarg"}
@@ -236,10 +239,10 @@ def test_strict_fails_the_run_before_training(tmp_path, capsys):
 
 def test_strict_raises_at_train_before_the_optimizer_exists(tmp_path):
     trainer = tiny_trainer(tmp_path, steps=2, layers=1)  # cggr in auto mode declines it, as above
-    with launch.trainers_patched({"cggr": "auto", "strict": True}) as patched:
+    with launch.trainers_patched({"cggr": "auto", "strict": True}) as trainers:
         with pytest.raises(NotReadyError, match="cggr"):
             trainer.train()
-    assert patched == [] and trainer.optimizer is None and trainer.state.global_step == 0
+    assert trainers.patched == [] and trainer.optimizer is None and trainer.state.global_step == 0
     assert leantrain.current_report(trainer) is None and "save_model" not in trainer.__dict__
 
 
@@ -247,13 +250,53 @@ def test_each_trainer_patched_once_and_a_self_patched_one_left_alone(tmp_path):
     first, second, own = (tiny_trainer(tmp_path / n, steps=1) for n in "abc")
     own_report = leantrain.patch_trainer(own, osft=False)
     printed: list[str] = []
-    with launch.trainers_patched({"osft": False}, announce=printed.append) as patched:
+    with launch.trainers_patched({"osft": False}, announce=printed.append) as trainers:
+        fourth = tiny_trainer(tmp_path / "d", steps=1)  # built inside the block: counted
         for trainer in (first, second, own, first):
             trainer.train()
-    assert patched == [first, second] and len(printed) == 2
+    assert trainers.patched == [first, second] and len(printed) == 2
+    assert (trainers.built, trainers.trained) == (1, 3) and fourth.__dict__.get("leantrain_report") is None
+    assert Trainer.__dict__["__init__"] is STOCK_INIT
     assert own.leantrain_report is own_report
     assert leantrain_entries(first.state.log_history) == []
     assert Trainer.__dict__["train"] is STOCK_TRAIN
+
+
+NO_TRAINER = "import sys\nprint('no trainer here')\nsys.exit({code})\n"
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_target_that_builds_no_trainer_says_so_and_keeps_its_exit_status(tmp_path, capsys, code):
+    script = tmp_path / "plain.py"
+    script.write_text(NO_TRAINER.format(code=code))
+    assert launch.main([str(script)]) == code
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "leantrain run: nothing was patched: the target built no transformers Trainer (TRL trainers included)"
+    ]
+    assert Trainer.__dict__["__init__"] is STOCK_INIT and Trainer.__dict__["train"] is STOCK_TRAIN
+
+
+def test_a_trainer_built_but_never_trained_says_so(tmp_path, capsys):
+    assert launch.main([TARGET, "--out", str(tmp_path), "--no-train"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "leantrain run: nothing was patched: 1 trainer was built, but train() never ran (leantrain patches a trainer "
+        "at the start of its train())"
+    ]
+
+
+def test_only_rank_0_says_nothing_was_patched_and_a_launcher_leaves_it_to_its_children(tmp_path, capsys, monkeypatch):
+    script = tmp_path / "plain.py"
+    script.write_text(NO_TRAINER.format(code=0))
+    monkeypatch.setenv("RANK", "1")
+    assert launch.main([str(script)]) == 0
+    assert "nothing was patched" not in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    launch._say_if_nothing_patched(launch.Trainers(), launched=["simple_launcher"])
+    assert capsys.readouterr().err == ""
+    launch._say_if_nothing_patched(launch.Trainers(), launched=[])
+    assert "nothing was patched" in capsys.readouterr().err
 
 
 def test_console_script_in_a_subprocess(tmp_path):
@@ -273,6 +316,35 @@ def test_console_script_in_a_subprocess(tmp_path):
     got = result(out)
     assert got["argv"] == ["--out", str(out), "--exit-code", "3"]
     assert outcome(got["report"], "cggr")["status"] == "applied"
+
+
+# Third-party notices the commands drop (cli/commands.py QUIET_LOGS, QUIET_WARNINGS), as they print
+NOTICES = (
+    "Setting accelerator to CPU",  # DeepSpeed
+    "gemm_4bit_forward from kernels-community",  # bitsandbytes
+    "FutureWarning: `gradient_checkpointing",  # transformers, for TRL's config default and calls
+    "FutureWarning: `is_gradient_checkpointing",
+)
+
+
+def test_a_trl_script_under_run_prints_no_third_party_notice(tmp_path):
+    """The same TRL SFT script under plain python shows which notices this environment produces; under
+    `leantrain run` none of them reaches the output."""
+    args = [str(REPO / "examples" / "train_sft.py"), "--steps", "1", "--seq", "32"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+
+    def output(*command: str) -> str:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    plain = output(sys.executable, *args, "--out", str(tmp_path / "plain"))
+    seen = [notice for notice in NOTICES if notice in plain]
+    if not seen:
+        pytest.skip("this environment's packages print none of the notices the commands drop")
+    ran = output(sys.executable, "-m", "leantrain", "run", *args, "--out", str(tmp_path / "run"))
+    assert "leantrain patch report (sft trainer)" in ran
+    assert [notice for notice in NOTICES if notice in ran] == [], (seen, ran[-3000:])
 
 
 # --- what patch_trainer keeps with the run (with or without `run`) -------------------------------------------------
@@ -360,6 +432,7 @@ def test_trl_sft_cli_with_a_yaml_recipe(tmp_path):
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     assert log.count("leantrain patch report (sft trainer)") == 1, log[-4000:]
+    assert "nothing was patched" not in log  # the trl CLI's own process leaves that to the child it launched
     record = json.loads((tmp_path / "out" / RECORD_NAME).read_text())
     assert record["report"]["trainer_kind"] == "sft" and record["options"]["cggr"] == {
         "value": True,

@@ -9,10 +9,12 @@ import logging
 import os
 import platform
 import sys
+import warnings
 from collections.abc import Mapping
 from importlib import metadata
 
 
+DEMO = "train a tiny local model stock vs patched and compare"
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "cut-cross-entropy", "triton")
 
 
@@ -38,11 +40,18 @@ def env_report() -> str:
     else:
         lines.append(f"device cpu: {torch.get_num_threads()} threads")
     lines.append("optimizations (readiness on this machine, before seeing a trainer):")
+    states = {}
     for name, opt in registry().items():
         reasons = opt.check_environment()
-        state = "ready" if not reasons else "not ready: " + "; ".join(reasons)
-        lines.append(f"  {name:<11} {state}")
+        states[name] = "ready" if not reasons else "not ready: " + "; ".join(reasons)
+    lines += _aligned(states)
     return "\n".join(lines)
+
+
+def _aligned(states: Mapping[str, str]) -> list[str]:
+    """One indented line per name, the states in one column after the longest name."""
+    width = max(map(len, states), default=0)
+    return [f"  {name:<{width}}  {state}" for name, state in states.items()]
 
 
 def env_settings(environ: Mapping[str, str]) -> str:
@@ -68,19 +77,47 @@ def env_settings(environ: Mapping[str, str]) -> str:
     return "\n".join(lines)
 
 
-class _NoKernelsHubNotice(logging.Filter):
-    """bitsandbytes' CPU backend logs, at import, that the optional ``kernels`` package is missing for one AVX-512
-    kernel; it then runs its own CPU path, and the notice says nothing about the user's training job. Dropped for
-    the commands (a library user's logging is left as it is)."""
+# Third-party notices a user of the commands cannot act on, each by its source and its own words. Dropped in the
+# commands' processes only (quiet_third_party, first thing in main: compare's runs and a followed launcher's children
+# start through main too); a library user who calls patch_trainer keeps every warning and log record.
+QUIET_LOGS = (
+    # bitsandbytes' CPU backend, at import: the optional `kernels` package is missing for one AVX-512 kernel; it runs
+    # its own CPU path
+    ("bitsandbytes.backends.cpu.ops", "gemm_4bit_forward from kernels-community"),
+    # DeepSpeed, which accelerate and transformers import whenever it is installed, on a machine without CUDA: the
+    # run is on the CPU either way, and DeepSpeed is not what trains it
+    ("DeepSpeed", "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."),
+)
+QUIET_WARNINGS = (
+    # transformers renamed gradient checkpointing to activation checkpointing; TRL's configs default the old field
+    # to True and its trainers call the old methods, so every TRL run warns whatever the script says
+    (
+        FutureWarning,
+        r"`(is_)?gradient_checkpointing(_enable|_disable|_kwargs)?` is deprecated and will be removed in v6",
+    ),
+)
+
+
+class _DropNotice(logging.Filter):
+    """Drops a logger's records that contain ``words``; every other record passes."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__()
+        self.words = words
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "gemm_4bit_forward from kernels-community" not in record.getMessage()
+        return self.words not in record.getMessage()
 
 
 def quiet_third_party() -> None:
-    target = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    if not any(isinstance(f, _NoKernelsHubNotice) for f in target.filters):
-        target.addFilter(_NoKernelsHubNotice())
+    """Drop QUIET_LOGS and QUIET_WARNINGS in this process (idempotent). A logger's filter holds from before the
+    library that logs is imported, so this runs before anything loads."""
+    for name, words in QUIET_LOGS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) and f.words == words for f in target.filters):
+            target.addFilter(_DropNotice(words))
+    for category, message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)  # replaces an identical filter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         from .compare import main as compare_main
 
         return compare_main(argv[1:])
+    if argv[:1] == ["demo"]:  # its own parser too: the demo's module loads torch, which the other commands' help skips
+        from .demo import build_parser, run_demo
+
+        run_demo(build_parser(argparse.ArgumentParser(prog="leantrain demo", description=DEMO)).parse_args(argv[1:]))
+        return 0
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__)
     sub = parser.add_subparsers(dest="command")
-    from .demo import build_parser, run_demo
-
-    build_parser(sub.add_parser("demo", help="train a tiny local model stock vs patched and compare"))
+    sub.add_parser("demo", help=DEMO, add_help=False)
     sub.add_parser("env", help="versions, device, readiness of each optimization, and the LEANTRAIN_* variables set")
     sub.add_parser("run", help="run a script, -m module or console script with its trainers patched", add_help=False)
     sub.add_parser("compare", help="train a script a few steps stock and with leantrain: what it buys", add_help=False)
@@ -114,9 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command is None:  # bare `leantrain`: say what there is; the demo trains for minutes and writes files
         parser.print_help()
-        return 0
-    if args.command == "demo":
-        run_demo(args)
         return 0
     parser.print_help()
     return 2

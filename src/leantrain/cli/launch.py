@@ -4,11 +4,13 @@
 
 For the duration of the run only, ``transformers.Trainer.train`` is wrapped at class level (TRL trainers subclass
 it): the first ``train()`` of each trainer calls :func:`leantrain.patch_trainer` with the command line's options,
-before the optimizer exists, then trains. The wrapper is removed when the target returns. That is the one
-class-level patch leantrain makes, and only in a process that asked for it with ``run``; importing leantrain
-changes nothing. The command line's options are their own source, ``cli``, for every ``patch_trainer`` call in the run:
-a keyword in code > the command line > ``LEANTRAIN_*`` environment > default; a flag that asks for an optimization is
-an explicit request, like a keyword, so it overrides ``LEANTRAIN_DISABLE=1``.
+before the optimizer exists, then trains. ``Trainer.__init__`` is wrapped too, only to count the trainers built:
+when nothing was patched, the run says why (no trainer built, or ``train()`` never ran). Both wrappers are removed
+when the target returns. Those are the only class-level patches leantrain makes, and only in a process that asked
+for them with ``run``; importing leantrain changes nothing. The command line's options are their own source,
+``cli``, for every ``patch_trainer`` call in the run: a keyword in code > the command line > ``LEANTRAIN_*``
+environment > default; a flag that asks for an optimization is an explicit request, like a keyword, so it overrides
+``LEANTRAIN_DISABLE=1``.
 
 A target that starts ``accelerate launch`` in-process (the ``trl`` CLI does, for ``trl sft`` and the other training
 commands) is followed: its children run as ``python -m leantrain run <the same options> <script> ...``.
@@ -25,13 +27,12 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from importlib.util import find_spec
 from typing import Any
 
 from ..config import OPTIMIZATIONS, resolve_config
-from ..entry import NotReadyError, command_line, current_report, patch_trainer
 from . import _keep, _measure
 
 
@@ -180,11 +181,50 @@ def _no_contradiction(parser: argparse.ArgumentParser, prefix: list[str]) -> Non
             parser.error(f"{flag} and --no-{flag[2:]} contradict each other: give one")
 
 
+def _env_rank_zero() -> bool:
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
 def _is_rank_zero(trainer: Any) -> bool:
     check = getattr(trainer, "is_world_process_zero", None)
     if callable(check):
         return bool(check())
-    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+    return _env_rank_zero()
+
+
+@dataclass
+class Trainers:
+    """The run's trainers as :func:`trainers_patched` saw them."""
+
+    built: int = 0  # Trainer instances constructed (TRL trainers included)
+    trained: int = 0  # trainers whose train() ran, whoever patched them
+    patched: list[Any] = field(default_factory=list)  # the ones the run patched (not those the target patched itself)
+
+    def why_nothing_patched(self) -> str | None:
+        """Why the run patched nothing, in words; None when some trainer trained (patched by the run or by the
+        target itself: either way, a report was made)."""
+        if self.trained:
+            return None
+        if not self.built:
+            return "the target built no transformers Trainer (TRL trainers included)"
+        built = f"{self.built} trainer{'s were' if self.built != 1 else ' was'} built"
+        return f"{built}, but train() never ran (leantrain patches a trainer at the start of its train())"
+
+
+def _wrapped(cls: type, name: str, wrapper: Callable[..., Any]) -> Callable[[], None]:
+    """Sets ``cls.<name> = wrapper``; returns what puts the original back (unless someone wrapped ours since)."""
+    original = cls.__dict__[name]
+    setattr(cls, name, wrapper)
+
+    def restore() -> None:
+        if cls.__dict__.get(name) is wrapper:
+            setattr(cls, name, original)
+        else:  # someone wrapped ours: removing it would drop theirs
+            warnings.warn(
+                f"leantrain run: {cls.__name__}.{name} was re-wrapped during the run; left in place", RuntimeWarning
+            )
+
+    return restore
 
 
 @contextlib.contextmanager
@@ -193,26 +233,35 @@ def trainers_patched(
     announce: Callable[[str], None] | None = None,
     around: Callable[..., Any] | None = None,
     kept: Mapping[str, Any] | None = None,
-) -> Iterator[list[Any]]:
-    """Within the block, each Trainer's first ``train()`` patches it first; yields the trainers patched so far.
+) -> Iterator[Trainers]:
+    """Within the block, each Trainer's first ``train()`` patches it first; yields the run's :class:`Trainers`
+    (built, trained, patched so far).
 
     A trainer the target patched itself is left as it is. ``announce`` gets the report (rank 0 only). ``around``
     (``leantrain compare``'s measurement) runs that first ``train()`` as ``around(trainer, original, *args)``.
     """
-    from transformers import Trainer
+    from transformers import Trainer  # here, as the entry point (torch): --help and bad input need neither
+
+    from ..entry import command_line, current_report, patch_trainer
 
     announce = announce or (lambda text: print(text, file=sys.stderr, flush=True))
-    original = Trainer.__dict__["train"]
+    original, original_init = Trainer.__dict__["train"], Trainer.__dict__["__init__"]
     seen: weakref.WeakSet[Any] = weakref.WeakSet()
-    patched: list[Any] = []
+    trainers = Trainers()
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        trainers.built += 1
 
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self not in seen:
             seen.add(self)
+            trainers.trained += 1
             if current_report(self) is None:
                 report = patch_trainer(self)  # the options come in as the command line's (command_line below)
-                patched.append(self)
+                trainers.patched.append(self)
                 if _is_rank_zero(self):
                     announce(str(report))
             if around is not None:
@@ -220,15 +269,14 @@ def trainers_patched(
         return original(self, *args, **kwargs)
 
     train.__leantrain_original__ = original  # type: ignore[attr-defined]
-    Trainer.train = train
+    init.__leantrain_original__ = original_init  # type: ignore[attr-defined]
+    restore = [_wrapped(Trainer, "train", train), _wrapped(Trainer, "__init__", init)]
     try:
         with command_line(options, kept):  # also for a trainer the target patches itself: its keywords rank above
-            yield patched
+            yield trainers
     finally:
-        if Trainer.__dict__.get("train") is train:
-            Trainer.train = original
-        else:  # someone wrapped ours: removing it would drop theirs
-            warnings.warn("leantrain run: Trainer.train was re-wrapped during the run; left in place", RuntimeWarning)
+        for undo in restore:
+            undo()
 
 
 def _child_args(request: RunRequest, launch_args: argparse.Namespace) -> None:
@@ -246,12 +294,14 @@ def _child_args(request: RunRequest, launch_args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def launchers_followed(request: RunRequest) -> Iterator[None]:
-    """Within the block, processes started by an in-process ``accelerate launch`` run under ``leantrain run``."""
+def launchers_followed(request: RunRequest) -> Iterator[list[str]]:
+    """Within the block, processes started by an in-process ``accelerate launch`` run under ``leantrain run``;
+    yields the names of the launchers called so far (their children patch, and report, their own trainers)."""
+    launched: list[str] = []
     try:
         import accelerate.commands.launch as launch
     except ImportError:
-        yield
+        yield launched
         return
     originals = {name: launch.__dict__[name] for name in ACCELERATE_LAUNCHERS if name in launch.__dict__}
 
@@ -259,6 +309,7 @@ def launchers_followed(request: RunRequest) -> Iterator[None]:
         @functools.wraps(original)
         def launcher(args: argparse.Namespace) -> Any:
             _child_args(request, args)
+            launched.append(original.__name__)
             return original(args)
 
         return launcher
@@ -267,7 +318,7 @@ def launchers_followed(request: RunRequest) -> Iterator[None]:
     for name, wrapper in wrappers.items():
         setattr(launch, name, wrapper)
     try:
-        yield
+        yield launched
     finally:
         for name, wrapper in wrappers.items():
             if launch.__dict__.get(name) is wrapper:
@@ -328,14 +379,30 @@ def main(argv: list[str] | None = None) -> int:
     kept = {} if stock else _keep.kept_for(request.options, target=typed)
     options = request.options
     around = _measure.measured_train(spec) if spec is not None else None
-    try:
-        with trainers_patched(options, around=around, kept=kept), launchers_followed(request):
+    from ..entry import NotReadyError
+
+    with contextlib.ExitStack() as stack:
+        trainers = stack.enter_context(trainers_patched(options, around=around, kept=kept))
+        launched = stack.enter_context(launchers_followed(request))
+        try:
             result = run_target(request.target)
-    except _measure.MeasureDone:  # a compare child: the first trainer was measured, the rest of the script skipped
-        return 0
-    except NotReadyError as error:
-        print(f"leantrain run: error: {error} (nothing was trained)", file=sys.stderr, flush=True)
-        return 1
-    except SystemExit as done:  # the target's sys.exit(): its status is the run's
-        return _exit_code(done.code)
-    return _exit_code(result)
+        except _measure.MeasureDone:  # a compare child: the first trainer was measured, the rest of the script skipped
+            return 0
+        except NotReadyError as error:
+            print(f"leantrain run: error: {error} (nothing was trained)", file=sys.stderr, flush=True)
+            return 1
+        except SystemExit as done:  # the target's sys.exit(): its status is the run's
+            code = _exit_code(done.code)
+        else:
+            code = _exit_code(result)
+    _say_if_nothing_patched(trainers, launched)
+    return code
+
+
+def _say_if_nothing_patched(trainers: Trainers, launched: list[str]) -> None:
+    """One line on stderr (rank 0) when the target ended without a trainer patched: a run that silently changed
+    nothing reads like one that worked. Children started by a followed launcher report for themselves."""
+    why = trainers.why_nothing_patched()
+    if why is None or launched or not _env_rank_zero():
+        return
+    print(f"leantrain run: nothing was patched: {why}", file=sys.stderr, flush=True)

@@ -94,6 +94,32 @@ class RunFailed(Exception):
     pass
 
 
+def _kept_log(log_path: str, req: CompareRequest) -> str:
+    """Where the failed run's output can be read once the temporary folder is gone: the log copied beside the
+    comparison's JSON (the folder compare writes its results to)."""
+    folder = os.path.dirname(os.path.abspath(req.json_path))
+    kept = os.path.join(folder, os.path.basename(log_path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        shutil.copyfile(log_path, kept)
+    except OSError as error:
+        return f"its output could not be kept ({error})"
+    return f"its output is in {kept}"
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """End a run that is still going (compare was interrupted): it must not train on, nor write into the folder
+    being removed."""
+    if child.poll() is not None:
+        return
+    child.terminate()
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def run_one(
     req: CompareRequest,
     index: int,
@@ -125,17 +151,20 @@ def run_one(
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         child = subprocess.Popen(_child_command(req, mode, spec_path), stdout=log, stderr=subprocess.STDOUT, env=env)
-        progress.show(f"{head}: starting")
-        while child.poll() is None:
-            done = _read_progress(spec.progress or "")
-            if done:
-                progress.show(f"{head}: step {done} of {req.steps}")
-            time.sleep(0.2)
+        try:
+            progress.show(f"{head}: starting")
+            while child.poll() is None:
+                done = _read_progress(spec.progress or "")
+                if done:
+                    progress.show(f"{head}: step {done} of {req.steps}")
+                time.sleep(0.2)
+        finally:  # Ctrl-C or any error here: the run goes with compare
+            _stop(child)
     wall = time.perf_counter() - start
     if child.returncode != 0:
         progress.done(f"{head}: failed (exit {child.returncode})")
         raise RunFailed(
-            f"the {label} run failed (exit {child.returncode}); its output is in {log_path}; last lines:\n"
+            f"the {label} run failed (exit {child.returncode}); {_kept_log(log_path, req)}; last lines:\n"
             + _tail(log_path)
         )
     if not os.path.exists(spec.out):
@@ -143,7 +172,7 @@ def run_one(
         raise RunFailed(
             f"the {label} run finished without training in a process leantrain compare follows: the target must "
             "call Trainer.train() (TRL trainers included) in its own process or under an in-process `accelerate "
-            f"launch`; its output is in {log_path}"
+            f"launch`; {_kept_log(log_path, req)}"
         )
     result = Measurement.load(spec.out)
     timed = result.step_ms[req.warmup :]
@@ -165,7 +194,7 @@ def run_all(
     environ = dict(os.environ if environ is None else environ)
     workdir = tempfile.mkdtemp(prefix="leantrain-compare-")
     runs, walls = [], []
-    try:
+    try:  # the runs' specs, logs and recorded completions go with the folder however compare ends
         for index, mode in enumerate(ORDER):
             sleep = sleep_ms or {}
             label = f"{mode} {1 + ORDER[:index].count(mode)}"
@@ -174,8 +203,6 @@ def run_all(
             walls.append(wall)
             if mode == "leantrain" and not result.applied:
                 break
-    except BaseException:
-        print(f"leantrain compare: the runs' files are kept in {workdir}", file=sys.stderr)
-        raise
-    shutil.rmtree(workdir, ignore_errors=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     return runs, walls
