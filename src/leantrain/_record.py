@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 from ._compat import installed
 from ._version import __version__
 from .config import ResolvedConfig
-from .report import PatchReport
+from .report import WIDTH, PatchReport
 from .undo import Undo
 
 
@@ -75,7 +75,9 @@ class TrackerConfigCallback(TrainerCallback):
         report = self._report()
         if report is None or not getattr(state, "is_world_process_zero", True):
             return
-        params, text = tracker_config(report), "\n".join("    " + line for line in str(report).splitlines())
+        indent = "    "  # TensorBoard's text panel reads markdown: an indented block keeps the table's columns
+        lines = report.render(width=WIDTH - len(indent)).splitlines()
+        params, text = tracker_config(report), "\n".join(indent + line for line in lines)
         for callback in self._callbacks():
             found = _tracker(callback)
             if found is None:

@@ -96,8 +96,12 @@ def _run(model_dir, tmp_path, patch: bool, **config):
 
 @pytest.mark.parametrize(
     "case",
-    [dict(), dict(lora=True, gradient_checkpointing=True), dict(beta=0.04), dict(kind="rloo")],
-    ids=["full", "lora-checkpointing", "reference-model", "rloo"],
+    [
+        pytest.param(dict(lora=True, gradient_checkpointing=True), id="lora-checkpointing"),
+        pytest.param(dict(), id="full", marks=pytest.mark.slow),
+        pytest.param(dict(beta=0.04), id="reference-model", marks=pytest.mark.slow),
+        pytest.param(dict(kind="rloo"), id="rloo", marks=pytest.mark.slow),
+    ],
 )
 def test_sampled_runs_equal_stock(model_dir, tmp_path, case):
     """Same seed: the same completions, losses and trained weights as stock, every step."""
@@ -185,6 +189,7 @@ def test_past_the_recompile_limit_stock_generate_serves(model_dir, tmp_path):
     assert outcome.status is Status.FAILED and "compile_generation_max_recompiles=0" in outcome.reasons[0]
 
 
+@pytest.mark.slow
 @pytest.mark.expect_fallback
 def test_a_failing_compile_warns_once_and_training_goes_on(model_dir, tmp_path):
     t = generation.trainer(model_dir, tmp_path, max_steps=2)
@@ -230,6 +235,7 @@ def test_declines_vllm_with_the_reason(model_dir, tmp_path):
         leantrain.patch_trainer(t, compile_generation=True)
 
 
+@pytest.mark.slow
 def test_trl_static_cache_flag_is_served(model_dir, tmp_path):
     """TRL's own cache_implementation='static' (a static cache, no compile): leantrain's cache and compile serve it."""
     stock, stock_texts = _run(model_dir, tmp_path / "stock", False, cache_implementation="static", max_steps=2)
