@@ -393,7 +393,9 @@ def letters_reward(completions: list[str], **_: Any) -> list[float]:
     return [sum(c.isalpha() for c in text) / max(1, len(text)) + 0.1 * len(text.split()) for text in completions]
 
 
-def grpo_trainer(engine: str, out: Path, batch: int, completions: list):
+def grpo_trainer(engine: str, out: Path, batch: int, completions: list, generate: bool = False):
+    """A GRPO trainer on the tiny Llama; its completions come from ``fixed_rollout`` (every engine scores the same
+    ones), or, with ``generate``, from the model's own sampling (recorded in ``completions`` as texts)."""
     from accelerate import PartialState
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -415,15 +417,23 @@ def grpo_trainer(engine: str, out: Path, batch: int, completions: list):
     start(config, engine)
     PartialState().wait_for_everyone()  # the saved model is complete
     prompts = [" ".join(t.split()[:8]) for t in corpus_texts()[: STEPS * WORLD * PER_RANK // 2]]
+
+    record = completions
+
+    def reward(completions: list[str], **kwargs: Any) -> list[float]:
+        record.extend(completions)
+        return letters_reward(completions)
+
+    rollout = {} if generate else {"rollout_func": fixed_rollout(completions)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return GRPOTrainer(
             model=str(path),
-            reward_funcs=letters_reward,
+            reward_funcs=reward if generate else letters_reward,
             args=config,
             train_dataset=Dataset.from_dict({"prompt": prompts}),
             processing_class=tokenizer,
-            rollout_func=fixed_rollout(completions),
+            **rollout,
         )
 
 
@@ -433,6 +443,25 @@ def grpo_stock(engine: str, out: Path, batch: int) -> dict[str, Any]:
     trainer = grpo_trainer(engine, out, batch, completions)
     train_quietly(trainer)
     return finish(trainer, completions=completions, head=partition(trainer, "lm_head.weight"))
+
+
+def grpo_generate(engine: str, out: Path, batch: int, compiled: bool = False) -> dict[str, Any]:
+    """GRPO sampling its own completions: stock generate, or (``compiled``) compile_generation on every rank, each
+    compiling its own decode step (``aot_eager``: the same ops as eager, so the same tokens)."""
+    from leantrain.compile_generation import stats
+
+    completions: list = []
+    trainer = grpo_trainer(engine, out, batch, completions, generate=True)
+    options = {**only("compile_generation"), "compile_generation_backend": "aot_eager"}
+    patched = patch(trainer, **options) if compiled else None
+    train_quietly(trainer)
+    counts = stats(trainer)
+    compiles = None if counts is None else (counts.compiles, counts.calls)
+    return finish(trainer, patched=patched, completions=completions, compiles=compiles)
+
+
+def grpo_compiled_generate(engine: str, out: Path, batch: int) -> dict[str, Any]:
+    return grpo_generate(engine, out, batch, compiled=True)
 
 
 def grpo_fused(engine: str, out: Path, batch: int) -> dict[str, Any]:
@@ -557,6 +586,8 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "sft_osft": sft_osft,
     "sft_stock": sft_stock,
     "grpo_stock": grpo_stock,
+    "grpo_generate": grpo_generate,
+    "grpo_compiled_generate": grpo_compiled_generate,
     "moe4bit": moe4bit,
 }
 
