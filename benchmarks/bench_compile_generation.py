@@ -4,6 +4,7 @@ caches, side by side: whole step, its generation part, the first step, peak memo
 
     python benchmarks/bench_compile_generation.py                      # Qwen2.5-0.5B and 1.5B, beta 0.04, GRPO
     python benchmarks/bench_compile_generation.py --shapes qwen2.5-1.5b --betas 0 --trainer rloo
+    python benchmarks/bench_compile_generation.py --shapes qwen2.5-7b --betas 0 --lora   # the GRPO LoRA 7B shape
     python benchmarks/bench_compile_generation.py --smoke              # tiny CPU run (tests)
     python benchmarks/bench_compile_generation.py --emit-rule RESULTS  # measured.py's rows from a results file
 
@@ -40,7 +41,7 @@ LABEL = {"stock": "stock generate", "trl_static": 'TRL cache_implementation="sta
 def one(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant in this process: build, (patch), train ``steps`` steps, return per-step times and the rest."""
     from recipes.runner import checkpointing, dense_model, trainer_args
-    from recipes.settings import QWEN, TINY
+    from recipes.settings import QWEN, QWEN_7B, TINY
 
     import leantrain
     from leantrain.cli.demo import letter_reward
@@ -48,7 +49,7 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     s = _settings(cuda)
-    fields = TINY if spec["smoke"] else QWEN[spec["shape"]]
+    fields = TINY if spec["smoke"] else QWEN_7B if spec["shape"] == "qwen2.5-7b" else QWEN[spec["shape"]]
     model = dense_model("Qwen2Config", fields, s)
     tok = train_tokenizer()
     tok.padding_side = "left"
@@ -76,8 +77,19 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         from trl import GRPOConfig as Config
         from trl import GRPOTrainer as Trainer
+    peft_config = None
+    if spec["lora"]:  # r16 on every attention and MLP projection, the head frozen (the GRPO LoRA recipe's)
+        from peft import LoraConfig
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets)
     trainer = Trainer(
-        model=model, reward_funcs=letter_reward, args=Config(**common), train_dataset=prompts, processing_class=tok
+        model=model,
+        reward_funcs=letter_reward,
+        args=Config(**common),
+        train_dataset=prompts,
+        processing_class=tok,
+        peft_config=peft_config,
     )
     report = None
     if spec["variant"] == "leantrain":
@@ -186,10 +198,10 @@ def run_variant(spec: dict[str, Any], timeout: int) -> dict[str, Any]:
 
 def rows_of(result: dict[str, Any]) -> list[Row]:
     """speed rows (whole step, generation), first step, peak memory and tokens/s of one variant."""
-    config = {k: result[k] for k in ("shape", "beta", "trainer", "batch", "generations", "tokens", "steps")}
+    config = {k: result[k] for k in ("shape", "beta", "trainer", "batch", "generations", "tokens", "steps", "lora")}
     config["compiles"], config["cache_lengths"] = result.get("compiles"), result.get("cache_lengths")
     config["completion_hash"] = result.get("completion_hash")
-    x = f"{result['shape']} beta={result['beta']:g} {result['trainer']}"
+    x = f"{result['shape']}{' LoRA r16' if result['lora'] else ''} beta={result['beta']:g} {result['trainer']}"
     rows = []
     timed = slice(1, None)  # the first step (compiling, cold caches) is its own row
     for mode, values in (("step", result["step_ms"][timed]), ("generation", result["generation_ms"][timed])):
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256, help="max_completion_length")
     parser.add_argument("--backend", default="", help="compile_generation_backend (default: leantrain's)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per variant")
+    parser.add_argument("--lora", action="store_true", help="LoRA r16 on the 7 projections (e.g. --shapes qwen2.5-7b)")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU shapes, 2 steps (tests)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--emit-rule", metavar="RESULTS_JSON", help="print measured.py's rows from a results file")
@@ -313,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             for variant in args.variants.split(","):
                 spec = dict(shape=shape, beta=beta, variant=variant, trainer=args.trainer, steps=steps, tokens=tokens,
                             batch=16 if not args.smoke else 4, generations=8 if not args.smoke else 4,
-                            backend=args.backend or ("aot_eager" if args.smoke else ""), smoke=args.smoke)  # fmt: skip
+                            backend=args.backend or ("aot_eager" if args.smoke else ""), smoke=args.smoke,
+                            lora=args.lora)  # fmt: skip
                 result = run_variant(spec, args.timeout)
                 if "error" in result:
                     failures.append(f"{shape} beta={beta:g} {variant}: {result['error']}")
