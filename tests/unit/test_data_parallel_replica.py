@@ -67,10 +67,11 @@ def test_cggr_and_moe4bit_decline_under_data_parallel(tmp_path):
         leantrain.patch_trainer(sft, cggr=True, environ={})
     moe = make_trainer(make_model("qwen3_moe", "stacked"), tmp_path / "moe")
     _as_if_two_gpus(moe)
-    report = leantrain.patch_trainer(moe, environ={})
-    assert report["moe4bit"].status is Status.SKIPPED and "nn.DataParallel" in report["moe4bit"].reasons[0]
-    assert "launch one process per GPU" in report["moe4bit"].reasons[0]
+    with pytest.raises(NotReadyError, match=r"moe4bit is required but not ready: nn.DataParallel.*launch one process"):
+        leantrain.patch_trainer(moe, moe4bit=True, environ={})
+    reasons = leantrain.patch_trainer(moe, environ={})["moe4bit"].reasons  # auto mode: the report says why
+    assert "nn.DataParallel" in reasons[0] and "launch one process per GPU" in reasons[0]
     leantrain.unpatch_trainer(moe)
     moe.args._n_gpu = 1
-    assert leantrain.patch_trainer(moe, environ={})["moe4bit"].status is Status.APPLIED  # one GPU: served
+    assert leantrain.patch_trainer(moe, moe4bit=True, environ={})["moe4bit"].status is Status.APPLIED  # one GPU
     leantrain.unpatch_trainer(moe)

@@ -101,16 +101,25 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     plan = _plan(trainer, path, model)
     if plan.reasons:
         return Readiness.no(*plan.reasons)
-    verdict, plan.dispatch_why = dispatch.choose(
-        DISPATCH_PATH[path], plan.head, *_head_shape(model), _dtype_name(trainer, plan.settings)
-    )
-    if verdict == "stock":  # auto keeps the faster head (nothing to gain here); fused_ce=True applies the op anyway
-        evidence = f"the dispatch rule prefers {_replaced(path)} ({plan.dispatch_why})"
-        return Readiness.slower(evidence, detail(plan), plan)
+    verdict, plan.dispatch_why = _dispatch(trainer, path, model, plan.head, plan.settings)
+    if verdict == "stock":  # auto keeps the stock loss (not measured faster here); fused_ce=True applies the op anyway
+        return Readiness.slower(_stock_evidence(path, plan.dispatch_why), detail(plan), plan)
     if getattr(trainer, "is_fsdp_enabled", False):  # the whole FSDP2 step measured slower with the op
-        evidence = f"under FSDP the training step measured slower with the fused loss ({dispatch.FSDP2_EVIDENCE})"
-        return Readiness.slower(evidence, detail(plan), plan)
+        return Readiness.slower(_FSDP_EVIDENCE, detail(plan), plan)
     return Readiness(detail=detail(plan), plan=plan)
+
+
+_FSDP_EVIDENCE = f"under FSDP the training step measured slower with the fused loss ({dispatch.FSDP2_EVIDENCE})"
+
+
+def _dispatch(trainer: Any, path: str, model: nn.Module, head: str, settings: HeadSettings) -> tuple[str, str]:
+    h, v = _head_shape(model)
+    dtype = _dtype_name(trainer, settings)
+    return dispatch.choose(DISPATCH_PATH[path], head, h, v, dtype, device=trainer.args.device.type)
+
+
+def _stock_evidence(path: str | None, why: str) -> str:
+    return f"{why} ({_replaced(path)})" if path is not None else why
 
 
 def _not_a_language_model(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ from ..lm_head import ops
 from ..models import head_weight_reasons, is_peft_model, logit_transform, unwrap_model
 from ..optimization import PatchContext, Readiness
 from ..trl_head import HeadSettings
-from . import nograd
+from . import measured, nograd
 
 
 FUSED_OUTPUTS = ("log_probs", "entropy")  # what the fused forward (patch.py) computes
@@ -174,6 +174,9 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     if path == "legacy":
         plan.legacy = LegacyMethod(legacy_method_name(trainer), legacy_method_kind(trainer))
     plan.detail = detail(trainer, plan)
+    rule = measured.device_reason(trainer.args.device.type)  # measured on CUDA only: grpo_logps=True applies it anyway
+    if rule:
+        return Readiness.slower(rule, plan.detail, plan)
     return Readiness(detail=plan.detail, plan=plan)
 
 

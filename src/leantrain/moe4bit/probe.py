@@ -14,7 +14,7 @@ from torch import nn
 
 from ..models import data_parallel_reason, unwrap_model
 from ..optimization import PatchContext, Readiness, optional_import_reason
-from . import _adapters, recompute
+from . import _adapters, measured, recompute
 from .layouts import Found
 from .ops import grouped_mm
 from .plan import ModelPlan, Target
@@ -161,7 +161,8 @@ def readiness(model: Any) -> Readiness:
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     """The probe on a trainer: the model's readiness, then the engine (ZeRO-3, FSDP, DataParallel); when ready, the
-    plan with one :class:`Target` per experts module (recompute per layout and shape: :mod:`recompute`)."""
+    plan with one :class:`Target` per experts module (recompute per layout and shape: :mod:`recompute`). Off CUDA
+    the auto rule is the measured table (:mod:`measured`)."""
     ready = readiness(trainer.model)
     if not ready.ready:
         return ready
@@ -179,9 +180,38 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     targets = [target(f, wrapped, ctx.config.moe_recompute) for f in find_experts(model)]
     live = fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
     choices = sorted({f"{t.layout} {recompute.describe(t.recompute, t.recompute_why)}" for t in targets})
-    detail = "; ".join([ready.detail, *choices])
+    rule, measured_why = auto_rule(trainer, ctx.trainer_kind)
+    detail = "; ".join([ready.detail, *choices, *([measured_why] if measured_why else [])])
     detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
-    return dataclasses.replace(ready, detail=detail, plan=ModelPlan(targets, detail, live))
+    plan = ModelPlan(targets, detail, live)
+    if rule:  # off CUDA: not measured faster at this shape (moe4bit=True applies it anyway)
+        return Readiness.slower(rule, detail, plan)
+    return dataclasses.replace(ready, detail=detail, plan=plan)
+
+
+def auto_rule(trainer: Any, kind: str) -> tuple[str | None, str]:
+    """(why auto mode keeps the stock experts here or None, why it applies them or ""). On CUDA no rule (the grouped
+    path serves wherever it is ready); elsewhere the measured table decides for every distinct experts count."""
+    model = unwrap_model(trainer.model)
+    found = find_experts(model)
+    device = _device(found, trainer)
+    if device == "cuda":
+        return None, ""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    counts = sorted({layout_of(f).num_experts(f.module) for f in found})
+    verdicts = [measured.choose(device, kind, experts, hidden) for experts in counts]
+    slower = [why for faster, why in verdicts if not faster]
+    return (slower[0], "") if slower else (None, "; ".join(why for _, why in verdicts))
+
+
+def _device(found: list[Found], trainer: Any) -> str:
+    """The device class the experts compute on: where their weights are, else the trainer's device."""
+    for f in found:
+        for tensor in (*f.module.parameters(), *f.module.buffers()):
+            return tensor.device.type
+    return trainer.args.device.type
 
 
 def target(found: Found, wrapped: dict[int, nn.Module], explicit_recompute: bool | None) -> Target:
