@@ -5,8 +5,8 @@ Plain values: the optimizations' rule tables (``fused_ce/dispatch.py``, ``grpo_l
 ``grpo_logps/measured.py``, ``layer_kernels/families.py``, ``compile_layers/measured.py``, ``moe4bit/recompute.py``,
 ``moe4bit/measured.py``) hold :class:`Evidence` records, and their probes quote them. A default is what was measured
 faster on this device class and shape: where a probe's evidence says leantrain's path is slower, or nothing measured
-it faster here, it answers ``Readiness.slower(evidence)`` and the entry point decides: skipped in auto mode, applied
-when asked for."""
+it faster here, it answers ``Readiness.slower(evidence)`` (beside any blocker: ``with_auto_rule``) and the entry point
+decides: skipped in auto mode, applied when asked for."""
 
 from __future__ import annotations
 

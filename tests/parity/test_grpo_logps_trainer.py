@@ -134,7 +134,7 @@ def test_apply_takes_the_plan_and_reads_nothing_again(model_dir, tmp_path, monke
     cfg = leantrain.config.resolve_config({}, environ={})
     ctx = PatchContext(cfg, "grpo", RuntimeFallback("grpo_logps", strict=False))
     ready = GrpoLogps().probe(trainer, ctx)
-    assert ready.plan is not None, ready.reasons  # nothing blocks it (auto mode may still keep TRL's: not measured)
+    assert not ready.blocked, ready.reasons
     for name, fn in inspect.getmembers(logps_probe, inspect.isfunction):
         if fn.__module__ == logps_probe.__name__:
             monkeypatch.setattr(logps_probe, name, _raise_injected)
@@ -216,7 +216,7 @@ def test_probe_reasons(model_dir, tmp_path):
     cfg = leantrain.config.resolve_config({}, environ={})
     trainer = make_trainer(model_dir, tmp_path)
     ready = opt.probe(trainer, cfg)
-    assert ready.plan is not None and "kernel: torch chunked" in ready.detail
+    assert not ready.blocked and "kernel: torch chunked" in ready.detail
 
     head = trainer.model.lm_head
     head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
@@ -245,7 +245,7 @@ def test_probe_declines_lm_head_lora(model_dir, tmp_path):
     )
     reasons = logps_probe.head_reasons(peft_model.get_base_model())
     assert any("PEFT adapter" in r for r in reasons)
-    assert GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).plan is not None
+    assert not GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).blocked
 
 
 @needs_fused_head
@@ -321,9 +321,7 @@ def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
     trainer._get_per_token_logps_and_entropies = method
     opt = GrpoLogps()
     ready = opt.probe(trainer, leantrain.config.resolve_config({}, environ={}))
-    assert (
-        ready.plan is not None and f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n_values}-tuple)" in ready.detail
-    )
+    assert not ready.blocked and f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n_values}-tuple)" in ready.detail
     assert ready.plan.legacy == logps_probe.LegacyMethod("_get_per_token_logps_and_entropies", n_values)
     assert not ready.plan.guards_forwards  # the fallback sits around the replaced method
 

@@ -151,7 +151,7 @@ def _probe_and_apply(trainer, **options):
     ctx = PatchContext(resolve_config(options, environ={}), "trainer", RuntimeFallback("moe4bit", strict=True))
     opt = Moe4bit()
     ready = opt.probe(trainer, ctx)
-    assert ready.plan is not None, ready.reasons  # ready to apply (auto mode may still skip it: not measured faster)
+    assert not ready.blocked, ready.reasons  # ready to apply (auto mode may still skip it: not measured faster)
     return opt, ready, ctx
 
 
