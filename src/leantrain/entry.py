@@ -125,16 +125,28 @@ def _decide(
         kinds = "plain Trainers" if ctx.trainer_kind == "trainer" else f"{ctx.trainer_kind} trainers"
         return Status.SKIPPED, source, (f"does not apply to {kinds}",), None
     readiness = _probe(opt, trainer, ctx)
-    if readiness.slower_evidence and wanted is not True:
-        return Status.SKIPPED, source, (skipped_as_slower(opt.name, readiness.slower_evidence),), readiness
-    if not readiness.ready and not readiness.slower_evidence:
+    if wanted is True:  # on request: the blockers alone decide (the auto rule is quoted in the detail)
+        return (Status.SKIPPED if readiness.blocked else None), source, readiness.reasons, readiness
+    # auto: nothing to optimize, then the auto rule, then the blockers (strict mode raises on those only)
+    if readiness.applicable and readiness.slower_evidence:
+        return Status.SKIPPED, source, skipped_by_rule(opt.name, readiness), readiness
+    if readiness.blocked:
         return Status.SKIPPED, source, readiness.reasons, readiness
     return None, source, (), readiness
 
 
-# The one wording of the auto rule: a path measured (or expected) slower is skipped in auto mode, applied on request.
+# The one wording of the auto rule: a path measured slower (or not measured faster) here is skipped in auto mode,
+# applied on request.
 def skipped_as_slower(name: str, evidence: str) -> str:
     return f"{evidence}; pass {name}=True to apply anyway"
+
+
+def skipped_by_rule(name: str, readiness: Readiness) -> tuple[str, ...]:
+    """Auto mode's skip reason where the auto rule decides: the evidence, and what would stop ``<name>=True`` too
+    (then passing it would not help, and the reason says so instead)."""
+    if not readiness.blocked:
+        return (skipped_as_slower(name, readiness.slower_evidence),)
+    return (f"{readiness.slower_evidence}; {name}=True would not apply either: " + "; ".join(readiness.reasons),)
 
 
 def applied_on_request(name: str, evidence: str) -> str:
@@ -204,7 +216,8 @@ def patch_trainer(
         ctx = PatchContext(cfg, kind, fallback)
         status, source, reasons, readiness = _decide(opt, trainer, ctx)
         required = getattr(cfg.config, opt.name) is True
-        strict_miss = cfg.config.strict and readiness is not None and readiness.applicable
+        # strict: an optimization auto mode would apply here but something blocks (not one the auto rule skips)
+        strict_miss = cfg.config.strict and readiness is not None and readiness.due
         if status is Status.SKIPPED and (required or strict_miss):
             why = "is required but not ready" if required else "applies here but is not ready (strict mode)"
             raise NotReadyError(f"{opt.name} {why}: " + "; ".join(reasons))

@@ -2,9 +2,11 @@
 constants every measured rule shares (what counts as noise, how far a measurement reaches).
 
 Plain values: the optimizations' rule tables (``fused_ce/dispatch.py``, ``grpo_logps/nograd.py``,
-``layer_kernels/families.py``, ``moe4bit/recompute.py``) hold :class:`Evidence` records, and their probes quote them.
-Where a probe's evidence says leantrain's path is slower (or not measured faster), it answers
-``Readiness.slower(evidence)`` and the entry point decides: skipped in auto mode, applied when asked for."""
+``grpo_logps/measured.py``, ``layer_kernels/families.py``, ``compile_layers/measured.py``, ``moe4bit/recompute.py``,
+``moe4bit/measured.py``) hold :class:`Evidence` records, and their probes quote them. A default is what was measured
+faster on this device class and shape: where a probe's evidence says leantrain's path is slower, or nothing measured
+it faster here, it answers ``Readiness.slower(evidence)`` (beside any blocker: ``with_auto_rule``) and the entry point
+decides: skipped in auto mode, applied when asked for."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ hand. What an optimization does to saved weights is declared here too (:attr:`Op
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -25,27 +26,45 @@ TRAINER_KINDS = ("sft", "grpo", "trainer")
 
 @dataclass(frozen=True)
 class Readiness:
-    """The probe's answer, one of three: ready (no reasons), not ready (the reasons: ``no`` / ``not_applicable``), or
-    ready but measured slower (``slower``: the evidence, with the plan). ``plan`` is what ``apply`` executes,
-    ``detail`` names the path that would run. The probe never reads its own toggle: the entry point skips a slower
-    optimization in auto mode and applies it when asked for (``<name>=True``), in one wording."""
+    """The probe's answer, in two parts the entry point weighs together (the probe never reads its own toggle):
+
+    - ``reasons``, the blockers: what stops leantrain's path from running here (empty: it can run, and ``plan`` is
+      what ``apply`` executes, ``detail`` the path that would run). ``applicable=False``: nothing here to optimize
+      (no MoE layer, no LM head, ...);
+    - ``slower_evidence``, the auto rule: why auto mode would not apply it here even if nothing blocked it
+      (measured slower, or not measured faster, on this device class and shape); empty: auto mode applies it.
+
+    A probe that finds blockers still evaluates its auto rule where it can (``with_auto_rule``), so that strict mode
+    fails only for an optimization asked for (``<name>=True``: the blockers) or due here on its own (auto mode would
+    apply it but something blocks it), never for one auto mode would skip anyway."""
 
     reasons: tuple[str, ...] = ()
     detail: str = ""
-    applicable: bool = True  # False: nothing here to optimize (no MoE layer, ...); strict mode does not raise
+    applicable: bool = True  # False: nothing here to optimize; strict mode does not raise
     plan: Any = None
-    slower_evidence: str = ""  # ready on request only: why leantrain's path is measured (or expected) slower
+    slower_evidence: str = ""  # the auto rule: why auto mode skips it here (measured slower, not measured faster)
+
+    @property
+    def blocked(self) -> bool:
+        """Whether something stops it from running here (``<name>=True`` raises with the reasons)."""
+        return bool(self.reasons)
+
+    @property
+    def due(self) -> bool:
+        """Whether auto mode would apply it here if nothing blocked it (strict mode raises on a blocked one only)."""
+        return self.applicable and not self.slower_evidence
 
     @property
     def ready(self) -> bool:
-        """Whether auto mode applies it: no reasons (a slower answer carries its evidence as the reason)."""
-        return not self.reasons
+        """Whether auto mode applies it: nothing blocks it and the auto rule does not skip it."""
+        return not self.blocked and self.due
 
     @classmethod
     def slower(cls, evidence: str, detail: str = "", plan: Any = None) -> Readiness:
-        """Ready, but measured (or expected) slower than the stock path here: auto mode skips it with ``evidence``,
-        ``<name>=True`` applies ``plan``. Strict mode does not raise on the skip (it is a choice, not a failure)."""
-        return cls(reasons=(evidence,), detail=detail, applicable=False, plan=plan, slower_evidence=evidence)
+        """Nothing blocks it, but it is measured slower (or not measured faster) than the stock path here: auto mode
+        skips it with ``evidence``, ``<name>=True`` applies ``plan``. Strict mode does not raise on the skip (it is a
+        choice, not a failure)."""
+        return cls(detail=detail, plan=plan, slower_evidence=evidence)
 
     @classmethod
     def no(cls, *reasons: str) -> Readiness:
@@ -54,6 +73,11 @@ class Readiness:
     @classmethod
     def not_applicable(cls, reason: str) -> Readiness:
         return cls(reasons=(reason,), applicable=False)
+
+    def with_auto_rule(self, evidence: str | None) -> Readiness:
+        """This answer with the auto rule's verdict: ``evidence`` why auto mode would not apply it here (None or "":
+        auto mode would apply it)."""
+        return dataclasses.replace(self, slower_evidence=evidence or "")
 
 
 @dataclass(frozen=True)

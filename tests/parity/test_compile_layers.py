@@ -192,7 +192,8 @@ def test_auto_declines_on_cpu_and_under_osft(tmp_path):
     trainer = trainer_for(tiny(), tmp_path)
     report = leantrain.patch_trainer(trainer, **only("compile_layers", None))
     assert report["compile_layers"].status is Status.SKIPPED
-    assert "measured on CUDA only" in report["compile_layers"].reasons[0]
+    reason = report["compile_layers"].reasons[0]
+    assert reason.startswith("not measured on cpu (measured faster on CUDA only: llama, qwen2, gemma2 on H200")
     leantrain.unpatch_trainer(trainer)
     cfg = types.SimpleNamespace(osft=True, moe4bit=None)
     reasons = compile_probe.run_reasons(

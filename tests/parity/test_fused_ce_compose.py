@@ -25,7 +25,8 @@ def compose(tmp_path, model, **opts):
     rows = greedy_rows()
     both = make_trainer(model, tmp_path / "both", rows)
     alone = make_trainer(copy.deepcopy(model), tmp_path / "alone", rows)
-    report = leantrain.patch_trainer(both, **OTHERS, **opts)
+    # the fused loss requested (the tiny head is outside every measured cell), against the same patch without it
+    report = leantrain.patch_trainer(both, fused_ce=True, **OTHERS, **opts)
     leantrain.patch_trainer(alone, fused_ce=False, **OTHERS, **opts)
     batches = batches_of(alone, 2)
     return report, window(both, batches), window(alone, batches)

@@ -31,6 +31,7 @@ from leantrain.fused_ce import dispatch  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from tests._fused_ce_trainers import (  # noqa: E402
     OFF,
+    ON,
     UNIT_ROUNDOFF,
     VOCAB,
     assert_accuracy,
@@ -39,6 +40,7 @@ from tests._fused_ce_trainers import (  # noqa: E402
     greedy_rows,
     has_fused_head,
     lora,
+    measured_here,
     sft_paths,
     sft_trainer,
     spy_op,
@@ -52,22 +54,19 @@ FP32 = VOCAB * UNIT_ROUNDOFF[torch.float32]
 BF16 = 4 * UNIT_ROUNDOFF[torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def serve_trl_head(monkeypatch):
-    """Until GPU measurements say otherwise, TRL >= 1.15's own fused head stays by default: let leantrain's op
-    serve it here so the path is tested (``test_trl_head_stays_by_default`` checks the default)."""
-    monkeypatch.setitem(dispatch.UNMEASURED, "trl_fused", "leantrain")
-
-
-def pair(tmp_path, model, loss_type=None, peft=None, rows=None, **args):
-    """(patched, stock, report) SFTTrainers on deep copies of ``model``."""
+def pair(tmp_path, model, loss_type=None, peft=None, rows=None, patch=ON, measured=None, **args):
+    """(patched, stock, report) SFTTrainers on deep copies of ``model``: the fused loss requested unless ``patch``
+    says otherwise (the tiny head is outside every measured cell); ``measured`` (a monkeypatch): the dispatch rule
+    measures leantrain's op faster at this head first."""
     rows = rows if rows is not None else greedy_rows(model)
     stock_model = copy.deepcopy(model)
     if peft is not None:
         model, stock_model = peft(model), peft(stock_model)
     patched = sft_trainer(model, tmp_path / "p", rows, loss_type=loss_type, **args)
     stock = sft_trainer(stock_model, tmp_path / "s", rows, loss_type=loss_type, **args)
-    report = leantrain.patch_trainer(patched, **OFF)
+    if measured is not None:
+        measured_here(measured, patched)
+    report = leantrain.patch_trainer(patched, **patch)
     return patched, stock, report
 
 
@@ -143,12 +142,12 @@ def test_heads(tmp_path, family, overrides):
     model = tiny(family, **overrides)
     if family == "llama":
         model.tie_weights()
-    patched, stock, report = pair(tmp_path, model, loss_type)
     if path == "chunked_nll" and family == "granite":
-        # TRL's chunked cross-entropy ignores Granite's logits_scaling; leantrain keeps TRL's path
-        assert report["fused_ce"].status is Status.SKIPPED
-        assert "logit_scale" in report["fused_ce"].reasons[0]
+        # TRL's chunked cross-entropy ignores Granite's logits_scaling; leantrain keeps TRL's path, even when asked
+        with pytest.raises(leantrain.NotReadyError, match="fused_ce is required but not ready: .*logit_scale"):
+            pair(tmp_path, model, loss_type)
         return
+    patched, stock, report = pair(tmp_path, model, loss_type)
     assert_served(report, path)
     ours, ref = run_pair(patched, stock, 1)
     assert_window_close(ours, ref, FP32, FP32)
@@ -236,7 +235,7 @@ def test_cggr_composes(tmp_path):
     opts = dict(cggr=True, cggr_min_tokens_ratio=0.5, cggr_warmup_steps=0, moe4bit=False, grpo_logps=False, osft=False)
     both = sft_trainer(model, tmp_path / "b", rows, loss_type=loss_type)
     alone = sft_trainer(copy.deepcopy(model), tmp_path / "a", rows, loss_type=loss_type)
-    report = leantrain.patch_trainer(both, **opts)
+    report = leantrain.patch_trainer(both, fused_ce=True, **opts)
     assert report["fused_ce"].status is Status.APPLIED and report["cggr"].status is Status.APPLIED
     leantrain.patch_trainer(alone, fused_ce=False, **opts)
     batches = batches_of(alone, 2)
@@ -325,18 +324,26 @@ def test_declines_liger(tmp_path):
     assert "use_liger_kernel" in reasons
 
 
-@pytest.mark.skipif(not has_fused_head(), reason="TRL >= 1.15's own fused head")
-def test_trl_head_stays_by_default(tmp_path, monkeypatch):
-    monkeypatch.setitem(dispatch.UNMEASURED, "trl_fused", "stock")
-    trainer = sft_trainer(tiny(), tmp_path, greedy_rows(tiny()))
+@pytest.mark.parametrize(("loss_type", "path"), PATHS)
+def test_stock_loss_by_default_where_not_measured_faster(tmp_path, monkeypatch, loss_type, path):
+    """The auto rule on every SFT path this TRL takes: without a cell at this head on this device class the stock
+    loss serves (the reason names the loss it keeps); asked for, leantrain's op serves the path anyway; a cell
+    measured faster here applies it in auto mode."""
+    trainer = sft_trainer(tiny(), tmp_path, greedy_rows(tiny()), loss_type=loss_type)
     outcome = leantrain.patch_trainer(trainer, **OFF)["fused_ce"]
-    assert outcome.status is Status.SKIPPED
-    assert "prefers TRL's own fused LM head" in outcome.reasons[0] and "fused_ce=True" in outcome.reasons[0]
-    assert not outcome.targets
+    assert outcome.status is Status.SKIPPED and not outcome.targets
+    kept = {"trl_fused": "TRL's own fused LM head", "chunked_nll": "TRL's chunked cross-entropy"}
+    assert outcome.reasons[0].startswith("not measured ")
+    assert f"the stock loss ({kept.get(path, 'the full-logits loss')}); pass fused_ce=True" in outcome.reasons[0]
     # asked for explicitly, leantrain's op serves the path whatever the rule says
-    trainer = sft_trainer(tiny(), tmp_path / "forced", greedy_rows())
+    trainer = sft_trainer(tiny(), tmp_path / "forced", greedy_rows(), loss_type=loss_type)
     forced = leantrain.patch_trainer(trainer, fused_ce=True, **OFF)["fused_ce"]
     assert forced.status is Status.APPLIED and "applied on request (fused_ce=True)" in forced.detail
+    _, _, report = pair(tmp_path / "measured", tiny(), loss_type, patch=OFF, measured=monkeypatch)
+    assert_served(report, path)
+    assert (
+        "applied on request" not in report["fused_ce"].detail and str(dispatch.EVIDENCE) in report["fused_ce"].detail
+    )
 
 
 # ------------------------------------------------------------------------------------- fallbacks and undo
@@ -345,7 +352,10 @@ def test_forced_probe_failure_runs_stock(tmp_path, monkeypatch):
 
     monkeypatch.setattr(probe_module, "model_reasons", lambda model, path: ["forced for the test"])
     loss_type, _ = PATHS[0]
-    patched, stock, report = pair(tmp_path, tiny(), loss_type)
+    with pytest.raises(leantrain.NotReadyError, match="fused_ce is required but not ready: forced for the test"):
+        pair(tmp_path / "asked", tiny(), loss_type)
+    # auto mode where the op measured faster: the blocker is the reason
+    patched, stock, report = pair(tmp_path, tiny(), loss_type, patch=OFF, measured=monkeypatch)
     outcome = report["fused_ce"]
     assert outcome.status is Status.SKIPPED and outcome.reasons == ("forced for the test",)
     ours, ref = run_pair(patched, stock, 1)
@@ -381,7 +391,7 @@ def test_patch_unpatch_restores_by_identity(tmp_path):
     trainer = sft_trainer(tiny(), tmp_path, greedy_rows(tiny()), loss_type=loss_type)
     base = trainer.model
     before = {"forward": base.__dict__.get("forward"), "compute_loss": trainer.__dict__.get("compute_loss")}
-    report = leantrain.patch_trainer(trainer, **OFF)
+    report = leantrain.patch_trainer(trainer, **ON)
     assert report["fused_ce"].status is Status.APPLIED
     assert base.__dict__.get("forward") is not before["forward"]
     print(base)
@@ -397,7 +407,7 @@ def test_eval_loss_only_is_served(tmp_path, monkeypatch):
     rows = greedy_rows(model)
     patched = sft_trainer(model, tmp_path / "p", rows, loss_type=loss_type)
     stock = sft_trainer(copy.deepcopy(model), tmp_path / "s", rows, loss_type=loss_type)
-    leantrain.patch_trainer(patched, **OFF)
+    leantrain.patch_trainer(patched, **ON)
     calls = spy_op(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

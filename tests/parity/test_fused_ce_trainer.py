@@ -16,12 +16,14 @@ import leantrain
 from leantrain.report import Status
 from tests._fused_ce_trainers import (
     OFF,
+    ON,
     UNIT_ROUNDOFF,
     VOCAB,
     assert_window_close,
     batches_of,
     greedy_rows,
     lora,
+    measured_here,
     plain_trainer,
     spy_op,
     tiny,
@@ -33,14 +35,16 @@ FP32 = VOCAB * UNIT_ROUNDOFF[torch.float32]
 BF16 = 4 * UNIT_ROUNDOFF[torch.bfloat16]
 
 
-def pair(tmp_path, model, peft=None, **args):
+def pair(tmp_path, model, peft=None, patch=ON, **args):
+    """A patched and a stock trainer on copies of ``model``; the fused loss requested unless ``patch`` says otherwise
+    (the tiny head is outside every measured cell)."""
     rows = greedy_rows(model)
     stock_model = copy.deepcopy(model)
     if peft is not None:
         model, stock_model = peft(model), peft(stock_model)
     patched = plain_trainer(model, tmp_path / "p", rows, **args)
     stock = plain_trainer(stock_model, tmp_path / "s", rows, **args)
-    report = leantrain.patch_trainer(patched, **OFF)
+    report = leantrain.patch_trainer(patched, **patch)
     return patched, stock, report
 
 
@@ -198,14 +202,16 @@ def test_declines(tmp_path):
     assert "vision-language" in " ".join(leantrain.patch_trainer(trainer, **OFF)["fused_ce"].reasons)
 
 
-def test_fsdp_keeps_the_stock_loss_unless_asked(tmp_path):
+def test_fsdp_keeps_the_stock_loss_unless_asked(tmp_path, monkeypatch):
     """Under FSDP the whole step measured slower with the fused loss: auto mode keeps the stock loss and quotes the
-    measurement; fused_ce=True applies it anyway (the distributed tests check its numbers under FSDP2)."""
+    measurement, even at a head shape measured faster; fused_ce=True applies it anyway (the distributed tests check
+    its numbers under FSDP2)."""
     from leantrain.fused_ce import dispatch
 
     rows = greedy_rows(tiny())
     trainer = plain_trainer(tiny(), tmp_path / "auto", rows)
     trainer.is_fsdp_enabled = True  # what Trainer.__init__ sets under an FSDP accelerate config
+    measured_here(monkeypatch, trainer)  # the op measured faster at this shape: FSDP alone decides
     outcome = leantrain.patch_trainer(trainer, **{**OFF, "fused_ce": None})["fused_ce"]
     assert outcome.status is Status.SKIPPED, outcome
     assert str(dispatch.FSDP2_EVIDENCE) in outcome.reasons[0] and "fused_ce=True" in outcome.reasons[0]
@@ -219,8 +225,10 @@ def test_forced_probe_failure_runs_stock(tmp_path, monkeypatch):
     import leantrain.fused_ce.probe as probe_module
 
     monkeypatch.setattr(probe_module, "model_reasons", lambda model, path: ["forced for the test"])
-    patched, stock, report = pair(tmp_path, tiny())
-    assert report["fused_ce"].status is Status.SKIPPED
+    with pytest.raises(leantrain.NotReadyError, match="fused_ce is required but not ready: forced for the test"):
+        pair(tmp_path / "asked", tiny())
+    patched, stock, report = pair(tmp_path, tiny(), patch=OFF)
+    assert report["fused_ce"].status is Status.SKIPPED and "forced for the test" in report["fused_ce"].reasons[0]
     ours, ref = run_pair(patched, stock, 1)
     assert torch.equal(ours["losses"], ref["losses"])
 
@@ -249,8 +257,37 @@ def test_patch_unpatch_restores_by_identity(tmp_path):
     model = trainer.model
     names = [(model, "forward"), (trainer, "compute_loss"), (trainer, "prediction_step")]
     before = [obj.__dict__.get(name) for obj, name in names]
-    leantrain.patch_trainer(trainer, **OFF)
+    leantrain.patch_trainer(trainer, **ON)
     assert model.__dict__.get("forward") is not None
     print(model)
     leantrain.unpatch_trainer(trainer)
     assert all(obj.__dict__.get(name) is old for (obj, name), old in zip(names, before))
+
+
+def test_auto_keeps_the_stock_loss_where_not_measured_faster(tmp_path, monkeypatch):
+    """The auto rule on a plain Trainer: on this machine's device class with no cell at the head's shape the stock
+    loss serves (the report names the measurement, or its absence); fused_ce=True applies the op anyway; a cell
+    measured faster here applies it in auto mode, one measured slower keeps the stock loss."""
+    from leantrain.fused_ce import dispatch
+
+    rows = greedy_rows(tiny())
+    trainer = plain_trainer(tiny(), tmp_path / "auto", rows)
+    device = trainer.args.device.type
+    outcome = leantrain.patch_trainer(trainer, **OFF)["fused_ce"]
+    assert outcome.status is Status.SKIPPED and "compute_loss" not in trainer.__dict__
+    assert outcome.reasons[0].startswith("not measured ") and outcome.reasons[0].endswith(
+        "the stock loss (the full-logits loss); pass fused_ce=True to apply anyway"
+    )
+    if dispatch.device_reason(device):  # a CPU: no cell on this device class at all
+        assert outcome.reasons[0].startswith(f"not measured on {device} (measured on cuda only: {dispatch.EVIDENCE})")
+    leantrain.unpatch_trainer(trainer)
+    asked = leantrain.patch_trainer(trainer, **ON)["fused_ce"]
+    assert asked.status is Status.APPLIED and "applied on request (fused_ce=True); not measured " in asked.detail
+    leantrain.unpatch_trainer(trainer)
+    measured_here(monkeypatch, trainer)
+    outcome = leantrain.patch_trainer(trainer, **OFF)["fused_ce"]
+    assert outcome.status is Status.APPLIED and f"measured at H=64 V={VOCAB} float32 on {device}" in outcome.detail
+    leantrain.unpatch_trainer(trainer)
+    measured_here(monkeypatch, trainer, faster=False)
+    outcome = leantrain.patch_trainer(trainer, **OFF)["fused_ce"]
+    assert outcome.status is Status.SKIPPED and outcome.reasons[0].startswith(f"measured at H=64 V={VOCAB} float32")

@@ -61,6 +61,13 @@ def test_never_dispatches_below_a_forward_that_is_not_trl_fused_head(monkeypatch
 
 
 # --------------------------------------------------------------------------------------------- the trainer's path
+def patch(trainer) -> leantrain.PatchReport:
+    """The fused log-probs requested (auto mode keeps TRL's on a CPU, where nothing is measured), and applied."""
+    report = leantrain.patch_trainer(trainer, grpo_logps=True)
+    assert report["grpo_logps"].status is leantrain.Status.APPLIED, report["grpo_logps"].reasons
+    return report
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama_nograd")
@@ -102,7 +109,7 @@ def test_dispatched_no_grad_call_is_trls_forward_bitwise(model_dir, tmp_path, mo
     is found under those wrappers and the whole wrapped forward serves the call."""
     trainer = make_trainer(model_dir, tmp_path, beta=0.1, bf16=bf16)  # beta > 0: a reference model too
     stock = outputs(trainer)
-    leantrain.patch_trainer(trainer)
+    patch(trainer)
     calls = count_op_calls(monkeypatch)
     monkeypatch.setattr(nograd, "trl_head_serves", lambda *args: True)
     ours = outputs(trainer)
@@ -119,7 +126,7 @@ def test_dispatched_no_grad_call_is_trls_forward_bitwise(model_dir, tmp_path, mo
 def test_fused_op_where_the_rule_says_so_and_whenever_grad_is_on(model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(model_dir, tmp_path, beta=0.1, bf16=False)
     stock = outputs(trainer)
-    leantrain.patch_trainer(trainer)
+    patch(trainer)
     calls = count_op_calls(monkeypatch)
     monkeypatch.setattr(nograd, "trl_head_serves", lambda *args: False)
     ours = outputs(trainer)
@@ -138,7 +145,7 @@ def test_rule_sees_the_heads_vocabulary_and_backend(model_dir, tmp_path, monkeyp
     """The real rule through the wrapped forward (its backend forced to the measured one): V is the head's, the
     backend the op's on this device; nothing else (no label count: no host sync)."""
     trainer = make_trainer(model_dir, tmp_path, beta=0.1, bf16=False)
-    leantrain.patch_trainer(trainer)
+    patch(trainer)
     v, _ = trainer.model.lm_head.weight.shape
     seen = []
     real = nograd.trl_head_serves
@@ -167,8 +174,8 @@ def test_report_names_the_dispatch(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "default_backend", lambda device: "triton")
     monkeypatch.setattr(nograd, "MEASURED_V", (v, v))
     detail = logps_probe.nograd_detail(heads)
-    report = leantrain.patch_trainer(trainer)
-    assert report["grpo_logps"].detail.endswith("kernel: torch chunked; " + detail)
+    report = patch(trainer)
+    assert "kernel: torch chunked; " + detail in report["grpo_logps"].detail
     assert detail == (
         f"no-grad calls at policy H={h} V={v} (any N), ref model H={h} V={v} (any N) use TRL's own head "
         f"(measured faster: {nograd.SOURCE})"

@@ -95,7 +95,7 @@ def test_trajectory_matches_stock(model_dir, tmp_path, monkeypatch, beta, lora, 
 def test_runtime_fallback(model_dir, tmp_path, monkeypatch):
     stock = trajectory(make_trainer(model_dir, tmp_path, bf16=False))
     trainer = make_trainer(model_dir, tmp_path, bf16=False)
-    leantrain.patch_trainer(trainer)
+    leantrain.patch_trainer(trainer, grpo_logps=True)  # auto mode keeps TRL's log-probs on a CPU (not measured)
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
@@ -114,7 +114,7 @@ def test_patch_unpatch_identity(model_dir, tmp_path):
     trainer = make_trainer(model_dir, tmp_path, beta=0.1)
     policy, ref = trainer.model, trainer.ref_model
     before = (policy.__dict__["forward"], ref.__dict__["forward"], policy.forward, ref.forward)
-    report = leantrain.patch_trainer(trainer)
+    report = leantrain.patch_trainer(trainer, grpo_logps=True)
     assert report["grpo_logps"].status is leantrain.Status.APPLIED
     assert policy.__dict__["forward"] is not before[0] and ref.__dict__["forward"] is not before[1]
     assert policy.forward.__leantrain_original__ is before[0]
@@ -134,7 +134,7 @@ def test_apply_takes_the_plan_and_reads_nothing_again(model_dir, tmp_path, monke
     cfg = leantrain.config.resolve_config({}, environ={})
     ctx = PatchContext(cfg, "grpo", RuntimeFallback("grpo_logps", strict=False))
     ready = GrpoLogps().probe(trainer, ctx)
-    assert ready.ready, ready.reasons
+    assert not ready.blocked, ready.reasons
     for name, fn in inspect.getmembers(logps_probe, inspect.isfunction):
         if fn.__module__ == logps_probe.__name__:
             monkeypatch.setattr(logps_probe, name, _raise_injected)
@@ -164,7 +164,7 @@ def test_fused_forward_matches_trl_with_all_masked_rows(model_dir, tmp_path):
     outs = []
     for patched in (False, True):
         if patched:
-            leantrain.patch_trainer(trainer)
+            assert leantrain.patch_trainer(trainer, grpo_logps=True)["grpo_logps"].status is leantrain.Status.APPLIED
         model.zero_grad()
         out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True)
         (out.log_probs.sum() + out.entropy.sum() * 0).backward()
@@ -202,7 +202,7 @@ def test_keep_logits_option_reaches_the_op(model_dir, tmp_path, monkeypatch):
     labels = ids.masked_fill(torch.arange(10) < 4, -100)
     grads = []
     for keep_mib in (0, 64):
-        with leantrain.patched(trainer, grpo_logps_keep_logits_mib=keep_mib):
+        with leantrain.patched(trainer, grpo_logps=True, grpo_logps_keep_logits_mib=keep_mib):
             model.zero_grad()
             out = model(input_ids=ids, labels=labels, fused_lm_head=True)
             (out.log_probs.sum() + out.entropy.sum()).backward()
@@ -216,7 +216,7 @@ def test_probe_reasons(model_dir, tmp_path):
     cfg = leantrain.config.resolve_config({}, environ={})
     trainer = make_trainer(model_dir, tmp_path)
     ready = opt.probe(trainer, cfg)
-    assert ready.ready and "kernel: torch chunked" in ready.detail
+    assert not ready.blocked and "kernel: torch chunked" in ready.detail
 
     head = trainer.model.lm_head
     head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
@@ -245,7 +245,7 @@ def test_probe_declines_lm_head_lora(model_dir, tmp_path):
     )
     reasons = logps_probe.head_reasons(peft_model.get_base_model())
     assert any("PEFT adapter" in r for r in reasons)
-    assert GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).ready
+    assert not GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).blocked
 
 
 @needs_fused_head
@@ -268,7 +268,7 @@ def test_fused_forward_moe_aux_loss_matches_trl(tmp_path, family):
     outs = []
     for patched in (False, True):
         if patched:
-            assert "grpo_logps" in leantrain.patch_trainer(trainer).applied
+            assert "grpo_logps" in leantrain.patch_trainer(trainer, grpo_logps=True).applied
         model.zero_grad()
         out = model(input_ids=ids, attention_mask=att, labels=labels, fused_lm_head=True, output_router_logits=True)
         out.loss.backward()
@@ -321,7 +321,7 @@ def test_legacy_trl_method(model_dir, tmp_path, monkeypatch, n_values):
     trainer._get_per_token_logps_and_entropies = method
     opt = GrpoLogps()
     ready = opt.probe(trainer, leantrain.config.resolve_config({}, environ={}))
-    assert ready.ready and f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n_values}-tuple)" in ready.detail
+    assert not ready.blocked and f"TRL <= 1.14 _get_per_token_logps_and_entropies ({n_values}-tuple)" in ready.detail
     assert ready.plan.legacy == logps_probe.LegacyMethod("_get_per_token_logps_and_entropies", n_values)
     assert not ready.plan.guards_forwards  # the fallback sits around the replaced method
 
@@ -409,3 +409,31 @@ def test_legacy_real_trl_method(model_dir, tmp_path, monkeypatch):
     trainer.use_liger_kernel = True  # this TRL then computes the loss with Liger: nothing for leantrain to replace
     reasons = GrpoLogps().probe(trainer, leantrain.config.resolve_config({}, environ={})).reasons
     assert reasons and "use_liger_kernel=True" in reasons[0] and "trl >= 1.15" in reasons[0]
+
+
+def test_auto_keeps_trls_log_probs_where_not_measured(model_dir, tmp_path, monkeypatch):
+    """The auto rule: the fused log-probs are measured on CUDA only, so on another device class auto mode keeps TRL's
+    own log-probs and says so; grpo_logps=True applies them anyway; a device class with a measurement applies them."""
+    from leantrain.grpo_logps import measured
+
+    assert measured.device_reason("cuda") is None
+    trainer = make_trainer(model_dir, tmp_path)
+    device = trainer.args.device.type
+    monkeypatch.setattr(measured, "MEASURED_ON", ("cuda",))
+    outcome = leantrain.patch_trainer(trainer)["grpo_logps"]
+    if device == "cuda":  # measured here: auto mode applies them
+        assert outcome.status is leantrain.Status.APPLIED
+        return
+    assert outcome.status is leantrain.Status.SKIPPED and not outcome.targets
+    assert outcome.reasons == (
+        f"not measured on {device} (measured on cuda only: {measured.EVIDENCE}): TRL's own log-probs; pass "
+        "grpo_logps=True to apply anyway",
+    )
+    leantrain.unpatch_trainer(trainer)
+    asked = leantrain.patch_trainer(trainer, grpo_logps=True)["grpo_logps"]
+    assert asked.status is leantrain.Status.APPLIED
+    assert f"applied on request (grpo_logps=True); not measured on {device}" in asked.detail
+    leantrain.unpatch_trainer(trainer)
+    monkeypatch.setattr(measured, "MEASURED_ON", ("cuda", device))
+    assert leantrain.patch_trainer(trainer)["grpo_logps"].status is leantrain.Status.APPLIED
+    leantrain.unpatch_trainer(trainer)

@@ -88,7 +88,7 @@ def test_patch_unpatch_identity(tmp_path):
     weights = [[lin.weight for lin in e.gate_up_projs] for e in experts]
     data = [[w.data.clone() for w in ws] for ws in weights]
     trainer = make_trainer(model, tmp_path)
-    report = leantrain.patch_trainer(trainer, **ONLY_MOE)  # auto: applies because the probe passes
+    report = leantrain.patch_trainer(trainer, moe4bit=True, **ONLY_MOE)  # auto: not measured faster on this shape
     assert report["moe4bit"].status is Status.APPLIED and "slow path" in report["moe4bit"].detail
     assert report["moe4bit"].targets == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
     for e in experts:
@@ -151,7 +151,7 @@ def _probe_and_apply(trainer, **options):
     ctx = PatchContext(resolve_config(options, environ={}), "trainer", RuntimeFallback("moe4bit", strict=True))
     opt = Moe4bit()
     ready = opt.probe(trainer, ctx)
-    assert ready.ready, ready.reasons
+    assert not ready.blocked, ready.reasons  # ready to apply (auto mode may still skip it: not measured faster)
     return opt, ready, ctx
 
 

@@ -35,15 +35,6 @@ def test_liger_turned_on_after_patching_goes_to_trl(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- the matrix
-@pytest.fixture(autouse=True)
-def serve_trl_head(monkeypatch):
-    """TRL >= 1.15's own fused head stays by default until GPU measurements say otherwise: let leantrain's op serve
-    it here so the matrix tests leantrain's path (test_fused_ce_sft checks the default)."""
-    from leantrain.fused_ce import dispatch
-
-    monkeypatch.setitem(dispatch.UNMEASURED, "trl_fused", "leantrain")
-
-
 SFT_ONLY_KEYS = {"masks", "compute_metrics"}
 
 

@@ -34,7 +34,7 @@ class FakeLossOpt(Optimization):
     trainer_kinds = ("trainer", "sft")
     reasons: tuple[str, ...] = ()
     applicable = True
-    slower: str = ""  # measured-slower evidence: the probe answers Readiness.slower
+    slower: str = ""  # the auto rule's evidence (measured slower, not measured faster), with or without reasons
     fail_at_call: int | None = None
 
     def __init__(self) -> None:
@@ -43,9 +43,7 @@ class FakeLossOpt(Optimization):
     def probe(self, trainer, ctx: PatchContext) -> Readiness:
         if not self.applicable:
             return Readiness.not_applicable("nothing to optimize here")
-        if self.slower:
-            return Readiness.slower(self.slower, detail="fake path", plan="the fake plan")
-        return Readiness(self.reasons, detail="fake path", plan="the fake plan")
+        return Readiness(self.reasons, detail="fake path", plan="the fake plan").with_auto_rule(self.slower)
 
     def apply(self, trainer, plan, ctx: PatchContext) -> Applied:
         assert plan == "the fake plan"  # the probe's plan reaches apply

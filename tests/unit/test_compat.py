@@ -83,14 +83,21 @@ def test_script_prints_pins_for_ci():
 
 def test_moe4bit_declines_on_transformers_4_naming_the_version(monkeypatch):
     pytest.importorskip("bitsandbytes")
-    from leantrain.cli.tiny import tiny_model
+    from leantrain.cli.tiny import linear4bit_experts, tiny_model
     from leantrain.moe4bit import readiness
 
-    moe, dense = (tiny_model(f, vocab_size=64, hidden=64, layers=1) for f in ("gpt_oss", "llama"))
+    moe, plain_moe, dense = (
+        tiny_model(f, vocab_size=64, hidden=64, layers=1) for f in ("gpt_oss", "gpt_oss", "llama")
+    )
+    linear4bit_experts(moe)  # frozen 4-bit experts in gpt-oss' checkpoint layout: served from transformers 5 on
     monkeypatch.setattr(_compat, "installed", lambda package: "4.57.6" if package == "transformers" else None)
     ready = readiness(moe)
     assert ready.reasons == (
         "needs transformers >= 5.0.0 for 3-D MoE experts and their tested call convention; installed 4.57.6: "
         "pip install -U 'transformers>=5.0.0'",
     )
+    assert ready.applicable  # a 4-bit MoE: moe4bit would serve it but for the version
+    # experts that are not 4-bit: nothing for moe4bit to do, whatever the version (not a version problem)
+    plain = readiness(plain_moe)
+    assert not plain.applicable and "not 4-bit" in plain.reasons[0]
     assert not readiness(dense).applicable  # no MoE layer: not applicable, whatever the version

@@ -85,6 +85,42 @@ def test_measured_slower_skips_in_auto_and_applies_on_request(tmp_path, fake):
     unpatch_trainer(trainer)
 
 
+def test_auto_rule_beside_blockers_strict_raises_only_where_auto_would_apply(tmp_path, fake):
+    """A probe that finds blockers still gives its auto rule. Where auto mode would not apply the optimization
+    anyway, the skip names the rule and what would stop ``<name>=True`` too, and strict mode does not raise; asked
+    for, the blockers raise. Where auto mode would apply it, strict mode raises with the blockers."""
+    fake.reasons = ("needs a GPU with sm90",)
+    fake.slower = "not measured on the fake device"
+    for environ in (AUTO, {**AUTO, "LEANTRAIN_STRICT": "1"}):
+        outcome = patch_trainer(tiny_trainer(tmp_path), environ=environ)["cggr"]
+        assert outcome.status is Status.SKIPPED
+        assert outcome.reasons == ("not measured on the fake device; cggr=True would not apply either: needs a GPU "
+                                   "with sm90",)  # fmt: skip
+    with pytest.raises(NotReadyError, match="^cggr is required but not ready: needs a GPU with sm90$"):
+        patch_trainer(tiny_trainer(tmp_path), cggr=True, environ={**AUTO, "LEANTRAIN_STRICT": "1"})
+    fake.slower = ""  # due here: strict mode raises with the blockers
+    with pytest.raises(
+        NotReadyError, match="^cggr applies here but is not ready .strict mode.: needs a GPU with sm90$"
+    ):
+        patch_trainer(tiny_trainer(tmp_path), environ={**AUTO, "LEANTRAIN_STRICT": "1"})
+
+
+def test_readiness_carries_blockers_and_the_auto_rule():
+    from leantrain.optimization import Readiness
+
+    ready = Readiness(detail="d", plan="p")
+    assert ready.ready and ready.due and not ready.blocked
+    slower = Readiness.slower("measured slower", "d", "p")
+    assert not slower.ready and not slower.due and not slower.blocked and slower.plan == "p"
+    blocked = Readiness.no("a blocker")
+    assert not blocked.ready and blocked.due and blocked.blocked
+    both = blocked.with_auto_rule("not measured")
+    assert not both.due and both.blocked and both.reasons == ("a blocker",) and both.slower_evidence == "not measured"
+    assert blocked.with_auto_rule(None) == blocked
+    nothing = Readiness.not_applicable("no LM head")
+    assert not nothing.due and nothing.blocked
+
+
 def test_signature_names_every_optimization():
     """Every optimization's toggle is a keyword of patch_trainer (so help() shows it), in apply order."""
     import inspect

@@ -106,26 +106,27 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
             raise
         # the default depth on a shallower model: declined (cggr=True then raises NotReadyError with this reason)
         return Readiness.no(str(error))
+    path, kept_only, saves = loss_path(trainer, ctx.trainer_kind, parts)
+    share = head_share(parts.model.config)
+    # auto (LEANTRAIN_CGGR=auto) applies CGGR only where it cannot make training slower: weighed with the blockers
+    slower = expected_slower(path, saves, share)
     if _sequence_parallel(trainer):
-        return Readiness.no("sequence/context parallelism splits the labels across ranks: not supported yet")
+        return Readiness.no(
+            "sequence/context parallelism splits the labels across ranks: not supported yet"
+        ).with_auto_rule(slower)
     replicas = data_parallel_reason(
         trainer,
         "each replica gets part of the batch inside the forward while CGGR's router hook, shared by every "
         "replica, selects the labels of one whole batch",
     )
     if replicas:
-        return Readiness.no(replicas)
-    path, kept_only, saves = loss_path(trainer, ctx.trainer_kind, parts)
-    share = head_share(parts.model.config)
+        return Readiness.no(replicas).with_auto_rule(slower)
     detail = (
         f"{describe_router(layer, parts.num_layers)}, scoring={config.cggr_scoring}; "
         f"loss path: {path}; LM head ~{share:.0%} of matmul work"
     )
     plan = CggrPlan(parts, layer, path, kept_only)
-    slower = expected_slower(path, saves, share)
-    if slower:  # auto (LEANTRAIN_CGGR=auto) applies CGGR only where it cannot make training slower
-        return Readiness.slower(slower, detail, plan)
-    return Readiness(detail=detail, plan=plan)
+    return Readiness(detail=detail, plan=plan).with_auto_rule(slower)
 
 
 def expected_slower(path: str, saves: bool, share: float) -> str | None:

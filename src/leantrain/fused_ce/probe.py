@@ -94,23 +94,53 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         return Readiness.not_applicable(f"{type(model).__name__} is not a language model: no LM head, no LM loss")
     path = path_of(trainer, ctx.trainer_kind, model)
     if path not in PATHS:
-        return Readiness.no(path)
+        return Readiness.no(path).with_auto_rule(auto_rule(trainer, None, model))
     reasons = trainer_reasons(trainer, path) + model_reasons(model, path)
     if reasons:
-        return Readiness.no(*reasons)
+        return Readiness.no(*reasons).with_auto_rule(auto_rule(trainer, path, model))
     plan = _plan(trainer, path, model)
     if plan.reasons:
-        return Readiness.no(*plan.reasons)
-    verdict, plan.dispatch_why = dispatch.choose(
-        DISPATCH_PATH[path], plan.head, *_head_shape(model), _dtype_name(trainer, plan.settings)
-    )
-    if verdict == "stock":  # auto keeps the faster head (nothing to gain here); fused_ce=True applies the op anyway
-        evidence = f"the dispatch rule prefers {_replaced(path)} ({plan.dispatch_why})"
-        return Readiness.slower(evidence, detail(plan), plan)
+        return Readiness.no(*plan.reasons).with_auto_rule(auto_rule(trainer, path, model, plan))
+    verdict, plan.dispatch_why = _dispatch(trainer, path, model, plan.head, plan.settings)
+    if verdict == "stock":  # auto keeps the stock loss (not measured faster here); fused_ce=True applies the op anyway
+        return Readiness.slower(_stock_evidence(path, plan.dispatch_why), detail(plan), plan)
     if getattr(trainer, "is_fsdp_enabled", False):  # the whole FSDP2 step measured slower with the op
-        evidence = f"under FSDP the training step measured slower with the fused loss ({dispatch.FSDP2_EVIDENCE})"
-        return Readiness.slower(evidence, detail(plan), plan)
+        return Readiness.slower(_FSDP_EVIDENCE, detail(plan), plan)
     return Readiness(detail=detail(plan), plan=plan)
+
+
+_FSDP_EVIDENCE = f"under FSDP the training step measured slower with the fused loss ({dispatch.FSDP2_EVIDENCE})"
+
+
+def auto_rule(trainer: Any, path: str | None, model: nn.Module, plan: CePlan | None = None) -> str | None:
+    """Where the probe found blockers: the auto rule's evidence as far as it can be read (None: auto mode would
+    apply the op here), so that strict mode does not raise for an op auto mode would not apply anyway. Without a
+    known path or a readable head only the device class decides; the head settings TRL could not give are read
+    from the training arguments."""
+    device = trainer.args.device.type
+    measured_here = dispatch.device_reason(device)
+    if measured_here:
+        return _stock_evidence(path, measured_here)
+    head = trl_head.head_shape(model)
+    if path is None or head is None:
+        return None
+    cast = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
+    settings = plan.settings if plan is not None else HeadSettings(cast_lm_head_to_fp32=cast)
+    trainable = "trainable" if getattr(head[0], "requires_grad", False) else "frozen"
+    verdict, why = _dispatch(trainer, path, model, trainable, settings)
+    if verdict == "stock":
+        return _stock_evidence(path, why)
+    return _FSDP_EVIDENCE if getattr(trainer, "is_fsdp_enabled", False) else None
+
+
+def _dispatch(trainer: Any, path: str, model: nn.Module, head: str, settings: HeadSettings) -> tuple[str, str]:
+    h, v = _head_shape(model)
+    dtype = _dtype_name(trainer, settings)
+    return dispatch.choose(DISPATCH_PATH[path], head, h, v, dtype, device=trainer.args.device.type)
+
+
+def _stock_evidence(path: str | None, why: str) -> str:
+    return f"{why} ({_replaced(path)})" if path is not None else why
 
 
 def _not_a_language_model(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ from ..lm_head import ops
 from ..models import head_weight_reasons, is_peft_model, logit_transform, unwrap_model
 from ..optimization import PatchContext, Readiness
 from ..trl_head import HeadSettings
-from . import nograd
+from . import measured, nograd
 
 
 FUSED_OUTPUTS = ("log_probs", "entropy")  # what the fused forward (patch.py) computes
@@ -146,9 +146,11 @@ class LogpsPlan:
 
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
+    # the auto rule: measured on CUDA only (grpo_logps=True applies it anyway); strict mode weighs it with the blockers
+    rule = measured.device_reason(trainer.args.device.type)
     path = path_of(trainer)
     if path not in ("fused", "legacy"):
-        return Readiness.no(path)
+        return Readiness.no(path).with_auto_rule(rule)
     reasons: list[str] = []
     plan = LogpsPlan(path, [])
     for label, model in targets_of(trainer):
@@ -170,11 +172,11 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
             reasons.append(f"{label}: {scaling}")
         plan.targets.append((label, model, settings))
     if reasons:
-        return Readiness.no(*reasons)
+        return Readiness.no(*reasons).with_auto_rule(rule)
     if path == "legacy":
         plan.legacy = LegacyMethod(legacy_method_name(trainer), legacy_method_kind(trainer))
     plan.detail = detail(trainer, plan)
-    return Readiness(detail=plan.detail, plan=plan)
+    return Readiness(detail=plan.detail, plan=plan).with_auto_rule(rule)
 
 
 def path_of(trainer: Any) -> str:

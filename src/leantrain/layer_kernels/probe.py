@@ -3,7 +3,6 @@ modules already, and which module instances get which kernel (the plan ``apply``
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -50,12 +49,10 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         slower = f"measured on SFT training steps only, not on {ctx.trainer_kind} trainers"
     elif verdict is None or not verdict.faster:
         slower = f"not measured faster on {name} ({evidence})"
-    readiness = _ready(trainer, model, name, spec, "" if slower else f"measured faster on {name} ({evidence})")
-    if slower is None:
-        return readiness
-    if not readiness.ready:  # not served here anyway; in auto mode the kernels were not due either
-        return dataclasses.replace(readiness, applicable=False)
-    return Readiness.slower(slower, readiness.detail, readiness.plan)
+    # the entry point weighs the auto rule with any blocker (strict mode raises only where the kernels were due)
+    return _ready(
+        trainer, model, name, spec, "" if slower else f"measured faster on {name} ({evidence})"
+    ).with_auto_rule(slower)
 
 
 def _ready(trainer: Any, model: nn.Module, name: str, spec: Family, why: str) -> Readiness:

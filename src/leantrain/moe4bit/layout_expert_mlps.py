@@ -46,6 +46,9 @@ class ExpertMlpsLayout(Layout):
     def is_4bit(self, module: nn.Module) -> bool:
         return is_linear4bit([m for group in expert_projections(module) for m in group])
 
+    def num_experts(self, module: nn.Module) -> int:
+        return len(module.experts)
+
     def lora_reason(self, module: nn.Module, wrapped: Wrapped) -> str | None:
         names = expert_mlp_names(module.experts[0])
         return _adapters.per_expert_reason(dict(zip(names, expert_projections(module))))

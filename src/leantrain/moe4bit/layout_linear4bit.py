@@ -25,6 +25,9 @@ class Linear4bitLayout(Layout):
     def is_4bit(self, module: nn.Module) -> bool:
         return is_linear4bit(list(module.gate_up_projs) + list(module.down_projs))
 
+    def num_experts(self, module: nn.Module) -> int:
+        return len(module.gate_up_projs)
+
     def lora_reason(self, module: nn.Module, wrapped: Wrapped) -> str | None:
         return _adapters.per_expert_reason(
             {"gate_up_projs": list(module.gate_up_projs), "down_projs": list(module.down_projs)}

@@ -29,6 +29,16 @@ class StackedLayout(Layout):
     def is_4bit(self, module: nn.Module) -> bool:
         return all(bnb_parametrization(module, n) is not None for n in STACK_NAMES)
 
+    def num_experts(self, module: nn.Module) -> int:
+        from torch.nn.utils import parametrize
+
+        name = STACK_NAMES[0]
+        if not parametrize.is_parametrized(module, name):
+            return int(module._parameters[name].shape[0])
+        plist = module.parametrizations[name]
+        state = getattr(plist[0], "quant_state", None)  # a packed 4-bit stack: its shape is the quantization state's
+        return int(state.shape[0] if state is not None else plist.original.shape[0])
+
     def lora_reason(self, module: nn.Module, wrapped: Wrapped) -> str | None:
         return _adapters.stacked_reason(module, wrapped)
 

@@ -55,6 +55,10 @@ class Layout:
         """Whether its expert weights are bitsandbytes 4-bit (otherwise ``not_4bit_reason``)."""
         raise NotImplementedError
 
+    def num_experts(self, module: nn.Module) -> int:
+        """How many experts it holds (structure only: read without bitsandbytes, quantized or not)."""
+        raise NotImplementedError
+
     def lora_reason(self, module: nn.Module, wrapped: Wrapped) -> str | None:
         """Why PEFT adapters on it keep it off the grouped path; None: no adapters, or servable ones."""
         raise NotImplementedError

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..models import data_parallel_reason, unwrap_model
 from ..optimization import PatchContext, Readiness, optional_import_reason
-from . import _adapters, recompute
+from . import _adapters, measured, recompute
 from .layouts import Found
 from .ops import grouped_mm
 from .plan import ModelPlan, Target
@@ -130,20 +130,24 @@ def fsdp_reason(trainer: Any, model: Any) -> str | None:
 
 
 def readiness(model: Any) -> Readiness:
-    """The probe on a model: not applicable without 4-bit MoE experts, else every reason the path cannot run."""
+    """The probe on a model: not applicable without 4-bit MoE experts, else every reason the path cannot run.
+
+    Checked in the order that names what actually blocks: no experts, experts not quantized (nothing to do, whatever
+    is installed), the transformers version, bitsandbytes, then each module."""
     model = unwrap_model(model)
     found = find_experts(model)
     older = _transformers_reason(model, found)
-    if older:
-        return Readiness.no(older)
     if not found:
-        return Readiness.not_applicable(f"{type(model).__name__} has no MoE experts module")
-    reason = bnb_reason()
-    if reason:
-        return Readiness.no(reason)
-    quantized = [f for f in found if layout_of(f).is_4bit(f.module)]
+        hint = f" ({older})" if older else ""
+        return Readiness.not_applicable(f"{type(model).__name__} has no MoE experts module{hint}")
+    bnb_missing = bnb_reason()
+    quantized = [f for f in found if _is_4bit(f, bnb_missing)]
     if not quantized:
         return Readiness.not_applicable(not_4bit_reason(found[0]))
+    if older:
+        return Readiness.no(older)
+    if bnb_missing:
+        return Readiness.no(bnb_missing)
     wrapped = _adapters.wrapped_map(model)
     problems = [(f.name, not_4bit_reason(f)) for f in found if f not in quantized]
     problems += [(f.name, r) for f in quantized if (r := module_reason(f, wrapped)) is not None]
@@ -159,29 +163,67 @@ def readiness(model: Any) -> Readiness:
     return Readiness(detail=f"{len(quantized)} experts modules ({', '.join(layouts)}); {'; '.join(sorted(details))}")
 
 
+def _is_4bit(found: Found, bnb_missing: str | None) -> bool:
+    """Whether the module's experts are bitsandbytes 4-bit. Without an importable bitsandbytes, by the classes alone
+    (a 4-bit layer or parametrization is an instance of a bitsandbytes class), so that experts that are not
+    quantized say so rather than asking for bitsandbytes."""
+    if bnb_missing is None:
+        return layout_of(found).is_4bit(found.module)
+    return any(type(m).__module__.partition(".")[0] == "bitsandbytes" for m in found.module.modules())
+
+
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     """The probe on a trainer: the model's readiness, then the engine (ZeRO-3, FSDP, DataParallel); when ready, the
-    plan with one :class:`Target` per experts module (recompute per layout and shape: :mod:`recompute`)."""
+    plan with one :class:`Target` per experts module (recompute per layout and shape: :mod:`recompute`). Off CUDA
+    the auto rule is the measured table (:mod:`measured`), weighed with any blocker by the entry point."""
     ready = readiness(trainer.model)
-    if not ready.ready:
+    if not ready.applicable:
         return ready
+    rule, measured_why = auto_rule(trainer, ctx.trainer_kind)
+    if ready.blocked:
+        return ready.with_auto_rule(rule)
     if zero3(trainer):
-        return Readiness.no(ZERO3_REASON)
+        return Readiness.no(ZERO3_REASON).with_auto_rule(rule)
     reason = fsdp_reason(trainer, trainer.model) or data_parallel_reason(
         trainer,
         "the grouped experts forward is patched on the module instance and its plan holds the packed "
         "stacks of the first GPU, so every replica would compute there",
     )
     if reason:
-        return Readiness.no(reason)
+        return Readiness.no(reason).with_auto_rule(rule)
     model = unwrap_model(trainer.model)
     wrapped = _adapters.wrapped_map(model)
     targets = [target(f, wrapped, ctx.config.moe_recompute) for f in find_experts(model)]
     live = fsdp2(trainer)  # FSDP2 swaps whole stacks in per call: the plan is rebuilt around them per call
     choices = sorted({f"{t.layout} {recompute.describe(t.recompute, t.recompute_why)}" for t in targets})
-    detail = "; ".join([ready.detail, *choices])
+    detail = "; ".join([ready.detail, *choices, *([measured_why] if measured_why else [])])
     detail += "; FSDP2: plan rebuilt per call around the unsharded stacks" if live else ""
-    return dataclasses.replace(ready, detail=detail, plan=ModelPlan(targets, detail, live))
+    return dataclasses.replace(ready, detail=detail, plan=ModelPlan(targets, detail, live)).with_auto_rule(rule)
+
+
+def auto_rule(trainer: Any, kind: str) -> tuple[str | None, str]:
+    """(why auto mode keeps the stock experts here or None, why it applies them or ""). On CUDA no rule (the grouped
+    path serves wherever it is ready); elsewhere the measured table decides for every distinct experts count."""
+    model = unwrap_model(trainer.model)
+    found = find_experts(model)
+    device = _device(found, trainer)
+    if device == "cuda":
+        return None, ""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    counts = sorted({layout_of(f).num_experts(f.module) for f in found})
+    verdicts = [measured.choose(device, kind, experts, hidden) for experts in counts]
+    slower = [why for faster, why in verdicts if not faster]
+    return (slower[0], "") if slower else (None, "; ".join(why for _, why in verdicts))
+
+
+def _device(found: list[Found], trainer: Any) -> str:
+    """The device class the experts compute on: where their weights are, else the trainer's device."""
+    for f in found:
+        for tensor in (*f.module.parameters(), *f.module.buffers()):
+            return tensor.device.type
+    return trainer.args.device.type
 
 
 def target(found: Found, wrapped: dict[int, nn.Module], explicit_recompute: bool | None) -> Target:
