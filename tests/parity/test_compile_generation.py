@@ -212,7 +212,7 @@ def test_auto_skips_cpu_with_the_reason_and_strict_has_nothing_to_hold(model_dir
     report = leantrain.patch_trainer(t, strict=True, environ={})
     outcome = report["compile_generation"]
     assert outcome.status is Status.SKIPPED
-    assert "measured on CUDA only; this trainer runs on cpu" in outcome.reasons[0]
+    assert outcome.reasons[0].startswith("not measured on cpu (measured faster on CUDA only: qwen2 on H200")
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,9 @@ REQUESTED = {
     "fused_ce": dict.fromkeys(MODELS),
     "cggr": dict.fromkeys(MODELS),
     "grpo_logps": dict.fromkeys(MODELS, "grpo_logps is required but not ready: does not apply to plain Trainers"),
+    "compile_generation": dict.fromkeys(
+        MODELS, "compile_generation is required but not ready: does not apply to plain Trainers"
+    ),
 }
 
 

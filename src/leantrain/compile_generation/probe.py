@@ -46,9 +46,8 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     base = unwrap_model(model) if model is not None else None
     if base is not None:
         reasons += model_reasons(base)
-    if reasons:  # not ready; where auto mode would not apply it here anyway, strict mode has nothing to hold
-        due = base is not None and auto_reason(trainer, base, config) is None
-        return dataclasses.replace(Readiness.no(*reasons), applicable=due)
+    if reasons:  # blocked; the auto rule still says whether auto mode would have applied it here (strict)
+        return Readiness.no(*reasons).with_auto_rule(auto_reason(trainer, base, config))
     plan = GenerationPlan(
         model=model,
         generation_config=config,
@@ -213,7 +212,8 @@ def auto_reason(trainer: Any, base: nn.Module | None, config: Any) -> str | None
     """Where auto mode would not apply it here (the evidence), or None where it would."""
     device = trainer.args.device
     if device.type not in AUTO_DEVICES:
-        return f"measured on CUDA only; this trainer runs on {device.type}"
+        measured = ", ".join(f"{family} on {m.evidence.device}, {m.evidence.date}" for family, m in MEASURED.items())
+        return f"not measured on {device.type} (measured faster on CUDA only: {measured or 'none yet'})"
     pays, why = payback(trainer, base, config)
     return None if pays else why
 
