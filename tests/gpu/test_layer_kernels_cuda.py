@@ -215,6 +215,10 @@ def test_regional_compile_of_patched_layers(family, device, tmp_path):
     model = copy.deepcopy(stock)
     inputs = batch(device)
     ref_stock, ref_exact = run(stock, inputs), run(exact, inputs)
+    # from a clean Dynamo state: compiled entries an earlier test left on the shared module code (nn.Module's call)
+    # made this trace fail in the full CUDA suite (an AssertionError in Dynamo's autograd.Function speculation) while
+    # it passed alone and after the compile_generation tests
+    torch._dynamo.reset()
     with kernels(device):
         trainer = patch(model, device, tmp_path)
         for layer in model.model.layers:
