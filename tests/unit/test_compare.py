@@ -166,6 +166,21 @@ def test_the_first_step_counts_with_its_payback():
     ), text
 
 
+def test_a_one_off_cost_below_a_second_is_in_ms_and_one_below_the_tables_precision_is_not_named():
+    stock, lean = [100.0, 101, 99, 100, 101, 100], [70.0, 71, 69, 70, 71, 70]
+
+    def firsts(stock_first, lean_first):
+        return four([[s, *stock[1:]] for s in stock_first], [[s, *lean[1:]] for s in lean_first])
+
+    result = verdicts.verdict(firsts((500.0, 520.0), (800.0, 830.0)), 1)
+    assert result["first_step"]["extra_ms"] == pytest.approx(305.0)
+    assert result["text"].endswith(
+        "; the first step took 305.0 ms longer (once: compiling, set-up), paid back after 11 steps"
+    )
+    tiny = verdicts.verdict(firsts((0.30, 0.31), (0.35, 0.35)), 1)
+    assert 0 < tiny["first_step"]["extra_ms"] < 0.05 and "first step" not in tiny["text"]
+
+
 def test_the_largest_loss_difference_is_shown_with_its_own_steps_bound():
     """Not the run's smallest bound (step 1's, before the loss moved): that would read as if the diff broke it."""
     losses = [5.0, 4.0, 5.0, 4.0, 5.0, 4.0]  # the moved term grows the bound step by step

@@ -145,10 +145,15 @@ def first_step(by_mode: dict[str, Sequence[Measurement]], saved_ms: float) -> di
     return {"stock_ms": stock, "leantrain_ms": lean, "extra_ms": extra, "payback_steps": payback}
 
 
+def _duration(ms: float) -> str:
+    """Seconds from 1 s up, else milliseconds at the table's precision (0.1 ms)."""
+    return f"{ms / 1e3:.1f} s" if round(ms, 1) >= 1e3 else f"{ms:.1f} ms"
+
+
 def _first_step_text(first: dict[str, Any]) -> str:
-    if not first["extra_ms"]:
+    if round(first["extra_ms"], 1) <= 0:  # nothing to say below the table's precision
         return ""
-    once = f"; the first step took {first['extra_ms'] / 1e3:.1f} s longer (once: compiling, set-up)"
+    once = f"; the first step took {_duration(first['extra_ms'])} longer (once: compiling, set-up)"
     if first["payback_steps"] is None:
         return once + ", and no measured step-time saving pays it back"
     return once + f", paid back after {first['payback_steps']:,} steps"
