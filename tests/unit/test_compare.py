@@ -47,7 +47,7 @@ def child_env(**extra: str) -> dict[str, str]:
         ([], {}, "missing TARGET"),
         (["--steps", "3", TARGET], {}, "--steps 3 leaves fewer than 2 timed steps after --warmup 2"),
         (["--warmup", "-1", TARGET], {}, "--warmup must be >= 0"),
-        (["--json", "/no/such/dir/c.json", TARGET], {}, "does not exist"),
+        (["--json", f"{TARGET}/out/c.json", TARGET], {}, "is a file, so the folder"),
         (["--plot", str(REPO), TARGET], {}, "is a directory"),
         (["--no-such-flag", TARGET], {}, "unrecognized arguments: --no-such-flag"),
         (["--opt", "cggr_ratio=0.5", TARGET], {}, "unknown option 'cggr_ratio'"),
@@ -71,6 +71,22 @@ def test_unwritable_keep_file_is_refused(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         compare.parse(["--keep", TARGET], environ={})
     assert "--keep:" in capsys.readouterr().err
+
+
+def test_missing_output_folders_are_accepted_and_unwritable_ones_refused(tmp_path, monkeypatch, capsys):
+    """--json and --plot into folders that do not exist yet: made when the numbers are written, not refused; a
+    folder that cannot be made (its nearest existing folder is not writable) is refused before anything runs."""
+    json_path, plot_path = tmp_path / "a" / "b" / "c.json", tmp_path / "d" / "c.png"
+    req = compare.parse(["--json", str(json_path), "--plot", str(plot_path), TARGET], environ={})
+    assert (req.json_path, req.plot_path) == (str(json_path), str(plot_path))
+    assert not (tmp_path / "a").exists()  # nothing made before the runs
+    locked = str(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != locked and real_access(path, mode))
+    with pytest.raises(SystemExit) as exit_info:
+        compare.parse(["--json", str(json_path), TARGET], environ={})
+    assert exit_info.value.code == 2
+    assert f"is not writable: {locked!r} is not writable (the folder" in capsys.readouterr().err
 
 
 def test_python_m_leantrain_compare_reports_bad_input(tmp_path):
@@ -425,11 +441,14 @@ def test_recipe_target_smoke_trains_under_leantrain_run(recipe, tmp_path, monkey
 # --- end to end: four child processes over a tiny Trainer script --------------------------------------------------
 
 
-def compare_run(tmp: Path, argv: list[str], env: dict[str, str], sleep_ms=None) -> tuple[dict, str]:
+def compare_run(
+    tmp: Path, argv: list[str], env: dict[str, str], sleep_ms=None, json_path: Path | None = None
+) -> tuple[dict, str]:
     cwd = os.getcwd()
     os.chdir(tmp)  # --keep writes ./leantrain.json
     try:
-        req = compare.parse(["--json", str(tmp / "c.json"), "--plot", str(tmp / "c.png"), *argv], environ=env)
+        outputs = ["--json", str(json_path or tmp / "c.json"), "--plot", str(tmp / "c.png")]
+        req = compare.parse([*outputs, *argv], environ=env)
         lines: list[str] = []
         data = compare.compare(req, out=lines.append, environ=env, sleep_ms=sleep_ms)
     finally:
@@ -506,13 +525,17 @@ def test_forced_loss_difference(tmp_path):
 
 @pytest.mark.slow
 def test_kill_switch_is_nothing_applied(tmp_path):
+    """Also: --json into folders that do not exist yet makes them."""
+    json_path = tmp_path / "new" / "folder" / "c.json"
     data, out = compare_run(
         tmp_path,
         ["--steps", "4", "--warmup", "1", TARGET, "--out", str(tmp_path / "t")],
         child_env(LEANTRAIN_DISABLE="1"),
+        json_path=json_path,
     )
     assert data["verdict"]["text"].startswith("nothing applied: no claim (stopped after the first leantrain run"), out
     assert data["order"] == ["stock", "leantrain"] and len(data["run_wall_s"]) == 2  # the other two never ran
+    assert json.loads(json_path.read_text())["verdict"] == data["verdict"]
 
 
 @pytest.mark.slow

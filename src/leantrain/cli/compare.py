@@ -103,12 +103,19 @@ def _split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 
 
 def _writable(parser: argparse.ArgumentParser, path: str, what: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
+    """The file can be written once its missing folders are made (they are, when the numbers are written): refuse
+    only what cannot be, a folder in the way that is a file or one that is not writable."""
     if os.path.isdir(path):
         parser.error(f"{what} {path!r} is a directory: give a file path")
-    if not os.path.isdir(folder):
-        parser.error(f"{what} {path!r}: the folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    folder = existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        parser.error(f"{what} {path!r}: {existing!r} is a file, so the folder {folder!r} cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        made = "" if existing == folder else f" (the folder {folder!r} would be made there)"
+        parser.error(f"{what} {path!r} is not writable: {existing!r} is not writable{made}")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         parser.error(f"{what} {path!r} is not writable")
 
 
@@ -148,14 +155,10 @@ def parse(argv: list[str], environ: dict[str, str] | None = None) -> CompareRequ
             "compare under accelerate launch instead (leantrain compare accelerate launch --num_processes N "
             "train.py ...: rank 0's timings)"
         )
-    if (ns.json is None or ns.plot is None) and not os.path.isdir(DEFAULT_DIR):  # made when the runs are done
-        _writable(parser, DEFAULT_DIR, "the default output folder")
     ns.json = ns.json or DEFAULT_JSON
     ns.plot = ns.plot or DEFAULT_PLOT
     for path, what in ((ns.json, "--json"), (ns.plot, "--plot")):
-        if path in (DEFAULT_JSON, DEFAULT_PLOT) and not os.path.isdir(DEFAULT_DIR):
-            continue
-        _writable(parser, path, what)
+        _writable(parser, path, what)  # missing folders are made when the runs are done
     if ns.keep:
         _writable(parser, _keep.KEEP_FILE, "--keep:")
     if any(token.startswith("--measure") for token in run):
