@@ -45,8 +45,20 @@ def child_env(**extra: str) -> dict[str, str]:
     ("argv", "environ", "message"),
     [
         ([], {}, "missing TARGET"),
-        (["--steps", "3", TARGET], {}, "--steps 3 leaves fewer than 2 timed steps after --warmup 2"),
-        (["--warmup", "-1", TARGET], {}, "--warmup must be >= 0"),
+        (
+            ["--steps", str(verdicts.MIN_STEPS - 1), TARGET],
+            {},
+            f"--steps must be >= {verdicts.MIN_STEPS}, got {verdicts.MIN_STEPS - 1}: each run's steady state is "
+            f"detected by leaving out up to half of its steps, and a speed claim needs {verdicts.MIN_TIMED} timed",
+        ),
+        (
+            ["--steps", "4", "--warmup", "2", TARGET],
+            {},
+            f"--steps 4 leaves 2 timed steps after --warmup 2, and a speed claim needs {verdicts.MIN_TIMED}: give "
+            f"--steps >= {2 + verdicts.MIN_TIMED}",
+        ),
+        (["--warmup", "-1", TARGET], {}, "--warmup must be >= 0 or auto, got -1"),
+        (["--warmup", "two", TARGET], {}, "--warmup must be >= 0 or auto, got two"),
         (["--json", f"{TARGET}/out/c.json", TARGET], {}, "is a file, so the folder"),
         (["--plot", str(REPO), TARGET], {}, "is a directory"),
         (["--no-such-flag", TARGET], {}, "unrecognized arguments: --no-such-flag"),
@@ -107,6 +119,7 @@ def test_parse_splits_compare_run_and_target_options():
         environ={},
     )
     assert (req.steps, req.warmup, req.keep) == (6, 1, False)
+    assert compare.parse([TARGET], environ={}).warmup is None  # auto: each run's steady state is detected
     assert req.run_options == ("--cggr", "--opt", "cggr_scoring=margin")
     assert req.target == (TARGET, "--steps", "9", "--keep")
     assert req.options == {"cggr": True, "cggr_scoring": "margin"}
@@ -149,13 +162,13 @@ WARM = [500.0, 400.0]  # two warm-up steps, left out
 
 def test_faster_needs_separated_spreads_and_every_run_ahead():
     runs = four([WARM + [100, 102, 98, 101], WARM + [99, 103, 100, 100]], [WARM + [70, 71, 69, 72]] * 2)
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["speed"]["verdict"] == "faster" and result["text"].startswith("faster by 1.4")
     assert re.search(r"same losses \(max diff 0\.0e\+00, bound \d\.\de-0\d at that step\)$", result["text"])
     assert result["helped"]
     # one leantrain run as slow as stock: not every run is ahead, and the two leantrain runs disagree
     mixed = four([WARM + [100, 102, 98, 101]] * 2, [WARM + [70, 71, 69, 72], WARM + [101, 100, 99, 102]])
-    assert verdicts.verdict(mixed, 2)["text"].startswith("no claim: the two leantrain runs disagree (70.5 vs 100.5")
+    assert verdicts.verdict(mixed)["text"].startswith("no claim: the two leantrain runs disagree (70.5 vs 100.5")
 
 
 def test_the_first_step_counts_with_its_payback():
@@ -176,7 +189,7 @@ def test_the_first_step_counts_with_its_payback():
     close = verdicts.verdict(four(stock, [[540.0, 400, 70, 71, 69, 72], [545.0, 400, 70, 71, 69, 72]]), 2)
     assert close["first_step"]["extra_ms"] == 0.0  # every run slower, but by under 10%: noise
     same = four([WARM + [100, 101, 99, 100]] * 2, [[9000.0, 400, 100, 101, 99, 100]] * 2)
-    text = verdicts.verdict(same, 2)["text"]
+    text = verdicts.verdict(same)["text"]
     assert text.endswith(
         "took 8.5 s longer (once: compiling, set-up), and no measured step-time saving pays it back"
     ), text
@@ -204,7 +217,7 @@ def test_the_largest_loss_difference_is_shown_with_its_own_steps_bound():
     fast, slow = WARM + [70, 71, 69, 72], WARM + [100, 102, 98, 101]
     runs = [run("stock 1", slow, losses), run("leantrain 1", fast, lean, ("moe4bit",))]
     runs += [run("leantrain 2", fast, lean, ("moe4bit",)), run("stock 2", slow, losses)]
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     check = result["losses"]
     assert check["diff"].index(max(check["diff"])) == 4 and check["bound"][4] > 1.5 * check["bound"][0]
     assert result["text"].endswith(f"(max diff {check['diff'][4]:.1e}, bound {check['bound'][4]:.1e} at that step)")
@@ -212,25 +225,25 @@ def test_the_largest_loss_difference_is_shown_with_its_own_steps_bound():
 
 def test_overlapping_spreads_are_no_claim_even_with_a_different_median():
     runs = four([WARM + [100, 140, 90, 130]] * 2, [WARM + [95, 125, 85, 120]] * 2)
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["speed"]["ratio"] > 1.04  # stock's median is higher ...
     assert result["text"] == "within noise: no claim" and not result["helped"]  # ... inside the spread
 
 
 def test_slower_and_leaner():
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [150, 151, 149, 152]] * 2)
-    assert verdicts.verdict(runs, 2)["text"].startswith("slower by 1.5")
+    assert verdicts.verdict(runs)["text"].startswith("slower by 1.5")
     lean = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [100, 101, 99, 100]] * 2)
     for r in lean[1:3]:
         r.peak_bytes = 800
-    result = verdicts.verdict(lean, 2)
+    result = verdicts.verdict(lean)
     assert result["text"].startswith("step time within noise, 20% less peak memory, same losses (max diff")
     assert result["helped"] and result["keep"] == "helped"
 
 
 def test_nothing_applied_is_never_a_claim():
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [50, 51, 49, 50]] * 2, applied=())
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["speed"]["verdict"] == "faster"  # what the clock alone says ...
     assert result["text"] == "nothing applied: no claim" and not result["helped"]  # ... is not a claim
 
@@ -305,7 +318,7 @@ def test_a_noise_verdict_keeps_nothing():
 def test_one_disturbed_stock_run_is_no_claim_with_the_cause():
     """A neighbour slows one stock run 9x: pooled, leantrain looks faster; the stock runs disagree, so no claim."""
     runs = four([WARM + [100, 101, 99, 100], WARM + [900, 905, 910, 899]], [WARM + [98, 99, 97, 98]] * 2)
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["speed"]["verdict"] == "no claim" and not result["helped"]
     assert result["text"].startswith("no claim: the two stock runs disagree (100.0 vs 902.5 ms a step")
     assert "something else on the machine slowed stock 2" in result["text"]
@@ -315,27 +328,27 @@ def test_one_disturbed_stock_run_is_no_claim_with_the_cause():
 
 def test_runs_that_agree_within_their_own_spread_still_claim():
     runs = four([WARM + [100, 101, 99, 100], WARM + [106, 107, 105, 106]], [WARM + [70, 71, 69, 72]] * 2)
-    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 1.4")
+    assert verdicts.verdict(runs)["text"].startswith("faster by 1.4")
 
 
 def test_a_disagreement_far_smaller_than_the_effect_still_claims():
     """Stock runs 40% apart on a busy machine, leantrain 10x faster than either: the disagreement cannot make it."""
     runs = four([WARM + [100, 101, 99, 100], WARM + [140, 141, 139, 140]], [WARM + [10, 10.1, 9.9, 10]] * 2)
-    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 12.0")
+    assert verdicts.verdict(runs)["text"].startswith("faster by 12.0")
     # the same disagreement against a 1.5x effect is no claim
     close = four([WARM + [100, 101, 99, 100], WARM + [140, 141, 139, 140]], [WARM + [80, 81, 79, 80]] * 2)
-    assert verdicts.verdict(close, 2)["text"].startswith("no claim: the two stock runs disagree (100.0 vs 140.0")
+    assert verdicts.verdict(close)["text"].startswith("no claim: the two stock runs disagree (100.0 vs 140.0")
 
 
 def test_a_loaded_host_is_no_claim_when_the_load_could_explain_the_ratio():
     loaded = dict(host_load=[6.0] * 6, cores=2)  # 3 runnable threads a core: steps can take 3x as long
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [70, 71, 69, 72]] * 2, **loaded)
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["text"].startswith("no claim: the host was loaded during stock 1 (host load average up to 6.0")
     assert "up to 3.0x, more than the 1.42x measured" in result["text"] and result["keep"] is None
     # a difference well beyond what the load explains (a 10x slower path) is still a claim
     slow = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [1000, 1001, 999, 1002]] * 2, **loaded)
-    assert verdicts.verdict(slow, 2)["text"].startswith("slower by 10.0")
+    assert verdicts.verdict(slow)["text"].startswith("slower by 10.0")
 
 
 def test_no_claim_from_fewer_timed_steps_and_the_cap_is_named():
@@ -458,10 +471,13 @@ def compare_run(
 
 @pytest.fixture(scope="module")
 def slow_path(tmp_path_factory):
-    """CGGR applied (in its warm-up: every label trains) and a 1 s sleep inside every leantrain step."""
+    """CGGR applied (in its warm-up: every label trains), a 1 s sleep inside every leantrain step and 0.3 s inside
+    every stock one (so that the tiny model's own noisy milliseconds cannot move a run's step time), timed from each
+    run's detected steady state (the default)."""
     tmp = tmp_path_factory.mktemp("compare_slow")
-    argv = ["--steps", "4", "--warmup", "1", "--keep", "--cggr", "--opt", "cggr_warmup_steps=1000"]
-    data, out = compare_run(tmp, [*argv, TARGET, "--out", str(tmp / "target")], child_env(), {"leantrain": 1000.0})
+    argv = ["--steps", str(verdicts.MIN_STEPS), "--keep", "--cggr", "--opt", "cggr_warmup_steps=1000"]
+    sleep = {"leantrain": 1000.0, "stock": 300.0}
+    data, out = compare_run(tmp, [*argv, TARGET, "--out", str(tmp / "target")], child_env(), sleep)
     return tmp, data, out
 
 
@@ -473,6 +489,7 @@ def test_forced_slow_path_is_slower(slow_path):
     assert verdict["text"].startswith("slower by") and "losses not compared: cggr" in verdict["text"]
     assert "cggr" in verdict["applied"] and f"verdict: {verdict['text']}" in out
     assert "== what leantrain applied" in out and re.search(r"^cggr +applied ", out, re.M)
+    assert f"{verdicts.MIN_STEPS} steps per run, {verdicts.STEADY_RULE}" in out  # the rule, stated
 
 
 @pytest.mark.slow
@@ -483,7 +500,7 @@ def test_json_holds_both_modes_and_the_verdict(slow_path):
     for mode in ("stock", "leantrain"):
         got = saved[mode]
         assert len(got["step_ms"]) == len(got["losses"]) == len(got["tokens"]) == len(got["peak_bytes"]) == 2
-        assert all(len(run) == 4 for run in (*got["step_ms"], *got["losses"], *got["tokens"]))
+        assert all(len(run) == verdicts.MIN_STEPS for run in (*got["step_ms"], *got["losses"], *got["tokens"]))
         assert all(isinstance(p, int) and p > 0 for p in got["peak_bytes"])
         assert all(t == 32 for run in got["tokens"] for t in run)  # 2 rows x 16 tokens per step
         assert got["report"]["trainer_kind"] == "trainer"
@@ -492,6 +509,9 @@ def test_json_holds_both_modes_and_the_verdict(slow_path):
     assert saved["stock"]["losses"][0] == saved["stock"]["losses"][1]  # deterministic on CPU
     assert min(saved["leantrain"]["step_ms"][0][1:]) >= 1000  # the injected sleep is inside the step
     assert saved["verdict"]["text"] == data["verdict"]["text"]
+    assert saved["warmup"] == "auto" and saved["verdict"]["steady"]["rule"] == verdicts.STEADY_RULE
+    cuts = [r["cut"] for r in saved["verdict"]["steady"]["runs"]]
+    assert all(1 <= c <= verdicts.MIN_STEPS // 2 for c in cuts), cuts
 
 
 @pytest.mark.slow
@@ -581,12 +601,13 @@ def test_stock_runs_get_none_of_the_run_options():
 @pytest.mark.slow
 def test_a_disturbed_stock_run_is_no_claim_with_the_cause(tmp_path):
     """One stock run slowed by a sleep in its every step (a neighbour on the machine): pooled, leantrain would look
-    faster; the two stock runs disagree, so the verdict makes no claim, names the cause, and --keep keeps nothing."""
+    faster; the two stock runs disagree, so the verdict makes no claim, names the cause, and --keep keeps nothing.
+    Every other step sleeps 0.3 s, so that the tiny model's own noisy milliseconds cannot move a run's step time."""
     data, out = compare_run(
         tmp_path,
         ["--steps", "4", "--warmup", "1", "--keep", TARGET, "--out", str(tmp_path / "t")],
         child_env(),
-        {"stock 2": 1000.0},
+        {"stock 2": 1300.0, "stock 1": 300.0, "leantrain": 300.0},
     )
     verdict = data["verdict"]
     assert verdict["speed"]["verdict"] == "no claim", out
