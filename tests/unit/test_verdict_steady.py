@@ -134,6 +134,21 @@ def test_the_suggestion_is_three_times_the_steps_a_run_was_seen_settling():
     )
 
 
+def test_a_run_that_had_not_settled_on_a_loaded_host_names_the_load():
+    """Other work on the host moves step times too: the cause names the load, and the rerun asks for an idle
+    machine as well as more steps."""
+    runs = measured(10)
+    for r in runs:
+        r.host_load, r.cores = [1.0] * 10, 2
+    runs[3].host_load = [1.0] * 9 + [6.4]  # stock 2, the second run that had not settled
+    assert verdicts.verdict(runs)["text"].endswith(
+        "nor had stock 2; the host was loaded during stock 2 (host load average up to 6.4 on 2 cores); rerun on an "
+        "idle machine with more steps (--steps 21)"
+    )
+    runs[3].host_load = [2.4] * 10  # 1.2 a core: not loaded
+    assert verdicts.verdict(runs)["text"].endswith("nor had stock 2; rerun with more steps (--steps 21)")
+
+
 def test_the_cuts_and_the_rule_are_recorded_in_compare_json(tmp_path):
     runs = measured(18)
     result = verdicts.verdict(runs)

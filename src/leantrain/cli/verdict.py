@@ -131,10 +131,14 @@ def unsettled(runs: Sequence[Measurement], steady: Sequence[Steady]) -> str | No
     names = [r.label or "a run" for r, _ in late[1:]]
     others = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
     steps = max(SETTLE_FACTOR * max(s.settling for _, s in late), n + 1)
+    factor, loaded = host_contention([r for r, _ in late])
+    # other work on the host moves step times too: then more steps alone may not settle them
+    busy = f"; the host was loaded during {loaded.label or 'it'}{_load_text(loaded)}" if factor > LOADED else ""
+    where = " on an idle machine" if busy else ""
     return (
         f"{run.label or 'a run'} had not settled within {n} steps ({first.unsettled})"
         + (f", nor had {others}" if others else "")
-        + f"; rerun with more steps (--steps {steps})"
+        + f"{busy}; rerun{where} with more steps (--steps {steps})"
     )
 
 
