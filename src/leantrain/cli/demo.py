@@ -45,9 +45,11 @@ from .verdict import MIN_STEPS, MIN_TIMED, MODES, ORDER, STEADY_RULE, quantile, 
 
 DEMO_MODELS = {"llama": "llama", "gpt2": "gpt2", "gpt-oss": "gpt_oss"}
 NO_VALUE = "—"  # a table cell with nothing to show (a GRPO run has no eval loss): never "nan"
-# Defaults: (sft, grpo, --smoke). A GRPO step samples its completions token by token, and on CPU that dominates
-# the step (the per-expert loop runs for every sampled token): fewer steps and experts keep it to minutes.
-SIZES = {"steps": (10, 6, 6), "seq": (128, 128, 32), "experts": (32, 8, 8), "vocab": (2048, 2048, 512)}
+# Defaults: (sft, grpo, --smoke). 30 steps: on 2 idle CPU cores stock SFT's step time keeps falling for about 8 steps,
+# and a run settles when its start falls well inside the half the steady-state cut may leave out; --smoke takes the
+# fewest steps the cut allows. A GRPO step samples its completions token by token, and on CPU that dominates the
+# step (the per-expert loop runs for every sampled token): fewer experts keep it to minutes.
+SIZES = {"steps": (30, 30, MIN_STEPS), "seq": (128, 128, 32), "experts": (32, 8, 8), "vocab": (2048, 2048, 512)}
 MIN_VOCAB = 259  # the tokenizer's 256 byte tokens and its 3 special tokens
 
 
@@ -236,13 +238,14 @@ def _steps(text: str) -> int:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="leantrain demo")
-    sizes = SIZES["steps"]
+    sft, grpo, smoke = SIZES["steps"]
+    default = f"default {sft}" if sft == grpo else f"default {sft}, grpo {grpo}"
     parser.add_argument(
         "--steps",
         type=_steps,
         default=None,
-        help=f"optimizer steps per run, 4 runs (default {sizes[0]}, grpo {sizes[1]}; --smoke {sizes[2]}; at least "
-        f"{MIN_STEPS}: each run is timed from its steady state, detected from its own step times)",
+        help=f"optimizer steps per run, 4 runs ({default}; --smoke {smoke}; at least {MIN_STEPS}: each run is timed "
+        "from its steady state, detected from its own step times)",
     )
     parser.add_argument(
         "--model",
