@@ -177,7 +177,7 @@ def _run(
             unpatch_trainer(trainer)
     cut = steady_state(result.step_ms).cut
     median = quantile(result.step_ms[cut:], 0.5)
-    progress.done(f"{head}: {len(result.step_ms)} steps, median {median:.0f} ms after its first {cut}")
+    progress.done(f"{head}: {len(result.step_ms)} steps, median {median:.0f} ms from step {cut + 1} on")
     gc.collect()
     return result, eval_loss
 
