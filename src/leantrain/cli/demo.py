@@ -45,11 +45,12 @@ from .verdict import MIN_STEPS, MIN_TIMED, MODES, ORDER, STEADY_RULE, quantile, 
 
 DEMO_MODELS = {"llama": "llama", "gpt2": "gpt2", "gpt-oss": "gpt_oss"}
 NO_VALUE = "—"  # a table cell with nothing to show (a GRPO run has no eval loss): never "nan"
-# Defaults: (sft, grpo, --smoke). 30 steps: on 2 idle CPU cores stock SFT's step time keeps falling for about 8 steps,
-# and a run settles when its start falls well inside the half the steady-state cut may leave out; --smoke takes the
-# fewest steps the cut allows. A GRPO step samples its completions token by token, and on CPU that dominates the
-# step (the per-expert loop runs for every sampled token): fewer experts keep it to minutes.
-SIZES = {"steps": (30, 30, MIN_STEPS), "seq": (128, 128, 32), "experts": (32, 8, 8), "vocab": (2048, 2048, 512)}
+# Defaults: (sft, grpo, --smoke). Steps: enough that each run settles well inside the half the steady-state cut may
+# leave out. On 2 idle CPU cores stock SFT's step time falls for its first 6-8 steps, then holds: 30 steps. Stock
+# GRPO's keeps drifting down for tens of steps while leantrain's holds from step 2: 60 steps. --smoke takes the
+# fewest steps the cut allows.
+# A GRPO step samples its completions token by token, and on CPU that dominates the step: fewer experts keep it short.
+SIZES = {"steps": (30, 60, MIN_STEPS), "seq": (128, 128, 32), "experts": (32, 8, 8), "vocab": (2048, 2048, 512)}
 MIN_VOCAB = 259  # the tokenizer's 256 byte tokens and its 3 special tokens
 
 
