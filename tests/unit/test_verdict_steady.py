@@ -134,6 +134,16 @@ def test_the_suggestion_is_three_times_the_steps_a_run_was_seen_settling():
     )
 
 
+def test_a_run_that_had_not_settled_under_the_scripts_own_max_steps_names_the_cap():
+    """More steps need the script's own max_steps raised too: the cause says that it capped the runs."""
+    runs = measured(10)
+    for r in runs:
+        r.requested_steps, r.max_steps = 20, 10
+    assert verdicts.verdict(runs)["text"].endswith(
+        "rerun with more steps (--steps 21); the script capped its runs at max_steps=10 (20 steps asked for)"
+    )
+
+
 def test_a_run_that_had_not_settled_on_a_loaded_host_names_the_load():
     """Other work on the host moves step times too: the cause names the load, and the rerun asks for an idle
     machine as well as more steps."""

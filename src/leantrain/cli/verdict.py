@@ -410,7 +410,9 @@ def verdict(runs: Sequence[Measurement], warmup: int | None = None) -> dict[str,
     cause = disturbance(runs, steady, speed)
     cap = capped(runs)
     if cause:
-        speed.update(verdict="no claim", cause=cause + (f"; {cap}" if cap and "timed step" in cause else ""))
+        # too few steps or a run that had not settled: the script's own max_steps may be what stopped it short
+        short = "timed step" in cause or "had not settled" in cause
+        speed.update(verdict="no claim", cause=cause + (f"; {cap}" if cap and short else ""))
     memory = memory_verdict([r.peak_bytes for r in stock], [r.peak_bytes for r in lean])
     saved = times["stock"]["median_ms"] - times["leantrain"]["median_ms"] if speed["verdict"] == "faster" else 0.0
     first = first_step(by_mode, saved)
