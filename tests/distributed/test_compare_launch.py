@@ -41,7 +41,7 @@ def test_compare_under_accelerate_launch_measures_rank_zero(tmp_path, monkeypatc
     launch = ["accelerate", "launch", "--config_file", str(REPO / "examples" / "accelerate" / "deepspeed_zero2.yaml")]
     launch += ["--mixed_precision", "no", "--main_process_port", str(free_port())]
     script = [str(REPO / "examples" / "train_sft.py"), "--shape", "tiny-llama", "--batch", "2", "--seq", "64"]
-    argv = ["--steps", "3", "--warmup", "1", "--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")]
+    argv = ["--steps", "4", "--warmup", "1", "--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")]
     monkeypatch.chdir(tmp_path)
     req = compare.parse([*argv, *launch, *script, "--out", str(tmp_path / "out")], environ=env)
     lines: list[str] = []

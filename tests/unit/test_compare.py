@@ -45,9 +45,21 @@ def child_env(**extra: str) -> dict[str, str]:
     ("argv", "environ", "message"),
     [
         ([], {}, "missing TARGET"),
-        (["--steps", "3", TARGET], {}, "--steps 3 leaves fewer than 2 timed steps after --warmup 2"),
-        (["--warmup", "-1", TARGET], {}, "--warmup must be >= 0"),
-        (["--json", "/no/such/dir/c.json", TARGET], {}, "does not exist"),
+        (
+            ["--steps", str(verdicts.MIN_STEPS - 1), TARGET],
+            {},
+            f"--steps must be >= {verdicts.MIN_STEPS}, got {verdicts.MIN_STEPS - 1}: each run's steady state is "
+            f"detected by leaving out up to half of its steps, and a speed claim needs {verdicts.MIN_TIMED} timed",
+        ),
+        (
+            ["--steps", "4", "--warmup", "2", TARGET],
+            {},
+            f"--steps 4 leaves 2 timed steps after --warmup 2, and a speed claim needs {verdicts.MIN_TIMED}: give "
+            f"--steps >= {2 + verdicts.MIN_TIMED}",
+        ),
+        (["--warmup", "-1", TARGET], {}, "--warmup must be >= 0 or auto, got -1"),
+        (["--warmup", "two", TARGET], {}, "--warmup must be >= 0 or auto, got two"),
+        (["--json", f"{TARGET}/out/c.json", TARGET], {}, "is a file, so the folder"),
         (["--plot", str(REPO), TARGET], {}, "is a directory"),
         (["--no-such-flag", TARGET], {}, "unrecognized arguments: --no-such-flag"),
         (["--opt", "cggr_ratio=0.5", TARGET], {}, "unknown option 'cggr_ratio'"),
@@ -73,6 +85,22 @@ def test_unwritable_keep_file_is_refused(tmp_path, monkeypatch, capsys):
     assert "--keep:" in capsys.readouterr().err
 
 
+def test_missing_output_folders_are_accepted_and_unwritable_ones_refused(tmp_path, monkeypatch, capsys):
+    """--json and --plot into folders that do not exist yet: made when the numbers are written, not refused; a
+    folder that cannot be made (its nearest existing folder is not writable) is refused before anything runs."""
+    json_path, plot_path = tmp_path / "a" / "b" / "c.json", tmp_path / "d" / "c.png"
+    req = compare.parse(["--json", str(json_path), "--plot", str(plot_path), TARGET], environ={})
+    assert (req.json_path, req.plot_path) == (str(json_path), str(plot_path))
+    assert not (tmp_path / "a").exists()  # nothing made before the runs
+    locked = str(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != locked and real_access(path, mode))
+    with pytest.raises(SystemExit) as exit_info:
+        compare.parse(["--json", str(json_path), TARGET], environ={})
+    assert exit_info.value.code == 2
+    assert f"is not writable: {locked!r} is not writable (the folder" in capsys.readouterr().err
+
+
 def test_python_m_leantrain_compare_reports_bad_input(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "leantrain", "compare", "--steps", "1"],
@@ -91,6 +119,7 @@ def test_parse_splits_compare_run_and_target_options():
         environ={},
     )
     assert (req.steps, req.warmup, req.keep) == (6, 1, False)
+    assert compare.parse([TARGET], environ={}).warmup is None  # auto: each run's steady state is detected
     assert req.run_options == ("--cggr", "--opt", "cggr_scoring=margin")
     assert req.target == (TARGET, "--steps", "9", "--keep")
     assert req.options == {"cggr": True, "cggr_scoring": "margin"}
@@ -133,13 +162,13 @@ WARM = [500.0, 400.0]  # two warm-up steps, left out
 
 def test_faster_needs_separated_spreads_and_every_run_ahead():
     runs = four([WARM + [100, 102, 98, 101], WARM + [99, 103, 100, 100]], [WARM + [70, 71, 69, 72]] * 2)
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["speed"]["verdict"] == "faster" and result["text"].startswith("faster by 1.4")
     assert re.search(r"same losses \(max diff 0\.0e\+00, bound \d\.\de-0\d at that step\)$", result["text"])
     assert result["helped"]
     # one leantrain run as slow as stock: not every run is ahead, and the two leantrain runs disagree
     mixed = four([WARM + [100, 102, 98, 101]] * 2, [WARM + [70, 71, 69, 72], WARM + [101, 100, 99, 102]])
-    assert verdicts.verdict(mixed, 2)["text"].startswith("no claim: the two leantrain runs disagree (70.5 vs 100.5")
+    assert verdicts.verdict(mixed)["text"].startswith("no claim: the two leantrain runs disagree (70.5 vs 100.5")
 
 
 def test_the_first_step_counts_with_its_payback():
@@ -160,10 +189,25 @@ def test_the_first_step_counts_with_its_payback():
     close = verdicts.verdict(four(stock, [[540.0, 400, 70, 71, 69, 72], [545.0, 400, 70, 71, 69, 72]]), 2)
     assert close["first_step"]["extra_ms"] == 0.0  # every run slower, but by under 10%: noise
     same = four([WARM + [100, 101, 99, 100]] * 2, [[9000.0, 400, 100, 101, 99, 100]] * 2)
-    text = verdicts.verdict(same, 2)["text"]
+    text = verdicts.verdict(same)["text"]
     assert text.endswith(
         "took 8.5 s longer (once: compiling, set-up), and no measured step-time saving pays it back"
     ), text
+
+
+def test_a_one_off_cost_below_a_second_is_in_ms_and_one_below_the_tables_precision_is_not_named():
+    stock, lean = [100.0, 101, 99, 100, 101, 100], [70.0, 71, 69, 70, 71, 70]
+
+    def firsts(stock_first, lean_first):
+        return four([[s, *stock[1:]] for s in stock_first], [[s, *lean[1:]] for s in lean_first])
+
+    result = verdicts.verdict(firsts((500.0, 520.0), (800.0, 830.0)), 1)
+    assert result["first_step"]["extra_ms"] == pytest.approx(305.0)
+    assert result["text"].endswith(
+        "; the first step took 305.0 ms longer (once: compiling, set-up), paid back after 11 steps"
+    )
+    tiny = verdicts.verdict(firsts((0.30, 0.31), (0.35, 0.35)), 1)
+    assert 0 < tiny["first_step"]["extra_ms"] < 0.05 and "first step" not in tiny["text"]
 
 
 def test_the_largest_loss_difference_is_shown_with_its_own_steps_bound():
@@ -173,7 +217,7 @@ def test_the_largest_loss_difference_is_shown_with_its_own_steps_bound():
     fast, slow = WARM + [70, 71, 69, 72], WARM + [100, 102, 98, 101]
     runs = [run("stock 1", slow, losses), run("leantrain 1", fast, lean, ("moe4bit",))]
     runs += [run("leantrain 2", fast, lean, ("moe4bit",)), run("stock 2", slow, losses)]
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     check = result["losses"]
     assert check["diff"].index(max(check["diff"])) == 4 and check["bound"][4] > 1.5 * check["bound"][0]
     assert result["text"].endswith(f"(max diff {check['diff'][4]:.1e}, bound {check['bound'][4]:.1e} at that step)")
@@ -181,25 +225,25 @@ def test_the_largest_loss_difference_is_shown_with_its_own_steps_bound():
 
 def test_overlapping_spreads_are_no_claim_even_with_a_different_median():
     runs = four([WARM + [100, 140, 90, 130]] * 2, [WARM + [95, 125, 85, 120]] * 2)
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["speed"]["ratio"] > 1.04  # stock's median is higher ...
     assert result["text"] == "within noise: no claim" and not result["helped"]  # ... inside the spread
 
 
 def test_slower_and_leaner():
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [150, 151, 149, 152]] * 2)
-    assert verdicts.verdict(runs, 2)["text"].startswith("slower by 1.5")
+    assert verdicts.verdict(runs)["text"].startswith("slower by 1.5")
     lean = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [100, 101, 99, 100]] * 2)
     for r in lean[1:3]:
         r.peak_bytes = 800
-    result = verdicts.verdict(lean, 2)
+    result = verdicts.verdict(lean)
     assert result["text"].startswith("step time within noise, 20% less peak memory, same losses (max diff")
     assert result["helped"] and result["keep"] == "helped"
 
 
 def test_nothing_applied_is_never_a_claim():
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [50, 51, 49, 50]] * 2, applied=())
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["speed"]["verdict"] == "faster"  # what the clock alone says ...
     assert result["text"] == "nothing applied: no claim" and not result["helped"]  # ... is not a claim
 
@@ -274,7 +318,7 @@ def test_a_noise_verdict_keeps_nothing():
 def test_one_disturbed_stock_run_is_no_claim_with_the_cause():
     """A neighbour slows one stock run 9x: pooled, leantrain looks faster; the stock runs disagree, so no claim."""
     runs = four([WARM + [100, 101, 99, 100], WARM + [900, 905, 910, 899]], [WARM + [98, 99, 97, 98]] * 2)
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["speed"]["verdict"] == "no claim" and not result["helped"]
     assert result["text"].startswith("no claim: the two stock runs disagree (100.0 vs 902.5 ms a step")
     assert "something else on the machine slowed stock 2" in result["text"]
@@ -284,27 +328,27 @@ def test_one_disturbed_stock_run_is_no_claim_with_the_cause():
 
 def test_runs_that_agree_within_their_own_spread_still_claim():
     runs = four([WARM + [100, 101, 99, 100], WARM + [106, 107, 105, 106]], [WARM + [70, 71, 69, 72]] * 2)
-    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 1.4")
+    assert verdicts.verdict(runs)["text"].startswith("faster by 1.4")
 
 
 def test_a_disagreement_far_smaller_than_the_effect_still_claims():
     """Stock runs 40% apart on a busy machine, leantrain 10x faster than either: the disagreement cannot make it."""
     runs = four([WARM + [100, 101, 99, 100], WARM + [140, 141, 139, 140]], [WARM + [10, 10.1, 9.9, 10]] * 2)
-    assert verdicts.verdict(runs, 2)["text"].startswith("faster by 12.0")
+    assert verdicts.verdict(runs)["text"].startswith("faster by 12.0")
     # the same disagreement against a 1.5x effect is no claim
     close = four([WARM + [100, 101, 99, 100], WARM + [140, 141, 139, 140]], [WARM + [80, 81, 79, 80]] * 2)
-    assert verdicts.verdict(close, 2)["text"].startswith("no claim: the two stock runs disagree (100.0 vs 140.0")
+    assert verdicts.verdict(close)["text"].startswith("no claim: the two stock runs disagree (100.0 vs 140.0")
 
 
 def test_a_loaded_host_is_no_claim_when_the_load_could_explain_the_ratio():
     loaded = dict(host_load=[6.0] * 6, cores=2)  # 3 runnable threads a core: steps can take 3x as long
     runs = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [70, 71, 69, 72]] * 2, **loaded)
-    result = verdicts.verdict(runs, 2)
+    result = verdicts.verdict(runs)
     assert result["text"].startswith("no claim: the host was loaded during stock 1 (host load average up to 6.0")
     assert "up to 3.0x, more than the 1.42x measured" in result["text"] and result["keep"] is None
     # a difference well beyond what the load explains (a 10x slower path) is still a claim
     slow = four([WARM + [100, 101, 99, 100]] * 2, [WARM + [1000, 1001, 999, 1002]] * 2, **loaded)
-    assert verdicts.verdict(slow, 2)["text"].startswith("slower by 10.0")
+    assert verdicts.verdict(slow)["text"].startswith("slower by 10.0")
 
 
 def test_no_claim_from_fewer_timed_steps_and_the_cap_is_named():
@@ -410,11 +454,14 @@ def test_recipe_target_smoke_trains_under_leantrain_run(recipe, tmp_path, monkey
 # --- end to end: four child processes over a tiny Trainer script --------------------------------------------------
 
 
-def compare_run(tmp: Path, argv: list[str], env: dict[str, str], sleep_ms=None) -> tuple[dict, str]:
+def compare_run(
+    tmp: Path, argv: list[str], env: dict[str, str], sleep_ms=None, json_path: Path | None = None
+) -> tuple[dict, str]:
     cwd = os.getcwd()
     os.chdir(tmp)  # --keep writes ./leantrain.json
     try:
-        req = compare.parse(["--json", str(tmp / "c.json"), "--plot", str(tmp / "c.png"), *argv], environ=env)
+        outputs = ["--json", str(json_path or tmp / "c.json"), "--plot", str(tmp / "c.png")]
+        req = compare.parse([*outputs, *argv], environ=env)
         lines: list[str] = []
         data = compare.compare(req, out=lines.append, environ=env, sleep_ms=sleep_ms)
     finally:
@@ -424,10 +471,13 @@ def compare_run(tmp: Path, argv: list[str], env: dict[str, str], sleep_ms=None) 
 
 @pytest.fixture(scope="module")
 def slow_path(tmp_path_factory):
-    """CGGR applied (in its warm-up: every label trains) and a 1 s sleep inside every leantrain step."""
+    """CGGR applied (in its warm-up: every label trains), a 1 s sleep inside every leantrain step and 0.3 s inside
+    every stock one (so that the tiny model's own noisy milliseconds cannot move a run's step time), timed from each
+    run's detected steady state (the default)."""
     tmp = tmp_path_factory.mktemp("compare_slow")
-    argv = ["--steps", "4", "--warmup", "1", "--keep", "--cggr", "--opt", "cggr_warmup_steps=1000"]
-    data, out = compare_run(tmp, [*argv, TARGET, "--out", str(tmp / "target")], child_env(), {"leantrain": 1000.0})
+    argv = ["--steps", str(verdicts.MIN_STEPS), "--keep", "--cggr", "--opt", "cggr_warmup_steps=1000"]
+    sleep = {"leantrain": 1000.0, "stock": 300.0}
+    data, out = compare_run(tmp, [*argv, TARGET, "--out", str(tmp / "target")], child_env(), sleep)
     return tmp, data, out
 
 
@@ -439,6 +489,7 @@ def test_forced_slow_path_is_slower(slow_path):
     assert verdict["text"].startswith("slower by") and "losses not compared: cggr" in verdict["text"]
     assert "cggr" in verdict["applied"] and f"verdict: {verdict['text']}" in out
     assert "== what leantrain applied" in out and re.search(r"^cggr +applied ", out, re.M)
+    assert f"{verdicts.MIN_STEPS} steps per run, {verdicts.STEADY_RULE}" in out  # the rule, stated
 
 
 @pytest.mark.slow
@@ -449,7 +500,7 @@ def test_json_holds_both_modes_and_the_verdict(slow_path):
     for mode in ("stock", "leantrain"):
         got = saved[mode]
         assert len(got["step_ms"]) == len(got["losses"]) == len(got["tokens"]) == len(got["peak_bytes"]) == 2
-        assert all(len(run) == 4 for run in (*got["step_ms"], *got["losses"], *got["tokens"]))
+        assert all(len(run) == verdicts.MIN_STEPS for run in (*got["step_ms"], *got["losses"], *got["tokens"]))
         assert all(isinstance(p, int) and p > 0 for p in got["peak_bytes"])
         assert all(t == 32 for run in got["tokens"] for t in run)  # 2 rows x 16 tokens per step
         assert got["report"]["trainer_kind"] == "trainer"
@@ -458,6 +509,9 @@ def test_json_holds_both_modes_and_the_verdict(slow_path):
     assert saved["stock"]["losses"][0] == saved["stock"]["losses"][1]  # deterministic on CPU
     assert min(saved["leantrain"]["step_ms"][0][1:]) >= 1000  # the injected sleep is inside the step
     assert saved["verdict"]["text"] == data["verdict"]["text"]
+    assert saved["warmup"] == "auto" and saved["verdict"]["steady"]["rule"] == verdicts.STEADY_RULE
+    cuts = [r["cut"] for r in saved["verdict"]["steady"]["runs"]]
+    assert all(1 <= c <= verdicts.MIN_STEPS // 2 for c in cuts), cuts
 
 
 @pytest.mark.slow
@@ -491,13 +545,17 @@ def test_forced_loss_difference(tmp_path):
 
 @pytest.mark.slow
 def test_kill_switch_is_nothing_applied(tmp_path):
+    """Also: --json into folders that do not exist yet makes them."""
+    json_path = tmp_path / "new" / "folder" / "c.json"
     data, out = compare_run(
         tmp_path,
         ["--steps", "4", "--warmup", "1", TARGET, "--out", str(tmp_path / "t")],
         child_env(LEANTRAIN_DISABLE="1"),
+        json_path=json_path,
     )
     assert data["verdict"]["text"].startswith("nothing applied: no claim (stopped after the first leantrain run"), out
     assert data["order"] == ["stock", "leantrain"] and len(data["run_wall_s"]) == 2  # the other two never ran
+    assert json.loads(json_path.read_text())["verdict"] == data["verdict"]
 
 
 @pytest.mark.slow
@@ -543,12 +601,13 @@ def test_stock_runs_get_none_of_the_run_options():
 @pytest.mark.slow
 def test_a_disturbed_stock_run_is_no_claim_with_the_cause(tmp_path):
     """One stock run slowed by a sleep in its every step (a neighbour on the machine): pooled, leantrain would look
-    faster; the two stock runs disagree, so the verdict makes no claim, names the cause, and --keep keeps nothing."""
+    faster; the two stock runs disagree, so the verdict makes no claim, names the cause, and --keep keeps nothing.
+    Every other step sleeps 0.3 s, so that the tiny model's own noisy milliseconds cannot move a run's step time."""
     data, out = compare_run(
         tmp_path,
         ["--steps", "4", "--warmup", "1", "--keep", TARGET, "--out", str(tmp_path / "t")],
         child_env(),
-        {"stock 2": 1000.0},
+        {"stock 2": 1300.0, "stock 1": 300.0, "leantrain": 300.0},
     )
     verdict = data["verdict"]
     assert verdict["speed"]["verdict"] == "no claim", out

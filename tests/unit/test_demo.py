@@ -43,7 +43,14 @@ def test_default_demo_applies_moe4bit_and_matches_stock(tmp_path, capsys):
     assert "moe4bit" in verdict["applied"] and "cggr" not in verdict["applied"], out
     assert not verdict["changes_math"] and verdict["losses"]["same"], out
     assert [r["label"] for r in summary["runs"]] == ["stock 1", "leantrain 1", "leantrain 2", "stock 2"]
-    assert all(len(r["losses"]) == 3 for r in summary["runs"])
+    assert all(len(r["losses"]) == verdicts.MIN_STEPS for r in summary["runs"])  # --smoke: the fewest steps
+    # each run timed from its own steady state: the rule in the header, the cuts in demo.json and in the table
+    assert out.startswith("leantrain demo: ") and out.splitlines()[0].endswith(verdicts.STEADY_RULE)
+    steady = summary["verdict"]["steady"]
+    assert steady["rule"] == verdicts.STEADY_RULE and steady["warmup"] == "auto"
+    assert [r["label"] for r in steady["runs"]] == ["stock 1", "leantrain 1", "leantrain 2", "stock 2"]
+    assert all(1 <= r["cut"] <= verdicts.MIN_STEPS // 2 for r in steady["runs"])
+    assert "untimed start of each run (steps)" in out
     assert re.search(r"^cggr +disabled ", out, re.M) and f"verdict: {verdict['text']}" in out
     assert "differ" not in verdict["text"] and "nothing applied" not in verdict["text"]
     report_after_the_runs(out)
@@ -92,7 +99,6 @@ def test_cggr_is_behind_its_flag(tmp_path, capsys):
     [
         (["--smoke", "--hidden", "100"], "--hidden must be a multiple of 64 for --model gpt-oss"),
         (["--smoke", "--model", "llama", "--hidden", "48"], "--hidden must be a multiple of 32 for --model llama"),
-        (["--steps", "2"], "--steps must be >= 3"),
         (["--smoke", "--vocab", "100"], "--vocab must be >= 259"),
         (["--smoke", "--experts", "1"], "--experts must be >= 2"),
         (["--smoke", "--seq", "4", "--batch", "0"], "--seq must be >= 8, got 4; --batch must be >= 1, got 0"),
@@ -102,6 +108,23 @@ def test_sizes_are_checked_before_anything_runs(tmp_path, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--out", str(tmp_path / "out"), *argv])
     assert message in str(exit_info.value) and str(exit_info.value).startswith("leantrain demo: error:")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("steps", ["1", str(verdicts.MIN_STEPS - 1), "x"])
+def test_too_few_steps_is_a_parser_error_naming_the_reason(tmp_path, capsys, steps):
+    """Below MIN_STEPS the steady-state detection cannot leave out up to half a run and keep MIN_TIMED steps: the
+    parser refuses it (exit 2), before anything is built."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--smoke", "--out", str(tmp_path / "out"), "--steps", steps])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "leantrain demo: error: argument --steps: " in err
+    if steps != "x":
+        assert (
+            f"must be >= {verdicts.MIN_STEPS}, got {steps}: each run's steady state is detected by leaving out up to "
+            f"half of its steps, and a speed claim needs {verdicts.MIN_TIMED} timed steps a run"
+        ) in err
     assert not (tmp_path / "out").exists()
 
 

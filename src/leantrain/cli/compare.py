@@ -12,11 +12,13 @@ ends the process after the first ``train()`` (``_measure``); nothing in the scri
 data in every run, so every run sees the same batches; GRPO / RLOO runs all train on the completions the first run
 sampled (each still samples, so its step time includes generation).
 
-Then it prints, side by side: the patch report, step time (median and p20-p80 after the warm-up steps), peak memory
-(CUDA max allocated, or the process's peak RSS on CPU), tokens/s and the per-step losses against a bound derived
-from the dtype's rounding; and a verdict (``verdict``): "faster by x" (or slower, or leaner) with "same losses",
-"within noise: no claim", "no claim: <the cause>" (same-mode runs that disagree, a loaded host, too few timed
-steps), "losses differ from step k", or "nothing applied: no claim" (then after the first leantrain run). It writes
+Then it prints, side by side: the patch report, step time (median and p20-p80 over each run's steps from its steady
+state on, detected from its own step times, or after ``--warmup W`` steps of every run), peak memory (CUDA max
+allocated, or the process's peak RSS on CPU), tokens/s and the per-step losses against a bound derived from the
+dtype's rounding; and a verdict (``verdict``): "faster by x" (or slower, or leaner) with "same losses", "within
+noise: no claim", "no claim: <the cause>" (a run that had not settled, same-mode runs that disagree, a loaded host,
+too few timed steps), "losses differ from step k", or "nothing applied: no claim" (then after the first leantrain
+run). It writes
 the numbers to ``--json`` and loss curves and step-time distributions to ``--plot`` (both under
 ``./leantrain-compare/`` by default); ``--keep`` writes what a claim said into ``./leantrain.json`` for the same
 target, which ``leantrain run`` reads.
@@ -40,7 +42,7 @@ from ._measure import Measurement
 from .plot import plot
 from .printing import loss_table, metric_lines, report_text, table
 from .runs import CompareRequest, RunFailed, run_all
-from .verdict import MODES, ORDER, tokens_per_s, verdict
+from .verdict import MIN_STEPS, MIN_TIMED, MODES, ORDER, cuts_by_mode, rule_text, tokens_per_s, verdict
 
 
 USAGE = (
@@ -69,9 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         "is measured on rank 0.",
         allow_abbrev=False,
     )
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default 10)")
     parser.add_argument(
-        "--warmup", type=int, default=2, help="first steps of each run left out of the timing (default 2)"
+        "--steps", type=int, default=10, help=f"optimizer steps per run (default 10, at least {MIN_STEPS})"
+    )
+    parser.add_argument(
+        "--warmup",
+        default="auto",
+        metavar="W",
+        help="auto (default): each run is timed from its own steady state, detected from its step times (MSER); "
+        "W >= 0: the first W steps of every run are left out of the timing instead",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help=f"numbers (default {DEFAULT_JSON})")
     parser.add_argument("--plot", default=None, metavar="PATH", help=f"PNG (default {DEFAULT_PLOT})")
@@ -103,13 +111,46 @@ def _split(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 
 
 def _writable(parser: argparse.ArgumentParser, path: str, what: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
+    """The file can be written once its missing folders are made (they are, when the numbers are written): refuse
+    only what cannot be, a folder in the way that is a file or one that is not writable."""
     if os.path.isdir(path):
         parser.error(f"{what} {path!r} is a directory: give a file path")
-    if not os.path.isdir(folder):
-        parser.error(f"{what} {path!r}: the folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    folder = existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        parser.error(f"{what} {path!r}: {existing!r} is a file, so the folder {folder!r} cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        made = "" if existing == folder else f" (the folder {folder!r} would be made there)"
+        parser.error(f"{what} {path!r} is not writable: {existing!r} is not writable{made}")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         parser.error(f"{what} {path!r} is not writable")
+
+
+def _warmup(parser: argparse.ArgumentParser, text: str) -> int | None:
+    """``auto`` (None: each run's steady state is detected) or a whole number of steps >= 0."""
+    if text == "auto":
+        return None
+    try:
+        warmup = int(text)
+    except ValueError:
+        warmup = -1
+    if warmup < 0:
+        parser.error(f"--warmup must be >= 0 or auto, got {text}")
+    return warmup
+
+
+def _check_steps(parser: argparse.ArgumentParser, steps: int, warmup: int | None) -> None:
+    if warmup is None and steps < MIN_STEPS:
+        parser.error(
+            f"--steps must be >= {MIN_STEPS}, got {steps}: each run's steady state is detected by leaving out up to "
+            f"half of its steps, and a speed claim needs {MIN_TIMED} timed steps a run"
+        )
+    if warmup is not None and steps < warmup + MIN_TIMED:
+        parser.error(
+            f"--steps {steps} leaves {max(steps - warmup, 0)} timed steps after --warmup {warmup}, and a speed claim "
+            f"needs {MIN_TIMED}: give --steps >= {warmup + MIN_TIMED}"
+        )
 
 
 def _under_launcher(environ: dict[str, str] | os._Environ[str]) -> bool:
@@ -133,13 +174,8 @@ def parse(argv: list[str], environ: dict[str, str] | None = None) -> CompareRequ
         )
     if not target:
         parser.error("missing TARGET: a Python file, -m MODULE or an installed console script such as trl")
-    if ns.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {ns.warmup}")
-    if ns.steps < ns.warmup + 2:
-        parser.error(
-            f"--steps {ns.steps} leaves fewer than 2 timed steps after --warmup {ns.warmup}: give --steps >= "
-            f"{ns.warmup + 2}"
-        )
+    ns.warmup = _warmup(parser, ns.warmup)
+    _check_steps(parser, ns.steps, ns.warmup)
     head = target[0] if target[0] != "-m" else (target[1] if len(target) > 1 else "")
     head = head[2:] if head.startswith("-m") and len(head) > 2 else head
     if os.path.basename(head) in NOT_FOLLOWED:
@@ -148,14 +184,10 @@ def parse(argv: list[str], environ: dict[str, str] | None = None) -> CompareRequ
             "compare under accelerate launch instead (leantrain compare accelerate launch --num_processes N "
             "train.py ...: rank 0's timings)"
         )
-    if (ns.json is None or ns.plot is None) and not os.path.isdir(DEFAULT_DIR):  # made when the runs are done
-        _writable(parser, DEFAULT_DIR, "the default output folder")
     ns.json = ns.json or DEFAULT_JSON
     ns.plot = ns.plot or DEFAULT_PLOT
     for path, what in ((ns.json, "--json"), (ns.plot, "--plot")):
-        if path in (DEFAULT_JSON, DEFAULT_PLOT) and not os.path.isdir(DEFAULT_DIR):
-            continue
-        _writable(parser, path, what)
+        _writable(parser, path, what)  # missing folders are made when the runs are done
     if ns.keep:
         _writable(parser, _keep.KEEP_FILE, "--keep:")
     if any(token.startswith("--measure") for token in run):
@@ -184,7 +216,7 @@ def summary(req: CompareRequest, runs: Sequence[Measurement], walls: Sequence[fl
             "losses": [r.losses for r in by_mode[m]],
             "tokens": [r.tokens for r in by_mode[m]],
             "tokens_source": by_mode[m][0].tokens_source,
-            "tokens_per_s": tokens_per_s(by_mode[m], req.warmup),
+            "tokens_per_s": tokens_per_s(by_mode[m], cuts_by_mode(result)[m]),
             "metrics": [r.metrics for r in by_mode[m]],
             "report": by_mode[m][0].report,
             "applied": by_mode[m][0].applied,
@@ -196,7 +228,7 @@ def summary(req: CompareRequest, runs: Sequence[Measurement], walls: Sequence[fl
         "target": list(req.target),
         "run_options": list(req.run_options),
         "steps": req.steps,
-        "warmup": req.warmup,
+        "warmup": "auto" if req.warmup is None else req.warmup,  # each run's cut and the rule: verdict.steady
         "order": list(ORDER),
         "device": first.device,
         "dtype": runs[1].dtype,
@@ -267,7 +299,7 @@ def compare(
     """Run the four runs, print the comparison, write the JSON, the PNG and (--keep) leantrain.json."""
     started = time.perf_counter()
     out(
-        f"leantrain compare: {' '.join(req.target)}\n{req.steps} steps per run, the first {req.warmup} not timed; "
+        f"leantrain compare: {' '.join(req.target)}\n{req.steps} steps per run, {rule_text(req.warmup)}; "
         f"runs in this order: {', '.join(ORDER)}"
     )
     runs, walls = run_all(req, environ=environ, sleep_ms=sleep_ms)
@@ -284,7 +316,7 @@ def compare(
     out("\n== what leantrain applied (the leantrain runs' patch report) ==\n" + report_text(runs))
     if data["completions"]:
         out("\nGRPO / RLOO: every run trained on the completions the first stock run sampled (each run still samples)")
-    out(f"\n== measured ({where}; {len(runs) // 2} runs per mode) ==\n" + table(runs, result, req.warmup))
+    out(f"\n== measured ({where}; {len(runs) // 2} runs per mode) ==\n" + table(runs, result))
     out(f"\n== losses per step ({result['losses']['rule']}) ==\n" + loss_table(runs, result))
     for line in metric_lines(result):
         out(line)
@@ -294,7 +326,7 @@ def compare(
     out(f"\nverdict: {result['text']}")
     with open(req.json_path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1)
-    plot(runs, result, req.warmup, req.plot_path, f"leantrain compare: {' '.join(req.target)}")
+    plot(runs, result, req.plot_path, f"leantrain compare: {' '.join(req.target)}")
     out(f"\nnumbers: {req.json_path}\nplot:    {req.plot_path}")
     if req.keep:
         _keep_result(req, result, out)

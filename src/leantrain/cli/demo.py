@@ -7,10 +7,11 @@ frozen nf4 ``Linear4bit`` lists (the layout of community pre-quantized gpt-oss c
 ``--cggr``. ``--trainer grpo`` trains with TRL's GRPOTrainer, where the fused log-probs (grpo_logps) apply too.
 
 Four runs in one process, in the order stock, leantrain, leantrain, stock (neither mode always meets the first-time
-costs), each measured by the clock of ``leantrain compare`` (``_measure``): step time after warm-up, peak memory,
-tokens/s, per-step losses. The verdict is compare's: a speed claim only outside the measured spread, the losses
-against a bound derived from the dtype's rounding, "nothing applied" when nothing did. GRPO samples its completions:
-every run trains on the completions the first stock run sampled (each run still samples, so its step time includes
+costs), each measured by the clock of ``leantrain compare`` (``_measure``): step time from each run's steady state
+on (detected from its own step times, as compare does), peak memory, tokens/s, per-step losses. The verdict is
+compare's: a speed claim only outside the measured spread and from runs that had settled, the losses against a bound
+derived from the dtype's rounding, "nothing applied" when nothing did. GRPO samples its completions: every run
+trains on the completions the first stock run sampled (each run still samples, so its step time includes
 generation), so the losses compare what the optimizations change and not which tokens were sampled.
 
 Everything is local: the model is built from a config (random init), the tokenizer is trained on Python's own
@@ -40,14 +41,17 @@ from ._measure import Completions, Measurement, measure_run
 from .plot import plot
 from .printing import metric_lines, report_text, table
 from .runs import Progress
-from .verdict import MODES, ORDER, quantile, verdict
+from .verdict import MIN_STEPS, MIN_TIMED, MODES, ORDER, STEADY_RULE, quantile, steady_state, verdict
 
 
 DEMO_MODELS = {"llama": "llama", "gpt2": "gpt2", "gpt-oss": "gpt_oss"}
 NO_VALUE = "—"  # a table cell with nothing to show (a GRPO run has no eval loss): never "nan"
-# Defaults: (sft, grpo, --smoke). A GRPO step samples its completions token by token, and on CPU that dominates
-# the step (the per-expert loop runs for every sampled token): fewer steps and experts keep it to minutes.
-SIZES = {"steps": (10, 6, 3), "seq": (128, 128, 32), "experts": (32, 8, 8), "vocab": (2048, 2048, 512)}
+# Defaults: (sft, grpo, --smoke). Steps: enough that each run settles well inside the half the steady-state cut may
+# leave out. On 2 idle CPU cores stock SFT's step time falls for its first 6-8 steps, then holds: 30 steps. Stock
+# GRPO's keeps drifting down for tens of steps while leantrain's holds from step 2: 60 steps. --smoke takes the
+# fewest steps the cut allows.
+# A GRPO step samples its completions token by token, and on CPU that dominates the step: fewer experts keep it short.
+SIZES = {"steps": (30, 60, MIN_STEPS), "seq": (128, 128, 32), "experts": (32, 8, 8), "vocab": (2048, 2048, 512)}
 MIN_VOCAB = 259  # the tokenizer's 256 byte tokens and its 3 special tokens
 
 
@@ -173,8 +177,9 @@ def _run(
         eval_loss = float(trainer.evaluate()["eval_loss"]) if trainer.eval_dataset is not None else None
         if mode == "leantrain":
             unpatch_trainer(trainer)
-    median = quantile(result.step_ms[args.warmup :], 0.5)
-    progress.done(f"{head}: {len(result.step_ms)} steps, median {median:.0f} ms after warm-up")
+    cut = steady_state(result.step_ms).cut
+    median = quantile(result.step_ms[cut:], 0.5)
+    progress.done(f"{head}: {len(result.step_ms)} steps, median {median:.0f} ms from step {cut + 1} on")
     gc.collect()
     return result, eval_loss
 
@@ -212,13 +217,37 @@ def extra_rows(runs: list[Measurement], evals: list[float | None]) -> list[tuple
     return rows
 
 
+def _steps_problem(steps: int) -> str | None:
+    if steps >= MIN_STEPS:
+        return None
+    return (
+        f"--steps must be >= {MIN_STEPS}, got {steps}: each run's steady state is detected by leaving out up to half "
+        f"of its steps, and a speed claim needs {MIN_TIMED} timed steps a run"
+    )
+
+
+def _steps(text: str) -> int:
+    """--steps, refused by the parser (exit 2) below what the steady-state detection needs."""
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps, got {text!r}") from None
+    problem = _steps_problem(steps)
+    if problem:
+        raise argparse.ArgumentTypeError(problem.removeprefix("--steps "))
+    return steps
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="leantrain demo")
+    sft, grpo, smoke = SIZES["steps"]
+    default = f"default {sft}" if sft == grpo else f"default {sft}, grpo {grpo}"
     parser.add_argument(
         "--steps",
-        type=int,
+        type=_steps,
         default=None,
-        help="optimizer steps per run, 4 runs (default 10, grpo 6; --smoke 3; at least 3)",
+        help=f"optimizer steps per run, 4 runs ({default}; --smoke {smoke}; at least {MIN_STEPS}: each run is timed "
+        "from its steady state, detected from its own step times)",
     )
     parser.add_argument(
         "--model",
@@ -239,7 +268,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="also run CGGR (opt-in, changes which tokens train: the loss curves are no longer expected to match)",
     )
     parser.add_argument(
-        "--smoke", action="store_true", help="tiny shapes and 3 steps per run (tests; under a minute on 2 CPU cores)"
+        "--smoke",
+        action="store_true",
+        help=f"tiny shapes and {SIZES['steps'][2]} steps per run (tests; under a minute on 2 CPU cores)",
     )
     parser.add_argument("--out", type=Path, default=Path("leantrain-demo"), help="where the PNG and JSON go")
     parser.add_argument("--seq", type=int, default=None, help="max sequence length (sft; default 128, --smoke 32)")
@@ -262,9 +293,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def _check(args: argparse.Namespace) -> None:
     """Every size checked before anything is built: a clear message instead of a traceback from deep inside."""
-    problems = []
-    if args.steps < 3:
-        problems.append(f"--steps must be >= 3 (a warm-up step and 2 timed steps per run), got {args.steps}")
+    problems = [problem] if (problem := _steps_problem(args.steps)) else []
     multiple = 64 if args.model == "gpt-oss" else 32
     if args.hidden < multiple or args.hidden % multiple:
         why = " (bitsandbytes' 4-bit blocks)" if multiple == 64 else " (attention heads of 32)"
@@ -301,7 +330,6 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name, None) is None:
             setattr(args, name, default)
     _check(args)
-    args.warmup = 1 if args.steps < 6 else 2
     return args
 
 
@@ -312,7 +340,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     print(
         f"leantrain demo: {args.steps} steps of {args.trainer} on a tiny {args.model}, 4 runs in this order: "
-        f"{', '.join(ORDER)} (the first {args.warmup} steps of each not timed)",
+        f"{', '.join(ORDER)}; {STEADY_RULE}",
         flush=True,
     )
     grpo = args.trainer == "grpo"
@@ -325,12 +353,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             result, eval_loss = _run(args, index, progress, completions)
             runs.append(result)
             evals.append(eval_loss)
-    result = verdict(runs, args.warmup)
+    result = verdict(runs)
     print("\n== what leantrain applied (the leantrain runs' patch report) ==\n" + report_text(runs))
     if grpo:
         print("\nGRPO: every run trained on the completions the first stock run sampled (each run still samples)")
     print(f"\n== measured ({runs[1].device}, {runs[1].dtype}; 2 runs per mode) ==")
-    print(table(runs, result, args.warmup, extra_rows(runs, evals)))
+    print(table(runs, result, extra_rows(runs, evals)))
     losses = result["losses"]
     diffs = [d for d in losses["diff"] if d is not None]
     worst = max(range(len(diffs)), key=lambda k: diffs[k] / (losses["bound"][k] or 1e-30)) if diffs else None
@@ -347,7 +375,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     print(f"\nverdict: {result['text']}")
     png = out / "demo.png"
     title = f"leantrain demo: tiny {args.model}, {args.trainer}, {args.steps} steps per run"
-    plot(runs, result, args.warmup, str(png), title + (" (CGGR on)" if args.cggr else " (defaults)"))
+    plot(runs, result, str(png), title + (" (CGGR on)" if args.cggr else " (defaults)"))
     summary = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "order": list(ORDER),

@@ -10,7 +10,7 @@ from ._measure import Measurement
 from .verdict import ORDER
 
 
-def plot(runs: Sequence[Measurement], result: dict[str, Any], warmup: int, path: str, title: str) -> None:
+def plot(runs: Sequence[Measurement], result: dict[str, Any], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,18 +28,19 @@ def plot(runs: Sequence[Measurement], result: dict[str, Any], warmup: int, path:
     left.set_ylabel("training loss")
     left.set_title(f"losses: {result['losses']['rule']}", fontsize=8)
     left.legend(fontsize=8)
-    data = [run.step_ms[warmup:] for run in runs]
+    cuts = [run["cut"] for run in result["steady"]["runs"]]
+    data = [run.step_ms[cut:] for run, cut in zip(runs, cuts)]
     box = right.boxplot(data, whis=(0, 100), widths=0.5, patch_artist=True)
     for patch, mode in zip(box["boxes"], ORDER):
         patch.set_facecolor(colors[mode])
         patch.set_alpha(0.4)
-    for index, run in enumerate(runs):
-        right.scatter([index + 1] * len(run.step_ms[warmup:]), run.step_ms[warmup:], s=10, color="black", zorder=3)
-        if warmup:
-            right.scatter([index + 1] * warmup, run.step_ms[:warmup], s=14, marker="x", color="grey", zorder=3)
+    for index, (run, cut) in enumerate(zip(runs, cuts)):
+        right.scatter([index + 1] * len(data[index]), data[index], s=10, color="black", zorder=3)
+        if cut:
+            right.scatter([index + 1] * cut, run.step_ms[:cut], s=14, marker="x", color="grey", zorder=3)
     right.set_xticks(range(1, len(runs) + 1), [f"{i + 1}: {r.label}" for i, r in enumerate(runs)], fontsize=8)
     right.set_ylabel("step time (ms)")
-    caption = f"step times after {warmup} warm-up steps (x: warm-up); {result['text']}"
+    caption = f"step times after each run's cut (x: left out; {result['steady']['rule']}); {result['text']}"
     right.set_title(textwrap.fill(caption, 90), fontsize=8)
     fig.suptitle(textwrap.shorten(title, 150, placeholder=" ..."), fontsize=10)
     fig.tight_layout()

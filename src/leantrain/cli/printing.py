@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._measure import Measurement
-from .verdict import MODES, ORDER, median, tokens_per_s
+from .verdict import MODES, ORDER, cuts_by_mode, median, tokens_per_s
 
 
 def _mib(value: int | None) -> str:
@@ -23,8 +23,8 @@ def _loss(value: float | None) -> str:
     return _fmt(value, ".6f" if value is None or not math.isfinite(value) or abs(value) >= 1e-3 else ".3e")
 
 
-def _cpu(run: Measurement, warmup: int) -> float | None:
-    timed = run.step_cpu_ms[warmup:]
+def _cpu(run: Measurement, cut: int) -> float | None:
+    timed = run.step_cpu_ms[cut:]
     return median(timed) if timed else None
 
 
@@ -49,11 +49,11 @@ def report_text(runs: Sequence[Measurement]) -> str:
     return str(PatchReport(data["trainer_kind"], outcomes, tuple(data.get("notes", ()))))
 
 
-def table(
-    runs: Sequence[Measurement], result: dict[str, Any], warmup: int, extra: Sequence[tuple[str, str, str]] = ()
-) -> str:
-    """Side by side: step time, peak memory, tokens/s, losses (and ``extra`` rows), then the ratio's spread."""
+def table(runs: Sequence[Measurement], result: dict[str, Any], extra: Sequence[tuple[str, str, str]] = ()) -> str:
+    """Side by side: where each run's timing starts, step time, peak memory, tokens/s, losses (and ``extra`` rows),
+    then the ratio's spread. Every timed figure is over each run's own steps after its cut (``result["steady"]``)."""
     by_mode = {m: [r for r, o in zip(runs, ORDER) if o == m] for m in MODES}
+    cuts = cuts_by_mode(result)
     speed = result["speed"]
     kind = runs[0].peak_kind or "peak memory"
 
@@ -62,14 +62,18 @@ def table(
 
     rows = [
         ("", "stock", "leantrain"),
+        ("untimed start of each run (steps)", *(" / ".join(str(c) for c in cuts[m]) for m in MODES)),
         ("step time, median (ms)", *(_fmt(speed[m]["median_ms"], ".1f") for m in MODES)),
         ("step time, p20-p80 (ms)", *(f"{speed[m]['p20_ms']:.1f}-{speed[m]['p80_ms']:.1f}" for m in MODES)),
         ("median of each run (ms)", *(per_run(speed[m]["run_medians_ms"], ".1f") for m in MODES)),
         ("first step of each run (ms)", *(per_run(result["first_step"][f"{m}_ms"], ".1f") for m in MODES)),
-        ("process CPU time, median (ms)", *(per_run([_cpu(r, warmup) for r in by_mode[m]], ".1f") for m in MODES)),
+        (
+            "process CPU time, median (ms)",
+            *(per_run([_cpu(r, c) for r, c in zip(by_mode[m], cuts[m])], ".1f") for m in MODES),
+        ),
         ("host load average, max", *(per_run([_load(r) for r in by_mode[m]], ".1f") for m in MODES)),
         (f"{kind} (MiB)", *(" / ".join(_mib(r.peak_bytes) for r in by_mode[m]) for m in MODES)),
-        ("tokens/s", *(_fmt(tokens_per_s(by_mode[m], warmup), ",.0f") for m in MODES)),
+        ("tokens/s", *(_fmt(tokens_per_s(by_mode[m], cuts[m]), ",.0f") for m in MODES)),
         (
             "loss, first / last step",
             *(f"{_loss(by_mode[m][0].losses[0])} / {_loss(by_mode[m][0].losses[-1])}" for m in MODES),

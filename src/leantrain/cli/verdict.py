@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ._measure import Measurement
@@ -14,6 +15,15 @@ from ._measure import Measurement
 ORDER = ("stock", "leantrain", "leantrain", "stock")
 MODES = ("stock", "leantrain")
 MIN_TIMED = 3  # timed steps each run needs before its step time says anything: fewer make no speed claim
+# The steady-state cut may leave out up to half of a run and must keep MIN_TIMED steps: the fewest steps a run needs.
+MIN_STEPS = 2 * MIN_TIMED
+# A run seen settling for T steps is suggested a rerun of SETTLE_FACTOR x T steps: its start then falls inside the
+# first third, well within the half the cut may leave out, and the steps kept outnumber it twice over.
+SETTLE_FACTOR = 3
+STEADY_RULE = (
+    "each run timed from its steady state (MSER: leave out the first d steps, d in 1..n/2 minimizing the kept "
+    "steps' sum of squared deviations over (n - d)^2)"
+)
 AGREE = 0.10  # the same-mode runs' medians must agree within 10% (or their own p20-p80 spread, if wider)
 LOADED = 1.25  # load average over usable cores above which the host's other work can change step times
 # Unit roundoff of each compute dtype: one rounding moves a value by at most u of itself.
@@ -38,14 +48,112 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def timing(runs: Sequence[Sequence[float]], warmup: int) -> dict[str, Any]:
-    """One mode's step times after warm-up: pooled median and p20/p80, and each run's median."""
-    pooled = [t for run in runs for t in run[warmup:]]
+# --- where each run's timing starts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Steady:
+    """Where one run's timing starts (``cut``: the first steps left out) and whether its timed steps had settled:
+    ``unsettled`` says why not (None: settled), ``settling`` the steps it was seen still settling (0 when settled)."""
+
+    cut: int
+    unsettled: str | None = None
+    settling: int = 0
+
+
+def mser_cut(step_ms: Sequence[float]) -> int:
+    """MSER (the marginal standard error rule of simulation output analysis): the d in [1, n//2] that minimizes
+    sum((x_i - mean)^2) / (n - d)^2 over the kept steps x[d:]. A slow start inflates the kept steps' deviations
+    more than leaving it out shortens them; noise alone rarely does. The first step (set-up) is always left out."""
+    n = len(step_ms)
+    best, cut = math.inf, min(1, n)
+    for d in range(1, n // 2 + 1):
+        kept = step_ms[d:]
+        mean = sum(kept) / len(kept)
+        score = sum((x - mean) ** 2 for x in kept) / len(kept) ** 2
+        if score < best:  # the first of equal scores: the shortest cut
+            best, cut = score, d
+    return cut
+
+
+def _moved(earlier: Sequence[float], later: Sequence[float]) -> bool:
+    """The medians of two stretches of one run differ beyond the same-mode noise rule (AGREE, or either stretch's
+    own p20-p80 spread, if wider)."""
+    a, b = median(earlier), median(later)
+    if min(a, b) <= 0:
+        return False
+    return abs(a / b - 1) > max(AGREE, _run_spread(earlier), _run_spread(later))
+
+
+def _span(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _moving_text(earlier: Sequence[float], later: Sequence[float], where: tuple[int, int, int, int]) -> str:
+    a, b = median(earlier), median(later)
+    return (
+        f"its step time still {'falling' if a > b else 'rising'}: median {a:.1f} ms over {_span(*where[:2])}, "
+        f"{b:.1f} ms over {_span(*where[2:])}"
+    )
+
+
+def steady_state(step_ms: Sequence[float], warmup: int | None = None) -> Steady:
+    """Where one run's timing starts: ``warmup`` steps when given, else the MSER cut. A run has not settled when
+    its kept steps still trend (the first half's median against the second half's, beyond the noise rule), or when
+    the MSER cut reached its limit (half the run) with the steps just before it still apart from the kept ones:
+    the sign that the run is too short to show its steady state."""
+    n = len(step_ms)
+    cut = mser_cut(step_ms) if warmup is None else min(warmup, n)
+    kept = step_ms[cut:]
+    half = len(kept) // 2
+    if half and _moved(kept[:half], kept[-half:]):
+        where = (cut + 1, cut + half, n - half + 1, n)
+        return Steady(cut, _moving_text(kept[:half], kept[-half:], where), n - half)
+    before = step_ms[cut // 2 : cut]  # the later half of what the cut left out
+    if warmup is None and cut == n // 2 and len(kept) >= MIN_TIMED and _moved(before, kept):
+        where = (cut // 2 + 1, cut, cut + 1, n)
+        text = _moving_text(before, kept, where) + ", and the cut reached its limit, half the run"
+        return Steady(cut, text, cut)
+    return Steady(cut)
+
+
+def steady_states(runs: Sequence[Measurement], warmup: int | None) -> list[Steady]:
+    return [steady_state(run.step_ms, warmup) for run in runs]
+
+
+def unsettled(runs: Sequence[Measurement], steady: Sequence[Steady]) -> str | None:
+    """Why no run that had not settled can back a speed claim, with the steps a rerun needs; None when all did."""
+    late = [(run, s) for run, s in zip(runs, steady) if s.unsettled]
+    if not late:
+        return None
+    run, first = late[0]
+    n = len(run.step_ms)
+    names = [r.label or "a run" for r, _ in late[1:]]
+    others = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    steps = max(SETTLE_FACTOR * max(s.settling for _, s in late), n + 1)
+    factor, loaded = host_contention([r for r, _ in late])
+    # other work on the host moves step times too: then more steps alone may not settle them
+    busy = f"; the host was loaded during {loaded.label or 'it'}{_load_text(loaded)}" if factor > LOADED else ""
+    where = " on an idle machine" if busy else ""
+    return (
+        f"{run.label or 'a run'} had not settled within {n} steps ({first.unsettled})"
+        + (f", nor had {others}" if others else "")
+        + f"{busy}; rerun{where} with more steps (--steps {steps})"
+    )
+
+
+# --- the step-time statistics ------------------------------------------------------------------------------------
+
+
+def timing(runs: Sequence[Sequence[float]], cuts: Sequence[int]) -> dict[str, Any]:
+    """One mode's step times after each run's cut: pooled median and p20/p80, and each run's median."""
+    timed = [run[cut:] for run, cut in zip(runs, cuts)]
+    pooled = [t for run in timed for t in run]
     return {
         "median_ms": median(pooled),
         "p20_ms": quantile(pooled, 0.2),
         "p80_ms": quantile(pooled, 0.8),
-        "run_medians_ms": [median(run[warmup:]) for run in runs],
+        "run_medians_ms": [median(run) for run in timed],
         "timed_steps": len(pooled),
     }
 
@@ -77,16 +185,18 @@ def _run_spread(steps: Sequence[float]) -> float:
     return (quantile(steps, 0.8) - quantile(steps, 0.2)) / middle if middle > 0 else 0.0
 
 
-def disagreement(by_mode: dict[str, Sequence[Measurement]], warmup: int, shift: float = 1.0) -> str | None:
-    """Why the same-mode runs cannot be trusted: their medians differ by more than AGREE, more than their own
-    p20-p80 spread (a neighbour on the machine slowed one run, not the code) and by at least half the difference
-    ``shift`` between the modes (a disagreement far smaller than the effect cannot make it); None otherwise."""
+def disagreement(
+    by_mode: dict[str, Sequence[Measurement]], timed: dict[str, Sequence[Sequence[float]]], shift: float = 1.0
+) -> str | None:
+    """Why the same-mode runs cannot be trusted: their medians (over ``timed``, each run's steps after its cut)
+    differ by more than AGREE, more than their own p20-p80 spread (a neighbour on the machine slowed one run, not
+    the code) and by at least half the difference ``shift`` between the modes (a disagreement far smaller than the
+    effect cannot make it); None otherwise."""
     for mode, runs in by_mode.items():
-        timed = [r.step_ms[warmup:] for r in runs]
-        medians = [median(t) for t in timed]
+        medians = [median(t) for t in timed[mode]]
         if len(medians) < 2 or min(medians) <= 0:
             continue
-        allowed = max(AGREE, *(_run_spread(t) for t in timed), (shift - 1) / 2)
+        allowed = max(AGREE, *(_run_spread(t) for t in timed[mode]), (shift - 1) / 2)
         if max(medians) / min(medians) - 1 > allowed:
             slow = runs[medians.index(max(medians))]
             shown = " vs ".join(f"{m:.1f}" for m in medians)
@@ -112,15 +222,20 @@ def _load_text(run: Measurement) -> str:
     return f" (host load average up to {max(loads):.1f} on {run.cores} cores)" if loads else ""
 
 
-def disturbance(runs: Sequence[Measurement], by_mode: dict[str, Sequence[Measurement]], warmup: int, speed: dict):
-    """The cause that makes a speed claim unsafe on this machine, or None: too few timed steps, same-mode runs that
-    disagree, or a host so loaded that the load alone could explain the ratio."""
-    timed = min(len(r.step_ms[warmup:]) for r in runs)
+def disturbance(runs: Sequence[Measurement], steady: Sequence[Steady], speed: dict) -> str | None:
+    """The cause that makes a speed claim unsafe on this machine, or None: too few timed steps, a run that had not
+    settled, same-mode runs that disagree, or a host so loaded that the load alone could explain the ratio."""
+    timed = min(len(r.step_ms) - s.cut for r, s in zip(runs, steady))
     if timed < MIN_TIMED:
         return f"{timed} timed step{'s' if timed != 1 else ''} a run, and a speed claim needs at least {MIN_TIMED}"
+    late = unsettled(runs, steady)
+    if late:
+        return late
     ratio = speed["ratio"]
     shift = max(ratio, 1 / ratio) if math.isfinite(ratio) and ratio > 0 else float("inf")
-    cause = disagreement(by_mode, warmup, shift)
+    by_mode = _by_mode(runs)
+    steps = {m: [run.step_ms[s.cut :] for run, s, o in zip(runs, steady, ORDER) if o == m] for m in MODES}
+    cause = disagreement(by_mode, steps, shift)
     if cause:
         return cause
     factor, which = host_contention(runs)
@@ -132,11 +247,16 @@ def disturbance(runs: Sequence[Measurement], by_mode: dict[str, Sequence[Measure
     return None
 
 
+def _by_mode(runs: Sequence[Measurement]) -> dict[str, list[Measurement]]:
+    return {m: [r for r, o in zip(runs, ORDER) if o == m] for m in MODES}
+
+
 def first_step(by_mode: dict[str, Sequence[Measurement]], saved_ms: float) -> dict[str, Any]:
-    """The first step of every run, where compiling and other one-off set-up land (the warm-up keeps it out of the
-    step-time median). ``extra_ms``: how much longer leantrain's first step took, counted only when every leantrain
-    run's first step is slower than every stock one's and the medians differ by more than AGREE (else 0.0, within
-    noise); ``payback_steps``: the steps the per-step saving ``saved_ms`` needs to earn it back (None without one)."""
+    """The first step of every run, where compiling and other one-off set-up land (every detected cut leaves it out
+    of the step-time median). ``extra_ms``: how much longer leantrain's first step took, counted only when every
+    leantrain run's first step is slower than every stock one's and the medians differ by more than AGREE (else
+    0.0, within noise); ``payback_steps``: the steps the per-step saving ``saved_ms`` needs to earn it back (None
+    without one)."""
     firsts = {m: [r.step_ms[0] for r in by_mode[m] if r.step_ms] for m in MODES}
     stock, lean = firsts["stock"], firsts["leantrain"]
     separated = bool(stock and lean) and min(lean) > max(stock) and median(lean) > (1 + AGREE) * median(stock)
@@ -145,10 +265,15 @@ def first_step(by_mode: dict[str, Sequence[Measurement]], saved_ms: float) -> di
     return {"stock_ms": stock, "leantrain_ms": lean, "extra_ms": extra, "payback_steps": payback}
 
 
+def _duration(ms: float) -> str:
+    """Seconds from 1 s up, else milliseconds at the table's precision (0.1 ms)."""
+    return f"{ms / 1e3:.1f} s" if round(ms, 1) >= 1e3 else f"{ms:.1f} ms"
+
+
 def _first_step_text(first: dict[str, Any]) -> str:
-    if not first["extra_ms"]:
+    if round(first["extra_ms"], 1) <= 0:  # nothing to say below the table's precision
         return ""
-    once = f"; the first step took {first['extra_ms'] / 1e3:.1f} s longer (once: compiling, set-up)"
+    once = f"; the first step took {_duration(first['extra_ms'])} longer (once: compiling, set-up)"
     if first["payback_steps"] is None:
         return once + ", and no measured step-time saving pays it back"
     return once + f", paid back after {first['payback_steps']:,} steps"
@@ -264,16 +389,30 @@ def _losses_text(check: dict[str, Any]) -> str:
     return f"same losses (max diff {diff:.1e}, bound {bound:.1e} at that step)"
 
 
-def verdict(runs: Sequence[Measurement], warmup: int) -> dict[str, Any]:
-    """Everything the comparison concludes, from the four runs (ORDER)."""
-    by_mode = {m: [r for r, o in zip(runs, ORDER) if o == m] for m in MODES}
+def rule_text(warmup: int | None) -> str:
+    """Where the timing starts, as the output states it: the detection, or the override for every run."""
+    if warmup is None:
+        return STEADY_RULE
+    return (
+        f"the first {warmup} steps of every run not timed (--warmup {warmup}, in place of the steady-state detection)"
+    )
+
+
+def verdict(runs: Sequence[Measurement], warmup: int | None = None) -> dict[str, Any]:
+    """Everything the comparison concludes, from the four runs (ORDER). Each run is timed from its own steady state
+    (``steady_state``), or from step ``warmup`` + 1 of every run when it is given."""
+    by_mode = _by_mode(runs)
     stock, lean = by_mode["stock"], by_mode["leantrain"]
-    times = {m: timing([r.step_ms for r in by_mode[m]], warmup) for m in MODES}
+    steady = steady_states(runs, warmup)
+    cuts = {m: [s.cut for s, o in zip(steady, ORDER) if o == m] for m in MODES}
+    times = {m: timing([r.step_ms for r in by_mode[m]], cuts[m]) for m in MODES}
     speed = speed_verdict(times["stock"], times["leantrain"])
-    cause = disturbance(runs, by_mode, warmup, speed)
+    cause = disturbance(runs, steady, speed)
     cap = capped(runs)
     if cause:
-        speed.update(verdict="no claim", cause=cause + (f"; {cap}" if cap and "timed step" in cause else ""))
+        # too few steps or a run that had not settled: the script's own max_steps may be what stopped it short
+        short = "timed step" in cause or "had not settled" in cause
+        speed.update(verdict="no claim", cause=cause + (f"; {cap}" if cap and short else ""))
     memory = memory_verdict([r.peak_bytes for r in stock], [r.peak_bytes for r in lean])
     saved = times["stock"]["median_ms"] - times["leantrain"]["median_ms"] if speed["verdict"] == "faster" else 0.0
     first = first_step(by_mode, saved)
@@ -323,6 +462,14 @@ def verdict(runs: Sequence[Measurement], warmup: int) -> dict[str, Any]:
         "speed": {**speed, **{m: times[m] for m in MODES}},
         "memory": memory,
         "first_step": first,
+        "steady": {
+            "rule": rule_text(warmup),
+            "warmup": "auto" if warmup is None else warmup,
+            "runs": [
+                {"label": r.label, "cut": s.cut, "settled": s.unsettled is None, "unsettled": s.unsettled}
+                for r, s in zip(runs, steady)
+            ],
+        },
         "losses": checks["loss"],
         "metrics": {name: c for name, c in checks.items() if name != "loss"},
         "capped": cap,
@@ -340,9 +487,16 @@ def _speed_text(speed: dict[str, Any]) -> str:
     return "within noise"
 
 
-def tokens_per_s(runs: Sequence[Measurement], warmup: int) -> float | None:
-    tokens = [t for r in runs for t in r.tokens[warmup:]]
-    ms = [t for r in runs for t in r.step_ms[warmup:]]
+def cuts_by_mode(result: dict[str, Any]) -> dict[str, list[int]]:
+    """Each run's cut as the verdict recorded it, per mode in the order of its runs."""
+    cuts = [run["cut"] for run in result["steady"]["runs"]]
+    return {m: [c for c, o in zip(cuts, ORDER) if o == m] for m in MODES}
+
+
+def tokens_per_s(runs: Sequence[Measurement], cuts: Sequence[int]) -> float | None:
+    """Tokens over wall time of the timed steps (each run's own after its cut)."""
+    tokens = [t for r, c in zip(runs, cuts) for t in r.tokens[c:]]
+    ms = [t for r, c in zip(runs, cuts) for t in r.step_ms[c:]]
     if not tokens or any(t is None for t in tokens) or not sum(ms):
         return None
     return sum(tokens) / (sum(ms) / 1e3)  # type: ignore[arg-type]
