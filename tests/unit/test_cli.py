@@ -42,9 +42,6 @@ def test_help_loads_neither_torch_nor_transformers(argv):
     assert seen["heavy"] == [], seen
 
 
-@pytest.mark.xfail(
-    strict=True, reason="cli/demo.py imports torch, the entry point and tiny (transformers) at module level"
-)
 def test_demo_help_loads_neither_torch_nor_transformers():
     out, seen = _help(["demo", "--help"])
     assert out.startswith("usage: leantrain demo") and seen["heavy"] == [], seen

@@ -4,7 +4,8 @@ measures a run, and say what it buys.
 The default shows what ``patch_trainer(trainer)`` does with no options: a tiny gpt-oss MoE whose 32 experts are
 frozen nf4 ``Linear4bit`` lists (the layout of community pre-quantized gpt-oss checkpoints) trains with the grouped
 4-bit experts (moe4bit) in place of the per-expert loop. CGGR changes which tokens train: it runs only with
-``--cggr``. ``--trainer grpo`` trains with TRL's GRPOTrainer, where the fused log-probs (grpo_logps) apply too.
+``--cggr``. ``--trainer grpo`` trains with TRL's GRPOTrainer on 8 experts a layer (generation included), where
+the grouped experts measured faster on CPU too; the fused log-probs apply there on CUDA.
 
 Four runs in one process, in the order stock, leantrain, leantrain, stock (neither mode always meets the first-time
 costs), each measured by the clock of ``leantrain compare`` (``_measure``): step time from each run's steady state
@@ -32,11 +33,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..entry import current_report, patch_trainer, unpatch_trainer
-from ..optimization import install_command
-from . import tiny
 from ._measure import Completions, Measurement, measure_run
 from .plot import plot
 from .printing import metric_lines, report_text, table
@@ -58,6 +54,8 @@ MIN_VOCAB = 259  # the tokenizer's 256 byte tokens and its 3 special tokens
 def _dataset(tokenizer, n: int, held_out: bool = False, n_eval: int = 64):
     from datasets import Dataset
 
+    from . import tiny
+
     texts = tiny.corpus_texts()
     texts = texts[-n_eval:] if held_out else texts[:-64][:n]  # the last 64 paragraphs are never trained on
     return Dataset.from_dict({"text": texts})
@@ -65,6 +63,8 @@ def _dataset(tokenizer, n: int, held_out: bool = False, n_eval: int = 64):
 
 def _prompts(n: int):
     from datasets import Dataset
+
+    from . import tiny
 
     texts = tiny.corpus_texts()[:n]
     return Dataset.from_dict({"prompt": [" ".join(t.split()[:12]) for t in texts]})
@@ -76,6 +76,8 @@ def letter_reward(completions: list[str], **_: Any) -> list[float]:
 
 
 def _model(args: argparse.Namespace, vocab_size: int):
+    from . import tiny
+
     family = DEMO_MODELS[args.model]
     if family != "gpt_oss":
         return tiny.tiny_model(family, seed=args.seed, vocab_size=vocab_size, hidden=args.hidden, layers=4).train()
@@ -96,6 +98,10 @@ def _model(args: argparse.Namespace, vocab_size: int):
 
 
 def _make_trainer(args: argparse.Namespace, output_dir: str):
+    import torch
+
+    from . import tiny
+
     tokenizer = tiny.train_tokenizer(args.vocab)
     model = _model(args, len(tokenizer))
     cuda = torch.cuda.is_available()
@@ -151,6 +157,8 @@ def _run(
 ) -> tuple[Measurement, float | None]:
     """One run (ORDER[index]): build, patch (leantrain runs), train measured, evaluate; (measurement, eval loss)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from ..entry import current_report, patch_trainer, unpatch_trainer
 
     mode = ORDER[index]
     label = f"{mode} {1 + ORDER[:index].count(mode)}"
@@ -309,6 +317,8 @@ def _check(args: argparse.Namespace) -> None:
     if not args.lr > 0:
         problems.append(f"--lr must be > 0, got {args.lr}")
     if args.model == "gpt-oss" and not importlib.util.find_spec("bitsandbytes"):
+        from ..optimization import install_command
+
         problems.append(
             f"the gpt-oss demo trains frozen 4-bit experts: install bitsandbytes ({install_command('bnb')}), "
             "or run a dense model: leantrain demo --model llama"
@@ -334,6 +344,8 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     args = _resolve(args)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

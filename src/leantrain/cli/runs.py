@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import LeantrainConfig
 from ._measure import OPTION, Measurement, MeasureSpec
-from .verdict import ORDER, median
+from .verdict import ORDER, median, steady_state
 
 
 @dataclass(frozen=True)
@@ -175,9 +175,10 @@ def run_one(
             f"launch`; {_kept_log(log_path, req)}"
         )
     result = Measurement.load(spec.out)
-    timed = result.step_ms[req.warmup :]
+    cut = steady_state(result.step_ms, req.warmup).cut  # this run's own steady state, as the verdict times it
+    timed = result.step_ms[cut:]
     middle = median(timed) if timed else float("nan")
-    progress.done(f"{head}: {len(result.step_ms)} steps, median {middle:.1f} ms after warm-up ({wall:.0f} s)")
+    progress.done(f"{head}: {len(result.step_ms)} steps, median {middle:.1f} ms from step {cut + 1} on ({wall:.0f} s)")
     return result, wall
 
 
