@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..code_copy import private_copy
+from ..compiling import CountingBackend, private_copy
 from ..fallback import RuntimeFallback
 from ..models import unwrap_model
 from ..undo import Undo
@@ -48,36 +48,28 @@ class RecompileLimit(RuntimeError):
     """Strict mode: the decode step recompiled more often than ``compile_generation_max_recompiles`` allows."""
 
 
-class DecodeStats:
-    """Counts the graphs compiled for the decode step (its backend is the counting wrapper) and the caches built."""
+class DecodeStats(CountingBackend):
+    """Counts the graphs compiled for the decode step (its backend is the counting wrapper) and the caches built;
+    past the recompile limit stock generate serves the rest of training."""
+
+    what = "compile_generation: the decode step"
 
     def __init__(self, plan: GenerationPlan, fallback: RuntimeFallback, cuda_graphs: bool) -> None:
+        super().__init__(inner_backend(plan.backend, cuda_graphs), plan.max_recompiles)
         self.plan, self.fallback = plan, fallback
-        self.compiles = 0
         self.calls = 0
         self.lengths: dict[int, int] = {}  # cache length per batch size
         self.cache_bytes = 0  # the largest cache built
-        self.inner = inner_backend(plan.backend, cuda_graphs)
 
-    @property
-    def recompiles(self) -> int:
-        return max(0, self.compiles - 1)
-
-    def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        self.compiles += 1
-        if self.recompiles > self.plan.max_recompiles:
-            reason = (
-                f"the decode step recompiled {self.recompiles} times (compile_generation_max_recompiles="
-                f"{self.plan.max_recompiles}): new batch sizes or prompt lengths past the cache keep compiling, so "
-                "stock generate serves the rest of training; raise the limit if the run's prompts vary widely"
-            )
-            if self.fallback.strict:
-                raise RecompileLimit(reason)
-            self.fallback.fail(reason)
-            return gm.forward  # this one call runs the traced graph eagerly; the next ones stock generate
-        if self.compiles > 1:
-            logger.info("leantrain: compile_generation recompiled the decode step (%d recompiles)", self.recompiles)
-        return self.inner(gm, example_inputs)
+    def past_limit(self, recompiles: int) -> None:
+        reason = (
+            f"the decode step recompiled {recompiles} times (compile_generation_max_recompiles="
+            f"{self.plan.max_recompiles}): new batch sizes or prompt lengths past the cache keep compiling, so "
+            "stock generate serves the rest of training; raise the limit if the run's prompts vary widely"
+        )
+        if self.fallback.strict:
+            raise RecompileLimit(reason)
+        self.fallback.fail(reason)
 
     def cache_for(self, batch: int, needed: int) -> int:
         length = cache_length(needed, self.lengths.get(batch, 0))

@@ -7,13 +7,13 @@ generation config (the calls to serve), the cache's shape and the compile settin
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
 from .measured import MEASURED
@@ -107,10 +107,9 @@ def trainer_reasons(trainer: Any, config: Any) -> list[str]:
 def run_reasons(trainer: Any, cfg: Any) -> list[str]:
     """What in the run stops a compiled decode from serving every call."""
     reasons = []
-    if not torch._dynamo.is_dynamo_supported():
-        reasons.append(
-            f"torch.compile is not supported here (Python {sys.version.split()[0]}, torch {torch.__version__})"
-        )
+    unsupported = unsupported_reason()
+    if unsupported:
+        reasons.append(unsupported)
     old = transformers_4_reason()
     if old:
         reasons.append(old)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..compiling import unsupported_reason
 from ..optimization import Applied, Optimization, PatchContext, Readiness, register
 from .measured import MEASURED, Measured
 from .probe import CompilePlan, describe
@@ -22,11 +23,8 @@ class CompileLayers(Optimization):
     trainer_kinds = ("sft", "trainer", "grpo")
 
     def check_environment(self) -> tuple[str, ...]:
-        import torch
-
-        if not torch._dynamo.is_dynamo_supported():
-            return ("torch.compile is not supported with this Python / torch",)
-        return ()
+        reason = unsupported_reason()
+        return (reason,) if reason else ()
 
     def probe(self, trainer: Any, ctx: PatchContext) -> Readiness:
         return probe_trainer(trainer, ctx)

@@ -1,6 +1,6 @@
 """The compiled layer function and the pay-back arithmetic, in plain values (functions, numbers, strings).
 
-The layer's forward is compiled as a private copy (``leantrain.code_copy.private_copy``): every layer instance of one
+The layer's forward is compiled as a private copy (``leantrain.compiling.private_copy``): every layer instance of one
 model runs that one copy (Dynamo treats the layer's parameters as inputs, so one compiled entry serves all of them),
 and it goes away with the patch."""
 

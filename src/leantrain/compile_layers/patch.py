@@ -1,6 +1,6 @@
 """The compiled forward ``apply`` binds on every decoder layer instance (never on the class).
 
-One ``torch.compile`` of a private copy of the layer class's forward (``code_copy.private_copy``) serves every layer:
+One ``torch.compile`` of a private copy of the layer class's forward (``compiling.private_copy``) serves every layer:
 the layer is an argument, so Dynamo compiles once and reuses the entry for each instance. Transformers' checkpointing
 (``GradientCheckpointingLayer.__call__``) wraps ``nn.Module.__call__``, which calls the instance's forward: the
 checkpoint wraps the compiled region, in both modes. Every call runs through the run-time fallback: a compile error
@@ -10,20 +10,18 @@ make Dynamo run eagerly without a word."""
 
 from __future__ import annotations
 
-import logging
 import types
 from typing import Any
 
 import torch
 
-from ..code_copy import private_copy
+from ..compiling import CountingBackend, private_copy
 from ..fallback import RuntimeFallback
 from ..undo import Undo
 from .ops import checkpointing_inner, with_inner
 from .probe import CompilePlan
 
 
-logger = logging.getLogger("leantrain")
 STATS_ATTR = "leantrain_compile_layers"  # on the trainer: the live CompileStats (compiles, recompiles)
 
 
@@ -31,35 +29,26 @@ class RecompileLimit(RuntimeError):
     """Strict mode: the layers recompiled more often than ``compile_layers_max_recompiles`` allows."""
 
 
-class CompileStats:
+class CompileStats(CountingBackend):
     """Counts the graphs compiled for the layer code (its backend is the counting wrapper): the first compile(s)
-    plus recompiles on new shapes or guards."""
+    plus recompiles on new shapes or guards; past the limit the eager layers serve the rest of training."""
+
+    what = "compile_layers: the decoder layers"
 
     def __init__(self, plan: CompilePlan, fallback: RuntimeFallback) -> None:
+        super().__init__(torch._dynamo.lookup_backend(plan.backend), plan.max_recompiles)
         self.plan, self.fallback = plan, fallback
-        self.compiles = 0
-        self.inner = torch._dynamo.lookup_backend(plan.backend)
 
-    @property
-    def recompiles(self) -> int:
-        return max(0, self.compiles - 1)
-
-    def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        self.compiles += 1
-        if self.recompiles > self.plan.max_recompiles:
-            reason = (
-                f"the decoder layers recompiled {self.recompiles} times (compile_layers_max_recompiles="
-                f"{self.plan.max_recompiles}): each new shape or guard compiles again, so the eager layers serve the "
-                "rest of training; pad batches to fewer lengths (pad_to_multiple_of), set "
-                "compile_layers_dynamic='always', or raise the limit"
-            )
-            if self.fallback.strict:
-                raise RecompileLimit(reason)
-            self.fallback.fail(reason)
-            return gm.forward  # this one call runs the traced graph eagerly; the next ones the stock forward
-        if self.compiles > 1:
-            logger.info("leantrain: compile_layers recompiled the decoder layers (%d recompiles)", self.recompiles)
-        return self.inner(gm, example_inputs)
+    def past_limit(self, recompiles: int) -> None:
+        reason = (
+            f"the decoder layers recompiled {recompiles} times (compile_layers_max_recompiles="
+            f"{self.plan.max_recompiles}): each new shape or guard compiles again, so the eager layers serve the "
+            "rest of training; pad batches to fewer lengths (pad_to_multiple_of), set "
+            "compile_layers_dynamic='always', or raise the limit"
+        )
+        if self.fallback.strict:
+            raise RecompileLimit(reason)
+        self.fallback.fail(reason)
 
 
 def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: Any) -> tuple[tuple[str, ...], int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, decoder_parts, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
 from .measured import KNOWN_FAILURES, MEASURED
@@ -121,10 +121,9 @@ def _transformers_4_reason() -> str | None:
 def run_reasons(trainer: Any, model: nn.Module, family: str, layers: list[nn.Module], cfg: Any) -> list[str]:
     """What stops the compiled layers from serving this run (each a sentence naming the next step)."""
     reasons = []
-    if not torch._dynamo.is_dynamo_supported():
-        reasons.append(
-            f"torch.compile is not supported here (Python {sys.version.split()[0]}, torch {torch.__version__})"
-        )
+    unsupported = unsupported_reason()
+    if unsupported:
+        reasons.append(unsupported)
     old = _transformers_4_reason()
     if old:
         reasons.append(old)
