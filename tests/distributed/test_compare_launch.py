@@ -52,5 +52,5 @@ def test_compare_under_accelerate_launch_measures_rank_zero(tmp_path, monkeypatc
     # tiny llama SFT on CPU: nothing applies, so compare stops after the first leantrain run (stock, leantrain)
     assert data["order"] == ["stock", "leantrain"] and data["verdict"]["stopped_early"], out
     assert data["verdict"]["text"].startswith("nothing applied: no claim"), out
-    assert all(len(run) == 3 for mode in ("stock", "leantrain") for run in data[mode]["step_ms"])
+    assert all(len(run) == 4 for mode in ("stock", "leantrain") for run in data[mode]["step_ms"])
     assert data["stock"]["losses"] == data["leantrain"]["losses"]
