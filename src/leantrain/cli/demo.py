@@ -47,7 +47,9 @@ NO_VALUE = "—"  # a table cell with nothing to show (a GRPO run has no eval lo
 # GRPO's keeps drifting down for tens of steps while leantrain's holds from step 2: 60 steps. --smoke takes the
 # fewest steps the cut allows.
 # A GRPO step samples its completions token by token, and on CPU that dominates the step: fewer experts keep it short.
-SIZES = {"steps": (30, 60, MIN_STEPS), "seq": (128, 128, 32), "experts": (32, 8, 8), "vocab": (2048, 2048, 512)}
+# --smoke keeps each trainer's expert count (None): the counts where the grouped experts measured faster on a CPU, so
+# auto mode applies them in the smoke run too.
+SIZES = {"steps": (30, 60, MIN_STEPS), "seq": (128, 128, 32), "experts": (32, 8, None), "vocab": (2048, 2048, 512)}
 MIN_VOCAB = 259  # the tokenizer's 256 byte tokens and its 3 special tokens
 
 
@@ -283,9 +285,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--out", type=Path, default=Path("leantrain-demo"), help="where the PNG and JSON go")
     parser.add_argument("--seq", type=int, default=None, help="max sequence length (sft; default 128, --smoke 32)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (sft)")
-    parser.add_argument(
-        "--experts", type=int, default=None, help="experts per layer (gpt-oss; default 32, grpo 8; --smoke 8)"
-    )
+    parser.add_argument("--experts", type=int, default=None, help="experts per layer (gpt-oss; default 32, grpo 8)")
     parser.add_argument(
         "--hidden", type=int, default=64, help="hidden size: a multiple of 32 (of 64 for gpt-oss); default 64"
     )
@@ -333,7 +333,8 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.trainer = getattr(args, "trainer", None) or "sft"
     for name, (sft, grpo, small) in SIZES.items():
         if getattr(args, name, None) is None:
-            setattr(args, name, small if smoke else grpo if args.trainer == "grpo" else sft)
+            default = grpo if args.trainer == "grpo" else sft
+            setattr(args, name, small if smoke and small is not None else default)
     args.smoke, args.cggr = smoke, bool(getattr(args, "cggr", False))
     args.eval_texts = 16 if smoke else 64
     for name, default in (("batch", 8), ("hidden", 64), ("lr", 2e-3), ("seed", 0), ("model", "gpt-oss")):
