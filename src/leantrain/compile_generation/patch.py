@@ -32,7 +32,7 @@ from ..compiling import CountingBackend, private_copy
 from ..fallback import RuntimeFallback
 from ..models import unwrap_model
 from ..undo import Undo
-from .ops import cache_length, gib
+from .ops import cache_length, size_text
 from .probe import GenerationPlan
 
 
@@ -81,7 +81,7 @@ class DecodeStats(CountingBackend):
                 "leantrain: compile_generation: static KV cache for %d sequences x %d positions (%s)",
                 batch,
                 length,
-                gib(size),
+                size_text(size),
             )
         return length
 
@@ -156,8 +156,7 @@ def install(plan: GenerationPlan, undo: Undo, fallback: RuntimeFallback, trainer
     from transformers import StaticCache
 
     base = unwrap_model(plan.model)
-    cuda_graphs = plan.cuda_graphs and trainer.args.device.type == "cuda"
-    stats = DecodeStats(plan, fallback, cuda_graphs)
+    stats = DecodeStats(plan, fallback, plan.cuda_graphs)
     config = compiled_config(plan)
     embeddings = [m for m in (base.get_input_embeddings(),) if m is not None]
 

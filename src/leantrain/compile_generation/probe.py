@@ -17,7 +17,7 @@ from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
 from .measured import MEASURED
-from .ops import CacheShape, Payback, gib
+from .ops import CacheShape, Payback, size_text
 
 
 AUTO_DEVICES = ("cuda",)  # where the saving was measured
@@ -33,7 +33,7 @@ class GenerationPlan:
     batch: int  # sequences per generation call on this process
     max_new_tokens: int
     backend: str
-    cuda_graphs: bool
+    cuda_graphs: bool  # replayed as CUDA graphs (inductor on CUDA only)
     max_recompiles: int
     why: str  # why auto mode applies it ("" where applied on request)
 
@@ -55,7 +55,9 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         batch=generation_batch(trainer),
         max_new_tokens=int(config.max_new_tokens),
         backend=cfg.compile_generation_backend,
-        cuda_graphs=cfg.compile_generation_cuda_graphs,
+        cuda_graphs=cfg.compile_generation_cuda_graphs
+        and cfg.compile_generation_backend == "inductor"
+        and trainer.args.device.type == "cuda",
         max_recompiles=cfg.compile_generation_max_recompiles,
         why="",
     )
@@ -240,8 +242,8 @@ def describe(plan: GenerationPlan) -> str:
     per_call = plan.cache.bytes(plan.batch, plan.max_new_tokens)
     text = (
         f"torch.compile ({plan.backend}{graphs}) of the decode step over a static KV cache; cache "
-        f"{gib(plan.cache.bytes_per_token * plan.batch)} a position for {plan.batch} sequences "
-        f"({gib(per_call)} for the {plan.max_new_tokens} new tokens, plus the prompt's), lengths in steps of 64, "
-        f"at most {plan.max_recompiles} recompiles"
+        f"{size_text(plan.cache.bytes_per_token * plan.batch)} a position for {plan.batch} sequences "
+        f"({size_text(per_call)} for the {plan.max_new_tokens} new tokens, plus the prompt's), lengths in steps of "
+        f"64, at most {plan.max_recompiles} recompiles"
     )
     return text + (f"; {plan.why}" if plan.why else "")

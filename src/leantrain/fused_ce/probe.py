@@ -75,6 +75,7 @@ class CePlan:
     settings: HeadSettings
     head: str  # "frozen" or "trainable"
     dispatch_why: str
+    dispatch: str = "leantrain"  # what the measured rule chose here: "leantrain", or "stock" (applied on request)
     variant: SftVariant | None = None  # full_logits / dft: how this TRL logs its metrics
     output_class: Any = None  # trl_fused / chunked_nll: TRL's output class
     moe: bool = False  # the model's forward takes output_router_logits (an MoE aux loss)
@@ -102,6 +103,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     if plan.reasons:
         return Readiness.no(*plan.reasons).with_auto_rule(auto_rule(trainer, path, model, plan))
     verdict, plan.dispatch_why = _dispatch(trainer, path, model, plan.head, plan.settings)
+    plan.dispatch = verdict
     if verdict == "stock":  # auto keeps the stock loss (not measured faster here); fused_ce=True applies the op anyway
         return Readiness.slower(_stock_evidence(path, plan.dispatch_why), detail(plan), plan)
     if getattr(trainer, "is_fsdp_enabled", False):  # the whole FSDP2 step measured slower with the op
@@ -443,7 +445,6 @@ def detail(plan: CePlan) -> str:
         what += "; an evaluation that reads logits runs the stock forward"
     model = plan.model
     tied = model.get_output_embeddings().weight is getattr(model.get_input_embeddings(), "weight", None)
-    return (
-        f"{how} ({what} from the fused op); {plan.head} {'tied ' if tied else ''}head; kernel: {kernel_name()}; "
-        f"dispatch: {plan.dispatch_why}"
-    )
+    text = f"{how} ({what} from the fused op); {plan.head} {'tied ' if tied else ''}head; kernel: {kernel_name()}"
+    # where the rule chose the stock loss, the report adds its evidence beside "applied on request" once
+    return text + (f"; dispatch: {plan.dispatch_why}" if plan.dispatch == "leantrain" else "")
