@@ -19,6 +19,15 @@ def _wrapped(text: str, width: int) -> list[str]:
     return textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=False) or [""]
 
 
+def size_text(n: float) -> str:
+    """Bytes as a person reads them in a report: GiB from a quarter GiB on, MiB from 1 MiB on, KiB from 1 KiB on."""
+    if n >= 2**28:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**10:.0f} KiB" if n >= 2**10 else f"{n:.0f} bytes"
+
+
 class Status(str, enum.Enum):
     APPLIED = "applied"
     SKIPPED = "skipped"  # the probe declined (auto mode) or the optimization does not fit this trainer

@@ -40,13 +40,6 @@ class CacheShape:
         return self.bytes_per_token * batch * length
 
 
-def size_text(n: float) -> str:
-    """Bytes as a person reads them: GiB from a quarter GiB on, MiB from 1 MiB on, else KiB."""
-    if n >= 2**28:
-        return f"{n / 2**30:.2f} GiB"
-    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
-
-
 @dataclass(frozen=True)
 class Payback:
     """Whether compiling the decode step pays for itself: ``calls`` generation calls in the run, each generating up to

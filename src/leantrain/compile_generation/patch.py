@@ -31,8 +31,9 @@ from torch import nn
 from ..compiling import CountingBackend, private_copy
 from ..fallback import RuntimeFallback
 from ..models import unwrap_model
+from ..report import size_text
 from ..undo import Undo
-from .ops import cache_length, size_text
+from .ops import cache_length
 from .probe import GenerationPlan
 
 

@@ -16,8 +16,9 @@ from torch import nn
 from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
+from ..report import size_text
 from .measured import MEASURED
-from .ops import CacheShape, Payback, size_text
+from .ops import CacheShape, Payback
 
 
 AUTO_DEVICES = ("cuda",)  # where the saving was measured
