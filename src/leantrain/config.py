@@ -25,7 +25,8 @@ _SWITCH_WORDS = "1/0/on/off/yes/no/true/false"  # _TRUE and _FALSE, as messages 
 
 # Optimizations in the order they are applied: model surgery first, then forward/loss patches. fused_ce comes before
 # cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss. compile_layers
-# comes after everything that rebinds code inside the decoder layers, so it compiles what will run.
+# comes after everything that rebinds code inside the decoder layers, so it compiles what will run; offload_checkpoints
+# comes after compile_layers: it wraps the layer forward that runs (the compiled one inside the checkpoint).
 OPTIMIZATIONS = (
     "moe4bit",
     "osft",
@@ -35,6 +36,7 @@ OPTIMIZATIONS = (
     "cggr",
     "grpo_logps",
     "compile_generation",
+    "offload_checkpoints",
 )
 CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
@@ -110,6 +112,12 @@ class LeantrainConfig:
         "GRPO / RLOO generation: transformers' generate with its decode step compiled over a static KV cache (auto: "
         "CUDA, where the measured saving pays the compile back within the run's generation calls)",
     )
+    offload_checkpoints: bool | None = _opt(
+        None,
+        "tristate",
+        "activation checkpointing: each checkpointed decoder layer's input in pinned host memory, copied on a side "
+        "stream (auto: where its step cost is measured small; needs the trainer's gradient_checkpointing)",
+    )
     disable: bool = _opt(
         False,
         "bool",
@@ -184,6 +192,14 @@ class LeantrainConfig:
         "recompiles of the decode step (new batch sizes, longer prompts) before stock generate takes over "
         f"(0-{MAX_LAYER_RECOMPILES})",
         lambda v: None if 0 <= v <= MAX_LAYER_RECOMPILES else f"must be in [0, {MAX_LAYER_RECOMPILES}], got {v!r}",
+    )
+    # Offloaded checkpoints
+    offload_checkpoints_max_host_gib: float = _opt(
+        0.0,
+        "float",
+        "host memory the offloaded inputs may hold at once, GiB (0: half of the host memory available at patch time, "
+        "shared by the processes on the host); inputs past it stay on the device",
+        lambda v: None if v >= 0 else f"must be >= 0, got {v!r}",
     )
     # MoE 4-bit
     moe_recompute: bool | None = _opt(

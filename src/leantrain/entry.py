@@ -181,6 +181,7 @@ def patch_trainer(
     cggr: bool | None = None,
     grpo_logps: bool | None = None,
     compile_generation: bool | None = None,
+    offload_checkpoints: bool | None = None,
     strict: bool | None = None,
     environ: Mapping[str, str] | None = None,
     **options: Any,

@@ -94,7 +94,7 @@ def test_rows_to_rule_round_trip():
             cell("full_logits", device="cpu", stock=800.0, ours=900.0),
         ]
     )
-    source = emit_rule(cells, "NVIDIA H100 80GB HBM3, 2026-11-26, fused_ce.json at abc1234")
+    source = emit_rule(cells, "NVIDIA H100 80GB HBM3, 2026-11-26, benchmarks/results/fused_ce.json")
     namespace = {"Measured": Measured}
     exec(source, namespace)
     assert namespace["SOURCE"].startswith("NVIDIA H100")

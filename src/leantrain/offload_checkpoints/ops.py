@@ -1,0 +1,184 @@
+"""Checkpointed layer inputs in host memory: the saved-tensor hooks and the host budget, in plain values.
+
+Activation checkpointing keeps one tensor per checkpointed layer through the forward: the layer's input, which the
+backward feeds to the recompute. Both of torch's checkpoint modes save it as a saved tensor *outside* the checkpoint's
+own hooks (the non-reentrant mode's saved inputs, the reentrant mode's ``save_for_backward``), so saved-tensor hooks
+entered around the checkpoint call see exactly those inputs and nothing of the layer's inside.
+
+:class:`HostOffload` is that pair of hooks. On CUDA the pack copies the input to pinned host memory on a side stream
+(the compute stream goes on; the allocator keeps the device block until the copy ends), and keeps the device tensor of
+the most recent input until the next one is packed: the last layer's input is the first the backward needs, so it
+never waits for a copy back. The unpack of one input starts the copy back of the input packed before it (the next the
+backward needs) on the side stream, so each copy hides under a layer's recompute and backward. Host memory is bounded:
+an input past the budget stays on the device (stock checkpointing for that layer) and is counted. On the host itself
+(a model on CPU) the pack keeps a copy, which is how the mechanism is tested without a GPU."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+GIB = 1024**3
+
+
+@dataclass
+class OffloadStats:
+    """What the hooks did (read live from ``leantrain.offload_checkpoints.stats(trainer)``).
+
+    ``packed``/``packed_bytes``: inputs moved to host memory since the start; ``kept``: inputs left on the device
+    because the host budget was full; ``live_bytes``: host bytes held now (freed as the backward unpacks and drops
+    them); ``peak_bytes``: the most host bytes held at once (a step's checkpointed inputs)."""
+
+    packed: int = 0
+    packed_bytes: int = 0
+    kept: int = 0
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    fetched_ahead: int = 0  # unpacks served by a copy started one layer ahead (CUDA)
+    waited: int = 0  # unpacks that had to start their own copy back (CUDA)
+    failures: list[str] = field(default_factory=list)
+
+    def hold(self, nbytes: int) -> None:
+        self.packed += 1
+        self.packed_bytes += nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def release(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+
+class Offloaded:
+    """One checkpointed input in host memory, and what the backward needs to bring it back."""
+
+    __slots__ = ("__weakref__", "device", "device_copy", "fetched", "host", "nbytes", "previous", "ready", "stats")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, stats: OffloadStats, previous: Any) -> None:
+        self.host = host
+        self.device = device
+        self.nbytes = host.numel() * host.element_size()
+        self.stats = stats
+        self.previous = previous  # weakref to the input packed before this one (the next the backward needs)
+        self.device_copy: torch.Tensor | None = None  # the original, kept while this is the newest input (CUDA)
+        self.fetched: torch.Tensor | None = None  # a copy back started ahead of the unpack
+        self.ready: Any = None  # the CUDA event that copy records
+        stats.hold(self.nbytes)
+
+    def __del__(self) -> None:
+        self.stats.release(self.nbytes)
+
+
+class HostOffload:
+    """Saved-tensor hooks that keep checkpointed layer inputs in host memory (``torch.autograd.graph``'s
+    ``saved_tensors_hooks(offload.pack, offload.unpack)`` around the checkpoint call).
+
+    ``budget_bytes``: the most host bytes held at once; past it an input stays on the device. ``min_bytes``: inputs
+    smaller than this stay on the device (a copy costs more than it frees). ``on_failure(reason)``: called once when
+    host memory cannot be had (pinned allocation fails); every later input then stays on the device."""
+
+    def __init__(self, budget_bytes: int, min_bytes: int = 0, on_failure: Callable[[str], None] | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        self.min_bytes = min_bytes
+        self.on_failure = on_failure
+        self.stats = OffloadStats()
+        self.failed = False
+        self._newest: weakref.ref[Offloaded] | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def context(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    # -- the forward
+    def pack(self, tensor: torch.Tensor) -> Any:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.failed or nbytes < self.min_bytes:
+            return tensor
+        if self.stats.live_bytes + nbytes > self.budget_bytes:
+            self.stats.kept += 1
+            return tensor
+        try:
+            host = self._to_host(tensor)
+        except RuntimeError as error:  # pinned host memory exhausted, or the host allocator refused
+            self._fail(f"{type(error).__name__}: {error}")
+            return tensor
+        item = Offloaded(host, tensor.device, self.stats, self._newest)
+        if tensor.device.type == "cuda":
+            newest = self._newest() if self._newest is not None else None
+            if newest is not None:
+                newest.device_copy = None  # its copy is queued; the allocator waits for it before reusing the block
+            item.device_copy = tensor
+        self._newest = weakref.ref(item)
+        return item
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor.detach().clone()
+        side = self._side_stream(tensor.device)
+        side.wait_stream(torch.cuda.current_stream(tensor.device))  # the input is computed before it is copied
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(side)  # its block is not reused before the copy has read it
+        return host
+
+    # -- the backward
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        tensor = self._take(packed)
+        previous = packed.previous() if packed.previous is not None else None
+        if previous is not None and previous.device_copy is None and previous.fetched is None:
+            self._fetch(previous)  # the next input the backward needs, copied while this layer recomputes
+            self.stats.fetched_ahead += 1
+        return tensor
+
+    def _take(self, item: Offloaded) -> torch.Tensor:
+        if item.device.type != "cuda":
+            return item.host
+        if item.device_copy is not None:  # the newest input: still on the device
+            tensor, item.device_copy = item.device_copy, None
+            return tensor
+        if item.fetched is None:
+            self.stats.waited += 1
+            self._fetch(item)
+        torch.cuda.current_stream(item.device).wait_event(item.ready)
+        tensor, item.fetched = item.fetched, None
+        return tensor
+
+    def _fetch(self, item: Offloaded) -> None:
+        if item.device.type != "cuda":
+            return
+        side = self._side_stream(item.device)
+        current = torch.cuda.current_stream(item.device)
+        tensor = torch.empty(item.host.shape, dtype=item.host.dtype, device=item.device)  # on the compute stream
+        side.wait_stream(current)  # the block's earlier users on the compute stream are done with it
+        with torch.cuda.stream(side):
+            tensor.copy_(item.host, non_blocking=True)
+            item.ready = torch.cuda.Event()
+            item.ready.record(side)
+        tensor.record_stream(side)
+        item.fetched = tensor
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _fail(self, reason: str) -> None:
+        self.failed = True
+        self.stats.failures.append(reason)
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
+
+def host_budget_bytes(max_host_gib: float, available_bytes: int, local_processes: int) -> int:
+    """The host bytes one process may hold: ``max_host_gib`` if set (> 0), else half of what the host has
+    available, shared by the processes on this host (each offloads its own inputs)."""
+    if max_host_gib > 0:
+        return int(max_host_gib * GIB)
+    return available_bytes // 2 // max(local_processes, 1)

@@ -1,0 +1,88 @@
+"""What ``apply`` installs: every decoder layer's checkpoint function inside the offload hooks.
+
+Transformers checkpoints a ``GradientCheckpointingLayer`` by calling the instance's ``_gradient_checkpointing_func``
+(``torch.utils.checkpoint.checkpoint`` with the trainer's keyword arguments) on the layer's forward; the hooks
+entered around that call see the checkpoint's saved inputs only, in every transformers version (the call sits in
+``__call__`` on older releases, in ``forward`` on newer ones) and whatever runs inside (``compile_layers``' compiled
+forward stays inside the checkpoint). The trainer sets that function when it switches checkpointing on, which may
+come after ``patch_trainer`` (at ``train()``): a callback wraps any function set since, at the start of training and
+of every step (a check per layer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..fallback import RuntimeFallback
+from ..undo import Undo
+from .ops import HostOffload
+from .probe import OffloadPlan
+
+
+STATS_ATTR = "leantrain_offload_checkpoints"  # on the trainer: the live OffloadStats
+FUNC_ATTR = "_gradient_checkpointing_func"  # transformers' per-layer checkpoint function
+INNER = "__leantrain_offload_inner__"  # on a wrapped function: the checkpoint function it wraps
+
+
+def install(plan: OffloadPlan, undo: Undo, fallback: RuntimeFallback, trainer: Any) -> tuple[str, ...]:
+    """Wrap every planned layer's checkpoint function now and whenever the trainer sets a new one (each recorded on
+    ``undo``); the qualified names."""
+    offload = HostOffload(plan.budget_bytes, plan.min_bytes, on_failure=lambda reason: _failed(fallback, reason))
+    layers = [layer for _, layer in plan.layers]
+    wrap_layers(layers, offload)
+    undo.push(lambda: unwrap_layers(layers))
+    undo.add_callback(trainer, Rewrap(layers, offload))
+    undo.set_attr(trainer, STATS_ATTR, offload.stats)
+    return tuple(name for name, _ in plan.layers)
+
+
+def offloading(offload: HostOffload, checkpoint_func: Callable[..., Any]) -> Callable[..., Any]:
+    """``checkpoint_func`` called inside the offload hooks (outside them once the offload failed)."""
+
+    def checkpoint_offloaded(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if offload.failed or not torch.is_grad_enabled():
+            return checkpoint_func(function, *args, **kwargs)
+        with offload.context():
+            return checkpoint_func(function, *args, **kwargs)
+
+    setattr(checkpoint_offloaded, INNER, checkpoint_func)
+    return checkpoint_offloaded
+
+
+def wrap_layers(layers: list[torch.nn.Module], offload: HostOffload) -> None:
+    for layer in layers:
+        func = vars(layer).get(FUNC_ATTR)
+        if func is not None and not hasattr(func, INNER):
+            setattr(layer, FUNC_ATTR, offloading(offload, func))
+
+
+def unwrap_layers(layers: list[torch.nn.Module]) -> None:
+    for layer in layers:
+        inner = getattr(vars(layer).get(FUNC_ATTR), INNER, None)
+        if inner is not None:
+            setattr(layer, FUNC_ATTR, inner)
+
+
+class Rewrap(TrainerCallback):
+    """Wraps the checkpoint functions the trainer set after ``patch_trainer`` (``gradient_checkpointing_enable`` at
+    ``train()``, or a user's call between steps)."""
+
+    def __init__(self, layers: list[torch.nn.Module], offload: HostOffload) -> None:
+        self.layers, self.offload = layers, offload
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        wrap_layers(self.layers, self.offload)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        wrap_layers(self.layers, self.offload)
+
+
+def _failed(fallback: RuntimeFallback, reason: str) -> None:
+    """Host memory could not be had: every later input stays on the device (stock checkpointing), warned once."""
+    message = f"{reason}; the checkpointed layer inputs stay on the device (stock checkpointing) from now on"
+    if fallback.strict:
+        raise RuntimeError(f"offload_checkpoints: {message}")
+    fallback.fail(message)

@@ -1,0 +1,187 @@
+"""Offloaded activation checkpoints on CUDA against stock checkpointing on CUDA.
+
+The CUDA path copies each checkpointed input to pinned host memory on a side stream and back one layer ahead of the
+backward; the recompute gets a bitwise copy of the input and runs the same kernels as stock, so losses, gradients
+and weights must equal stock checkpointing's exactly (``torch.equal``) in bf16 too: any missing stream wait (a copy
+read before it was written, a block reused while a copy still reads it) shows up as a difference here. The memory
+test checks that the inputs actually leave the device: after the forward, the allocated memory is lower than stock's
+by the inputs moved (all but the newest)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import Trainer, TrainingArguments
+
+import leantrain
+from leantrain import Status
+from leantrain.cli.tiny import tiny_model
+from leantrain.offload_checkpoints import probe as offload_probe
+from leantrain.offload_checkpoints import stats
+from leantrain.offload_checkpoints.ops import GIB, HostOffload
+from testkit.batches import pad_right, random_rows
+from testkit.optimizations import only
+
+
+pytestmark = pytest.mark.gpu
+VOCAB, HIDDEN, LAYERS = 512, 128, 3
+WIDTH, ROWS = 1024, 2048  # block inputs of 2048 x 1024 bf16: 4 MiB each
+
+
+def blocks(device: torch.device) -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.Linear(WIDTH, WIDTH))
+        for _ in range(6)
+    ).to(device, torch.bfloat16)
+
+
+def forward(stack, offload: HostOffload | None, reentrant: bool):
+    torch.manual_seed(1)
+    h = torch.randn(ROWS, WIDTH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = h * 1.0
+    for block in stack:
+        if offload is None:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        else:
+            with offload.context():
+                x = checkpoint(block, x, use_reentrant=reentrant)
+    return h, x.float().pow(2).mean()
+
+
+def allocated_now() -> int:
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")  # lets the allocator process the side stream's finished uses
+    return torch.cuda.memory_allocated()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_copies_on_the_side_stream_give_stock_gradients_and_free_the_inputs(reentrant):
+    device = torch.device("cuda")
+    stack = blocks(device)
+    base = allocated_now()
+    h, loss = forward(stack, None, reentrant)
+    stock_held = allocated_now() - base
+    loss.backward()
+    stock = (loss.detach(), h.grad, [p.grad.clone() for p in stack.parameters()])
+    stack.zero_grad(set_to_none=True)
+    del h, loss
+
+    offload = HostOffload(budget_bytes=GIB)
+    base = allocated_now()
+    h, loss = forward(stack, offload, reentrant)
+    ours_held = allocated_now() - base
+    loss.backward()
+    torch.cuda.synchronize()
+    assert torch.equal(loss.detach(), stock[0]) and torch.equal(h.grad, stock[1])
+    assert all(torch.equal(p.grad, g) for p, g in zip(stack.parameters(), stock[2], strict=True))
+    one = ROWS * WIDTH * 2
+    assert offload.stats.packed == 6 and offload.stats.live_bytes == 0
+    assert (offload.stats.fetched_ahead, offload.stats.waited) == (5, 0)  # the newest stayed; each other ahead
+    assert stock_held - ours_held >= 5 * one, (stock_held, ours_held)  # all but the newest input left the device
+
+
+def test_a_second_backward_copies_again():
+    """retain_graph: every input is unpacked twice; the second time comes from the host copy again."""
+    stack = blocks(torch.device("cuda"))
+    h, loss = forward(stack, None, False)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    stock = h.grad.clone()
+    offload = HostOffload(budget_bytes=GIB)
+    h, loss = forward(stack, offload, False)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert torch.equal(h.grad, stock)
+
+
+def lora_model(quantized: bool = False) -> torch.nn.Module:
+    import peft
+
+    model = tiny_model("llama", vocab_size=VOCAB, hidden=HIDDEN, layers=LAYERS)
+    if quantized:
+        from testkit.moe4bit_models import load_in_4bit_like
+
+        load_in_4bit_like(model, skip=("lm_head",))
+    model = model.to("cuda").train()
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+    return peft.get_peft_model(model, config)
+
+
+def train(make, tmp_path, patch: dict | None, reentrant: bool = False, **extra):
+    config = dict(
+        output_dir=str(tmp_path), report_to=[], save_strategy="no", learning_rate=1e-3, bf16=True,
+        per_device_train_batch_size=2, max_steps=3, logging_steps=1, disable_tqdm=True, seed=0,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+    )  # fmt: skip
+    config.update(extra)
+    data = random_rows(8, (48,), VOCAB)
+    trainer = Trainer(model=make(), args=TrainingArguments(**config), train_dataset=data, data_collator=pad_right)
+    if patch is not None:
+        leantrain.patch_trainer(trainer, **{**only("offload_checkpoints"), **patch})
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return losses, weights, trainer
+
+
+def assert_same_run(stock, ours) -> None:
+    assert ours[0] == stock[0], f"losses {ours[0]} vs stock {stock[0]}"
+    for name, w in stock[1].items():
+        assert torch.equal(ours[1][name], w), f"{name} differs from the stock run"
+
+
+@pytest.fixture
+def every_input(monkeypatch):
+    """The tiny model's layer inputs are far below the size worth a copy on a real run: offload them all."""
+    monkeypatch.setattr(offload_probe, "MIN_BYTES", 0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_lora_trains_exactly_as_stock_checkpointing(reentrant, tmp_path, every_input):
+    stock = train(lora_model, tmp_path, None, reentrant)
+    ours = train(lora_model, tmp_path, {"offload_checkpoints": True}, reentrant)
+    assert_same_run(stock, ours)
+    outcome = ours[2].leantrain_report["offload_checkpoints"]
+    assert outcome.status is Status.APPLIED and "pinned host memory on a side stream" in outcome.detail
+    assert stats(ours[2]).packed == LAYERS * 3 and stats(ours[2]).waited == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+def test_qlora_trains_exactly_as_stock_checkpointing(tmp_path, every_input):
+    stock = train(lambda: lora_model(quantized=True), tmp_path, None)
+    ours = train(lambda: lora_model(quantized=True), tmp_path, {"offload_checkpoints": True})
+    assert_same_run(stock, ours)
+
+
+def test_compiled_layers_with_offload_train_as_compiled_layers_alone(tmp_path, every_input):
+    torch._dynamo.reset()
+    compiled = train(lora_model, tmp_path, {"offload_checkpoints": False, "compile_layers": True})
+    torch._dynamo.reset()
+    both = train(lora_model, tmp_path, {"offload_checkpoints": True, "compile_layers": True})
+    torch._dynamo.reset()
+    assert_same_run(compiled, both)
+    assert both[2].leantrain_report["compile_layers"].status is Status.APPLIED
+
+
+def test_gradient_accumulation_trains_as_stock(tmp_path, every_input):
+    stock = train(lora_model, tmp_path, None, gradient_accumulation_steps=2, max_steps=2)
+    ours = train(lora_model, tmp_path, {"offload_checkpoints": True}, gradient_accumulation_steps=2, max_steps=2)
+    assert_same_run(stock, ours)
+
+
+@pytest.mark.expect_fallback
+def test_no_pinned_memory_falls_back_to_stock_checkpointing(tmp_path, every_input, monkeypatch):
+    def refuse(self, tensor):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    monkeypatch.setattr(HostOffload, "_to_host", refuse)
+    stock = train(lora_model, tmp_path, None)
+    with pytest.warns(RuntimeWarning, match="offload_checkpoints failed at run time"):
+        ours = train(lora_model, tmp_path, {"offload_checkpoints": True})
+    assert_same_run(stock, ours)
+    assert ours[2].leantrain_report["offload_checkpoints"].status is Status.FAILED

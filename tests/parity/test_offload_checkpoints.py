@@ -1,0 +1,287 @@
+"""Offloaded activation checkpoints on CPU against stock checkpointing.
+
+The hooks move a checkpointed layer's input to host memory and hand back an exact copy for the recompute, so in fp32
+the losses, gradients and weights must equal stock checkpointing's bit for bit (``torch.equal``), in both of torch's
+checkpoint modes. On the host the copy is a clone (there is no device memory to free); what these tests pin is the
+mechanism a GPU run relies on: the hooks see the checkpoint's inputs and nothing else, every input comes back, the
+originals are released after the forward, the host budget and a failed host copy leave inputs on the device, and the
+trainer-level wiring (checkpointing switched on at ``train()``, gradient accumulation, LoRA, compiled layers inside
+the checkpoint, unpatching). The CUDA path (pinned memory, side stream, copies one layer ahead) is tested against
+stock on the GPU in tests/gpu/test_offload_checkpoints_cuda.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+import transformers
+from torch.utils.checkpoint import checkpoint
+from transformers import Trainer, TrainingArguments
+
+import leantrain
+from leantrain import NotReadyError, Status
+from leantrain.cli.tiny import tiny_model
+from leantrain.offload_checkpoints import patch as offload_patch
+from leantrain.offload_checkpoints import probe as offload_probe
+from leantrain.offload_checkpoints import stats
+from leantrain.offload_checkpoints.ops import GIB, HostOffload, host_budget_bytes
+from testkit.batches import pad_right, random_rows
+from testkit.optimizations import only
+
+
+VOCAB = 256
+HIDDEN, LAYERS, BATCH, LENGTH = 64, 3, 2, 12
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+needs_5 = pytest.mark.skipif(not TRANSFORMERS_5, reason="compile_layers declines on transformers 4.x")
+
+
+# -- the hooks, on a stack of checkpointed blocks
+def blocks(seed: int = 0) -> torch.nn.ModuleList:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16)) for _ in range(LAYERS)
+    )
+
+
+def forward_backward(stack, offload: HostOffload | None, reentrant: bool, seen: list | None = None):
+    """The stack's loss and gradients, each block checkpointed (inside the hooks when ``offload`` is given);
+    ``seen`` collects a weak reference to every block input."""
+    torch.manual_seed(1)
+    h = torch.randn(4, 16, requires_grad=True)
+    x = h * 1.0  # a non-leaf: nothing but the checkpoint holds the block inputs after the forward
+    for block in stack:
+        if seen is not None:
+            seen.append(weakref.ref(x))
+        if offload is None:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        else:
+            with offload.context():
+                x = checkpoint(block, x, use_reentrant=reentrant)
+    loss = x.pow(2).sum()
+    gc.collect()
+    alive = [ref() is not None for ref in seen] if seen is not None else None
+    loss.backward()
+    return loss.detach(), h.grad, [p.grad for p in stack.parameters()], alive
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_hooks_move_every_checkpoint_input_and_nothing_else(reentrant):
+    stock = forward_backward(blocks(), None, reentrant)
+    offload = HostOffload(budget_bytes=GIB)
+    ours = forward_backward(blocks(), offload, reentrant)
+    assert torch.equal(ours[0], stock[0]) and torch.equal(ours[1], stock[1])
+    assert all(torch.equal(a, b) for a, b in zip(ours[2], stock[2], strict=True))
+    one = 4 * 16 * 4  # a block input: 4 x 16 fp32
+    assert (offload.stats.packed, offload.stats.packed_bytes, offload.stats.peak_bytes) == (
+        LAYERS,
+        LAYERS * one,
+        LAYERS * one,
+    )
+    assert offload.stats.live_bytes == 0  # every host copy dropped once the backward used it
+    assert offload.stats.kept == 0 and not offload.failed
+
+
+def test_the_originals_are_released_after_the_forward():
+    """Stock non-reentrant checkpointing keeps each block's input alive until the backward; offloaded, the host copy
+    is all that stays (on CUDA the newest input stays on the device: the backward needs it first)."""
+    stock_alive = forward_backward(blocks(), None, False, [])[3]
+    ours_alive = forward_backward(blocks(), HostOffload(budget_bytes=GIB), False, [])[3]
+    assert stock_alive == [True] * LAYERS
+    assert ours_alive == [False] * LAYERS
+
+
+def test_inputs_past_the_host_budget_stay_on_the_device():
+    stock = forward_backward(blocks(), None, False)
+    offload = HostOffload(budget_bytes=2 * 4 * 16 * 4)  # room for two block inputs
+    ours = forward_backward(blocks(), offload, False)
+    assert torch.equal(ours[1], stock[1])
+    assert (offload.stats.packed, offload.stats.kept) == (2, LAYERS - 2)
+
+
+def test_small_inputs_stay_on_the_device():
+    offload = HostOffload(budget_bytes=GIB, min_bytes=4 * 16 * 4 + 1)
+    forward_backward(blocks(), offload, False)
+    assert offload.stats.packed == 0 and offload.stats.kept == 0
+
+
+def test_a_failed_host_copy_keeps_every_later_input_on_the_device(monkeypatch):
+    failures = []
+    offload = HostOffload(budget_bytes=GIB, on_failure=failures.append)
+    calls = []
+
+    def refuse(tensor):
+        calls.append(1)
+        raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+
+    monkeypatch.setattr(offload, "_to_host", refuse)
+    stock = forward_backward(blocks(), None, True)
+    ours = forward_backward(blocks(), offload, True)
+    assert torch.equal(ours[1], stock[1])
+    assert len(calls) == 1 and len(failures) == 1 and "pinned host allocation" in failures[0]
+    assert offload.failed and offload.stats.packed == 0
+
+
+def test_host_budget_arithmetic():
+    assert host_budget_bytes(2.5, 10 * GIB, 4) == int(2.5 * GIB)  # the option wins
+    assert host_budget_bytes(0, 10 * GIB, 1) == 5 * GIB  # half of what is available
+    assert host_budget_bytes(0, 10 * GIB, 4) == 5 * GIB // 4  # shared by the host's processes
+
+
+# -- the trainer
+def tiny() -> torch.nn.Module:
+    return tiny_model("llama", vocab_size=VOCAB, hidden=HIDDEN, layers=LAYERS).train()
+
+
+def checkpointed(reentrant: bool = False, **args) -> dict:
+    return {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}, **args}
+
+
+def trainer_for(model, tmp_path, **args) -> Trainer:
+    config = dict(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3,
+        per_device_train_batch_size=BATCH, max_steps=3, logging_steps=1, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    config.update(args)
+    rows = random_rows(8, (LENGTH,), VOCAB)
+    return Trainer(model=model, args=TrainingArguments(**config), train_dataset=rows, data_collator=pad_right)
+
+
+def run(make_model, tmp_path, patch: dict | None, **args):
+    """Train; return (losses, weights, trainer)."""
+    trainer = trainer_for(make_model(), tmp_path, **args)
+    if patch is not None:
+        leantrain.patch_trainer(trainer, **{**only("offload_checkpoints"), **patch})
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return losses, weights, trainer
+
+
+def assert_same_run(stock, ours) -> None:
+    assert ours[0] == stock[0], f"losses {ours[0]} vs stock {stock[0]}"
+    for name, w in stock[1].items():
+        assert torch.equal(ours[1][name], w), f"{name} differs from the stock run"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_trains_exactly_as_stock_checkpointing(reentrant, tmp_path):
+    stock = run(tiny, tmp_path, None, **checkpointed(reentrant))
+    ours = run(tiny, tmp_path, {"offload_checkpoints": True}, **checkpointed(reentrant))
+    assert_same_run(stock, ours)
+    outcome = ours[2].leantrain_report["offload_checkpoints"]
+    assert outcome.status is Status.APPLIED and len(outcome.targets) == LAYERS
+    assert "no device memory to save" in outcome.detail
+    live = stats(ours[2])
+    assert live.packed == LAYERS * 3  # every layer, every step: checkpointing was switched on at train()
+    assert live.peak_bytes == LAYERS * BATCH * LENGTH * HIDDEN * 4 and live.live_bytes == 0
+
+
+def test_gradient_accumulation_and_lora_train_as_stock(tmp_path):
+    peft = pytest.importorskip("peft")
+
+    def make():
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+        return peft.get_peft_model(tiny(), lora)
+
+    args = checkpointed(gradient_accumulation_steps=2, max_steps=2)
+    stock = run(make, tmp_path, None, **args)
+    ours = run(make, tmp_path, {"offload_checkpoints": True}, **args)
+    assert_same_run(stock, ours)
+    assert stats(ours[2]).packed == LAYERS * 2 * 2  # layers x micro-batches x steps
+
+
+@needs_5
+def test_compiled_layers_stay_inside_the_checkpoint(tmp_path):
+    """compile_layers binds the compiled forward first; the offload wraps it, so the compiled region is recomputed
+    inside the checkpoint and the hooks see its input only (aot_eager: the same aten kernels, exact in fp32)."""
+    torch._dynamo.reset()
+    stock = run(tiny, tmp_path, None, **checkpointed())
+    patch = {"offload_checkpoints": True, "compile_layers": True, "compile_layers_backend": "aot_eager"}
+    ours = run(tiny, tmp_path, patch, **checkpointed())
+    torch._dynamo.reset()
+    assert_same_run(stock, ours)
+    report = ours[2].leantrain_report
+    assert report["compile_layers"].status is Status.APPLIED and report["offload_checkpoints"].status is Status.APPLIED
+    assert stats(ours[2]).packed == LAYERS * 3
+
+
+@pytest.mark.expect_fallback
+def test_a_failed_host_copy_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    def refuse(self, tensor):
+        raise RuntimeError("cudaHostAlloc failed: out of memory")
+
+    monkeypatch.setattr(HostOffload, "_to_host", refuse)
+    stock = run(tiny, tmp_path, None, **checkpointed())
+    with pytest.warns(RuntimeWarning, match="offload_checkpoints failed at run time") as warned:
+        ours = run(tiny, tmp_path, {"offload_checkpoints": True}, **checkpointed())
+    assert_same_run(stock, ours)
+    assert len([w for w in warned if "offload_checkpoints" in str(w.message)]) == 1
+    outcome = ours[2].leantrain_report["offload_checkpoints"]
+    assert outcome.status is Status.FAILED and "stock checkpointing" in outcome.reasons[0]
+
+
+def test_unpatch_restores_the_layers(tmp_path):
+    """The checkpoint function the trainer set at train() was wrapped; unpatching gives back the trainer's own."""
+    trainer = trainer_for(tiny(), tmp_path, **checkpointed(), max_steps=1)
+    leantrain.patch_trainer(trainer, **only("offload_checkpoints"))
+    trainer.train()
+    layers = trainer.model.model.layers
+    wrapped = [layer._gradient_checkpointing_func for layer in layers]
+    assert all(hasattr(func, offload_patch.INNER) for func in wrapped)
+    leantrain.unpatch_trainer(trainer)
+    assert [layer._gradient_checkpointing_func for layer in layers] == [
+        getattr(f, offload_patch.INNER) for f in wrapped
+    ]
+    assert stats(trainer) is None
+
+
+def test_auto_mode_waits_for_a_measurement(tmp_path):
+    report = leantrain.patch_trainer(trainer_for(tiny(), tmp_path, **checkpointed()), environ={})
+    outcome = report["offload_checkpoints"]
+    assert outcome.status is Status.SKIPPED and outcome.reasons[0].startswith("not measured on cpu")
+
+
+def test_checkpointing_off_is_said(tmp_path):
+    with pytest.raises(NotReadyError, match="activation checkpointing is off"):
+        leantrain.patch_trainer(trainer_for(tiny(), tmp_path), strict=True, **only("offload_checkpoints"))
+
+
+def test_transformers_own_offload_is_not_doubled(tmp_path):
+    trainer = trainer_for(tiny(), tmp_path, **checkpointed())
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        if hasattr(trainer.args, name):
+            setattr(trainer.args, name, {"use_reentrant": False, "offload": True})
+    with pytest.raises(NotReadyError, match="transformers' own offload is on"):
+        leantrain.patch_trainer(trainer, strict=True, **only("offload_checkpoints"))
+
+
+def test_a_host_budget_below_one_token_is_refused(tmp_path):
+    trainer = trainer_for(tiny(), tmp_path, **checkpointed())
+    with pytest.raises(NotReadyError, match="holds less than one token"):
+        leantrain.patch_trainer(
+            trainer, strict=True, offload_checkpoints_max_host_gib=1e-9, **only("offload_checkpoints")
+        )
+
+
+def test_the_report_gives_the_bytes_kept_off_the_device(tmp_path, monkeypatch):
+    """A micro-batch size and sequence length the trainer is told of give the bytes a step moves off the device."""
+    trainer = trainer_for(tiny(), tmp_path, **checkpointed())
+    monkeypatch.setattr(trainer.args, "max_length", 2048, raising=False)
+    plan = dataclasses.replace(offload_probe.probe(trainer, _context(trainer)).plan, device="cuda")  # as on a GPU
+    assert plan.bytes_per_token == HIDDEN * 4 and plan.tokens_per_micro_batch == BATCH * 2048
+    detail = offload_probe.describe(plan)
+    kept = (LAYERS - 1) * BATCH * 2048 * HIDDEN * 4  # 2 MiB
+    assert f"about {kept // 2**20} MiB kept off the device" in detail, detail
+    assert "host memory bounded at" in detail and "half of the" in detail
+
+
+def _context(trainer):
+    from leantrain.config import resolve_config
+    from leantrain.fallback import RuntimeFallback
+    from leantrain.optimization import PatchContext
+
+    return PatchContext(resolve_config({}, {}), "trainer", RuntimeFallback("offload_checkpoints", False))
