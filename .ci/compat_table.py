@@ -264,8 +264,12 @@ def render(records: list[dict[str, Any]]) -> str:
 # from the newest GPU table benchmarks/dist_table.py wrote (benchmarks/results/distributed/dist_*.json) where one
 # exists, else from the runs listed here by hand (GPU_BY_HAND).
 ENGINE_ROWS = [  # (engine key in the GPU table, engine, run in CI)
-    ("ddp", "DDP", "CGGR, fused log-probs, OSFT, moe4bit"),
-    ("fsdp2", "FSDP2", "CGGR, fused log-probs, OSFT (both V layouts), moe4bit (plan per call)"),
+    ("ddp", "DDP", "CGGR, fused log-probs, OSFT, moe4bit, compiled generation, offloaded checkpoints"),
+    (
+        "fsdp2",
+        "FSDP2",
+        "CGGR, fused log-probs, OSFT (both V layouts), moe4bit (plan per call), offloaded checkpoints",
+    ),
     ("zero2", "DeepSpeed ZeRO-2", "CGGR, fused log-probs (OSFT declines), `examples/train_sft.py`"),
     (
         "zero3",

@@ -347,6 +347,27 @@ def sft_fused_ce(engine: str, out: Path, batch: int) -> dict[str, Any]:
     return finish(trainer, patched=patched, fused_calls=calls)
 
 
+CHECKPOINTED = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+
+
+def sft_checkpointed(engine: str, out: Path, batch: int) -> dict[str, Any]:
+    """Unpatched SFT with activation checkpointing: what the offloaded checkpoints must equal."""
+    trainer = sft_trainer(engine, out, batch, **CHECKPOINTED)
+    train_quietly(trainer)
+    return finish(trainer)
+
+
+def sft_offload(engine: str, out: Path, batch: int) -> dict[str, Any]:
+    """SFT with activation checkpointing and offload_checkpoints alone; counts the inputs the hooks moved."""
+    from leantrain.offload_checkpoints import stats
+
+    trainer = sft_trainer(engine, out, batch, **CHECKPOINTED)
+    patched = patch(trainer, **only("offload_checkpoints"))
+    train_quietly(trainer)
+    live = stats(trainer)
+    return finish(trainer, patched=patched, packed=live.packed if live is not None else 0)
+
+
 def sft_osft(engine: str, out: Path, batch: int) -> dict[str, Any]:
     from leantrain.osft import frozen_overlap, osft_layers
 
@@ -585,6 +606,8 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "grpo_fused": grpo_fused,
     "sft_osft": sft_osft,
     "sft_stock": sft_stock,
+    "sft_checkpointed": sft_checkpointed,
+    "sft_offload": sft_offload,
     "grpo_stock": grpo_stock,
     "grpo_generate": grpo_generate,
     "grpo_compiled_generate": grpo_compiled_generate,
