@@ -285,3 +285,27 @@ def _context(trainer):
     from leantrain.optimization import PatchContext
 
     return PatchContext(resolve_config({}, {}), "trainer", RuntimeFallback("offload_checkpoints", False))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_samples_and_trains_as_stock_checkpointing(lora, tmp_path):
+    """GRPO turns checkpointing off around generation and on for the loss: the same completions, losses and weights
+    as stock checkpointing (the hooks never run during generation: no gradients there)."""
+    pytest.importorskip("trl")
+    from testkit import generation
+
+    model_dir = generation.save_tiny(tmp_path / "model")
+    runs = []
+    for patch in (None, {"offload_checkpoints": True}):
+        completions: list[str] = []
+        trainer = generation.trainer(
+            model_dir, tmp_path / "out", lora=lora, record=completions, gradient_checkpointing=True
+        )
+        if patch is not None:
+            leantrain.patch_trainer(trainer, **{**only("offload_checkpoints"), **patch})
+        trainer.train()
+        runs.append((completions, generation.losses(trainer), generation.trainable(trainer), trainer))
+    (stock_completions, stock_losses, stock_weights, _), (completions, losses, weights, ours) = runs
+    assert completions == stock_completions and losses == stock_losses
+    assert all(torch.equal(weights[name], w) for name, w in stock_weights.items())
+    assert stats(ours).packed > 0 and ours.leantrain_report["offload_checkpoints"].status is Status.APPLIED

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
 from ..fallback import RuntimeFallback
 from ..undo import Undo
@@ -33,8 +32,8 @@ def install(plan: OffloadPlan, undo: Undo, fallback: RuntimeFallback, trainer: A
     offload = HostOffload(plan.budget_bytes, plan.min_bytes, on_failure=lambda reason: _failed(fallback, reason))
     layers = [layer for _, layer in plan.layers]
     wrap_layers(layers, offload)
-    undo.push(lambda: unwrap_layers(layers))
-    undo.add_callback(trainer, Rewrap(layers, offload))
+    hook = plan.trunk.register_forward_pre_hook(lambda module, args: wrap_layers(layers, offload))
+    undo.push(lambda: (hook.remove(), unwrap_layers(layers)))
     undo.set_attr(trainer, STATS_ATTR, offload.stats)
     return tuple(name for name, _ in plan.layers)
 
@@ -64,20 +63,6 @@ def unwrap_layers(layers: list[torch.nn.Module]) -> None:
         inner = getattr(vars(layer).get(FUNC_ATTR), INNER, None)
         if inner is not None:
             setattr(layer, FUNC_ATTR, inner)
-
-
-class Rewrap(TrainerCallback):
-    """Wraps the checkpoint functions the trainer set after ``patch_trainer`` (``gradient_checkpointing_enable`` at
-    ``train()``, or a user's call between steps)."""
-
-    def __init__(self, layers: list[torch.nn.Module], offload: HostOffload) -> None:
-        self.layers, self.offload = layers, offload
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        wrap_layers(self.layers, self.offload)
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        wrap_layers(self.layers, self.offload)
 
 
 def _failed(fallback: RuntimeFallback, reason: str) -> None:

@@ -26,6 +26,7 @@ MIN_BYTES = 1 << 20
 @dataclass(frozen=True)
 class OffloadPlan:
     layers: tuple[tuple[str, nn.Module], ...]  # qualified name, decoder layer instance
+    trunk: nn.Module  # the decoder stack that calls them (its forward pre-hook re-wraps their checkpoint functions)
     device: str  # the trainer's device type
     budget_bytes: int  # host bytes one process may hold at once
     budget_source: str  # how the budget was set (the option, or half of the available host memory)
@@ -38,7 +39,8 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     cfg = ctx.config.config
     model = unwrap_model(trainer.model)
     try:
-        layers = list(decoder_parts(model).layers)
+        parts = decoder_parts(model)
+        layers = list(parts.layers)
     except ValueError as error:
         return Readiness.not_applicable(f"{error}: offload_checkpoints moves the decoder layers' checkpointed inputs")
     if not layers or not hasattr(layers[0], "gradient_checkpointing"):
@@ -59,9 +61,10 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     if reasons:
         return Readiness.no(*reasons).with_auto_rule(rule)
     prefix = getattr(model, "base_model_prefix", "model")
-    trunk = next((n for n, m in model.named_modules() if m is decoder_parts(model).layers), f"{prefix}.layers")
+    trunk = next((n for n, m in model.named_modules() if m is parts.layers), f"{prefix}.layers")
     plan = OffloadPlan(
         layers=tuple((f"{trunk}.{i}", layer) for i, layer in enumerate(layers)),
+        trunk=parts.trunk,
         device=device,
         budget_bytes=budget,
         budget_source=source,
