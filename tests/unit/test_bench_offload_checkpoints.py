@@ -14,6 +14,7 @@ from pathlib import Path
 
 import _harness
 import bench_offload_checkpoints as bench  # noqa: E402
+import offload_checkpoints_tables as rows_of  # noqa: E402
 import pytest
 import torch
 
@@ -217,19 +218,19 @@ def _step_rows(monkeypatch, offload_ms: float = 102.0) -> list:
         ],
         (case, "unsloth"): [_run(120.0, 10.0, [11.0, 10.6, 10.2]), _run(120.0, 10.0, [11.0, 10.6, 10.2])],
     }
-    return bench.step_rows(runs, bench.cases(smoke=False))
+    return rows_of.step_rows(runs, bench.cases(smoke=False))
 
 
 def test_runs_pool_their_timed_steps_and_note_a_failed_round():
-    pooled = bench.combine([_run(100.0, 8.0, [1.0]), _run(110.0, 9.0, [1.0]), _run(0, 0, [], status="oom")])
+    pooled = rows_of.combine([_run(100.0, 8.0, [1.0]), _run(110.0, 9.0, [1.0]), _run(0, 0, [], status="oom")])
     assert pooled["p50"] == pytest.approx(105.0) and pooled["run_ms"] == [100.0, 110.0, None]
     assert pooled["peak_gib"] == 9.0 and pooled["failed_runs"] == ["run 3: oom: "]
-    assert bench.combine([_run(0, 0, [], status="timeout", reason="timed out")])["status"] == "timeout"
+    assert rows_of.combine([_run(0, 0, [], status="timeout", reason="timed out")])["status"] == "timeout"
 
 
 def test_step_rows_carry_the_metrics_the_loss_gaps_and_the_commit(monkeypatch):
     rows = _step_rows(monkeypatch)
-    by = bench.index(rows)
+    by = rows_of.index(rows)
     speed = by[("llama-3.2-1b", "leantrain_offload", "speed")]
     assert speed.p50 == 102.0 and speed.unit == "ms" and speed.commit == "abc1234" and speed.device == "NVIDIA H200"
     assert speed.config["loss_diff_vs_stock"] == pytest.approx(0.1) and speed.config["loss_diff_vs_leantrain"] == 0
@@ -242,21 +243,21 @@ def test_step_rows_carry_the_metrics_the_loss_gaps_and_the_commit(monkeypatch):
 
 def test_step_table_and_verdicts(monkeypatch):
     rows = _step_rows(monkeypatch)
-    table = bench.step_table(rows)
+    table = rows_of.step_table(rows)
     offload = next(line for line in table.splitlines() if "| leantrain_offload |" in line)
     assert "| 102.0 (102.0–102.0) | 102.0 / – | +2.0% |" in offload and "| 7.50 | 8.50 |" in offload
     assert "75 inputs moved a step" not in offload  # counters are per step: 75 over the run's 5 steps
     assert "15 inputs moved a step (0.47 GiB), host peak 0.47 GiB" in offload and "losses equal leantrain's" in offload
     assert "run 2: oom: OutOfMemoryError: x" in offload
     assert "skipped: transformers 4.57 has no / offload" in table  # a "|" would split the markdown row
-    (verdict,) = bench.verdicts(rows)
+    (verdict,) = rows_of.verdicts(rows)
     assert "offload step cost vs leantrain +2.0% (within the 3% target)" in verdict
     assert "0.50 GiB (6%) less allocated" in verdict
     assert "leantrain_offload vs Unsloth: step 0.85x, peak allocated 0.75x Unsloth's" in verdict
 
 
 def test_a_slow_offload_is_said_to_miss_the_target(monkeypatch):
-    (verdict,) = bench.verdicts(_step_rows(monkeypatch, offload_ms=110.0))
+    (verdict,) = rows_of.verdicts(_step_rows(monkeypatch, offload_ms=110.0))
     assert "+10.0% (over the 3% target)" in verdict
 
 
@@ -280,17 +281,17 @@ def test_longest_rows_and_table(monkeypatch):
         ("llama-3.2-1b", "unsloth"): _search("unsloth", None, status="not installed"),
         ("llama-3.2-1b", "hf_offload"): _search("hf_offload", 16384, status="searching"),
     }
-    rows = bench.longest_rows(results)
-    found = bench.index(rows)[("longest:llama-3.2-1b", "stock", "longest")]
+    rows = rows_of.longest_rows(results)
+    found = rows_of.index(rows)[("longest:llama-3.2-1b", "stock", "longest")]
     assert (found.p50, found.unit, found.x_name, found.x_value) == (8192.0, "tokens", "cap_gib", 24.0)
-    table = bench.longest_table(rows)
+    table = rows_of.longest_table(rows)
     lines = {line.split(" | ")[1]: line for line in table.splitlines()[2:]}
     assert lines["stock"].startswith("| llama-3.2-1b (cap 24 GiB) | stock | 8192 | 1.00x | 900 | 23.10 / 23.80 | 1 |")
     assert "| 131072 | 16.00x |" in lines["leantrain_offload"] and "the search's ceiling (131072) fits" in table
     assert "| none |" in lines["leantrain"] and "1024 does not fit (oom: OutOfMemoryError: / 2 GiB)" in table
     assert "not installed" in lines["unsloth"]
     assert "| 16384 | 2.00x |" in lines["hf_offload"] and "search cut off" in lines["hf_offload"]
-    assert "## Longest sequence under the memory cap" in bench.tables(rows)
+    assert "## Longest sequence under the memory cap" in rows_of.tables(rows)
 
 
 def test_merge_joins_runs_and_keeps_each_cases_latest(tmp_path, monkeypatch):
@@ -306,6 +307,6 @@ def test_merge_joins_runs_and_keeps_each_cases_latest(tmp_path, monkeypatch):
     assert bench.main([*argv, "--out", str(joined)]) == 0
     merged = _harness.read_rows(joined / "offload_checkpoints.json")
     assert len(merged) == len(rows)
-    assert bench.index(merged)[("llama-3.2-1b", "stock", "speed")].p50 == 1.0  # the later run of stock
-    assert bench.index(merged)[("llama-3.2-1b", "leantrain", "speed")].p50 == 100.0
+    assert rows_of.index(merged)[("llama-3.2-1b", "stock", "speed")].p50 == 1.0  # the later run of stock
+    assert rows_of.index(merged)[("llama-3.2-1b", "leantrain", "speed")].p50 == 100.0
     assert (joined / "offload_checkpoints.md").read_text().count("| llama-3.2-1b |") == 5
