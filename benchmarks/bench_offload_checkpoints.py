@@ -5,8 +5,9 @@ Unsloth's offloaded checkpointing; and (``--longest``) the longest sequence each
 Step mode (the default): TRL's ``SFTTrainer`` (a transformers Trainer) on seeded random-init public shapes with their
 real vocabularies (saved once per shape, loaded by every variant: the same weights everywhere), LoRA r16 alpha 32 on
 all 7 projections (head frozen), bf16, activation checkpointing, AdamW, lr 2e-4, fixed 4 x 2048 tokens, 3 warm-up
-then 8 timed steps. Cases: ``llama-3.2-1b``, ``llama-3.2-1b-qlora`` (nf4 double-quant base, bf16 compute; a row
-saying skipped without bitsandbytes) and ``qwen2.5-1.5b``. Variants, each in its own Python process:
+then 8 timed steps of a run told 1000 steps (auto mode decides as it would for a user's run). Cases:
+``llama-3.2-1b``, ``llama-3.2-1b-qlora`` (nf4 double-quant base, bf16 compute; a row saying skipped without
+bitsandbytes) and ``qwen2.5-1.5b``. Variants, each in its own Python process:
   stock              the trainer as built (stock checkpointing)
   hf_offload         transformers' own offload: activation_checkpointing_kwargs={"use_reentrant": False,
                      "offload": True} (copies on the compute stream); a row saying skipped where transformers lacks it
@@ -36,7 +37,10 @@ On the GPU machine, from the repo root (gpu_run.sh runs benchmarks/install_wheel
 and bitsandbytes from the carried .whl* folders, and sets PYTHONPATH and $BENCH_RESULTS):
     bash benchmarks/gpu_run.sh offload_checkpoints=--smoke offload_checkpoints=--smoke,--longest  # ~2 + 3 min
     bash benchmarks/gpu_run.sh offload_checkpoints=--cases,llama-3.2-1b              # one case per device call
-    bash benchmarks/gpu_run.sh offload_checkpoints=--longest,--cap-gib,24,--cases,llama-3.2-1b,--variants,stock,unsloth
+    bash benchmarks/gpu_run.sh offload_checkpoints=--longest,--cap-gib,24,--cases,llama-3.2-1b,--variants,stock,leantrain
+With Unsloth's row (its stack: transformers <= 5.17, TRL 1.15; carry .whl_unsloth and a bitsandbytes bundle):
+    VS_BENCH=benchmarks/bench_offload_checkpoints.py bash benchmarks/gpu_vs_unsloth.sh --cases llama-3.2-1b
+    VS_BENCH=benchmarks/bench_offload_checkpoints.py bash benchmarks/gpu_vs_unsloth.sh --longest --variants unsloth
 Directly (after ``bash benchmarks/install_wheels.sh`` and
 ``export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD:/tmp/site``):
     python benchmarks/bench_offload_checkpoints.py
@@ -91,6 +95,7 @@ LONGEST_VARIANTS = ("stock", "leantrain", "leantrain_offload", "unsloth")
 STEP_CASES = ("llama-3.2-1b", "llama-3.2-1b-qlora", "qwen2.5-1.5b")
 LONGEST_CASES = ("llama-3.2-1b", "llama-3.2-1b-qlora")
 HF_OFFLOAD = {"use_reentrant": False, "offload": True}  # stock's kwargs (transformers' default) plus the offload
+RUN_STEPS = 1000  # the run length every trainer is told (timing stops after warm-up + timed steps)
 SKIPS = ("skipped", "not installed")  # nothing to time: a second round or a further probe would say the same
 # Smoke: big enough that a layer input (2 x 1024 x 512 x 2 bytes = 2 MiB) passes the offload's 1 MiB floor.
 TINY = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -296,6 +301,7 @@ def train_one(case: peer.Case, variant: str, model_dir: Path, cap_gib: float | N
     with tempfile.TemporaryDirectory() as out:
         build = unsloth_trainer if variant == "unsloth" else hf_trainer
         trainer = build(case, variant, model_dir, out)
+        tell_run_length(trainer, sum(case.steps))
         report = patch(trainer, variant)
         if report is not None:
             print(report, flush=True)
@@ -319,6 +325,21 @@ def train_one(case: peer.Case, variant: str, model_dir: Path, cap_gib: float | N
     rec["first_step_s"] = rec["steps"][0]["total_ms"] / 1e3
     if fell:  # the steps ran partly on the stock path: not what the variant is named for
         rec.update(status="fell back", reason="; ".join(f"{k}: {' '.join(v)}" for k, v in fell.items()))
+
+
+def tell_run_length(trainer: Any, steps: int) -> None:
+    """Tell the trainer a user's run length (RUN_STEPS: auto mode decides as it would for a user, e.g. compiling the
+    layers) and stop it after ``steps``; every variant alike, so the learning-rate schedule is the same for all."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if state.global_step >= steps:
+                control.should_training_stop = True
+            return control
+
+    trainer.args.max_steps = max(RUN_STEPS, steps)
+    trainer.add_callback(StopAfter())
 
 
 def skip_reason(case: peer.Case, variant: str) -> str | None:

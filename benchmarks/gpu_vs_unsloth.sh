@@ -5,6 +5,8 @@
 # transformers (5.17, the newest Unsloth 2026.10.9 accepts) with TRL 1.15, PEFT, Accelerate, Liger, datasets 4.x in
 # /tmp/site; Unsloth and its extras in /tmp/site_unsloth, on the path of the Unsloth process only.
 #   bash benchmarks/gpu_vs_unsloth.sh [bench_vs_unsloth.py arguments, e.g. --cases llama-3.2-1b --providers stock,unsloth]
+# Another benchmark with an Unsloth row on the same stack (VS_BENCH, its arguments after it):
+#   VS_BENCH=benchmarks/bench_offload_checkpoints.py bash benchmarks/gpu_vs_unsloth.sh --cases llama-3.2-1b
 # Results (JSON, markdown, PNG) and the log go to $OUT (or /tmp/out).
 set -uo pipefail
 WHL=${WHL_UNSLOTH:-$( [ -d .whl_unsloth ] && echo .whl_unsloth || echo ../.whl_unsloth )}
@@ -32,7 +34,9 @@ export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, trl, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__)"
 start=$(date +%s)
-python3 benchmarks/bench_vs_unsloth.py "$@" 2>&1 | tee -a "$OUT/vs_unsloth.log"
+BENCH=${VS_BENCH:-benchmarks/bench_vs_unsloth.py}
+name=$(basename "$BENCH" .py)
+python3 "$BENCH" "$@" 2>&1 | tee -a "$OUT/${name#bench_}.log"
 rc=${PIPESTATUS[0]}
-echo "bench_vs_unsloth rc=$rc in $(( $(date +%s) - start )) s"
+echo "$name rc=$rc in $(( $(date +%s) - start )) s"
 exit $rc
