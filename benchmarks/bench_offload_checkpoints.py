@@ -37,7 +37,7 @@ On the GPU machine, from the repo root (gpu_run.sh runs benchmarks/install_wheel
 and bitsandbytes from the carried .whl* folders, and sets PYTHONPATH and $BENCH_RESULTS):
     bash benchmarks/gpu_run.sh offload_checkpoints=--smoke offload_checkpoints=--smoke,--longest  # ~2 + 3 min
     bash benchmarks/gpu_run.sh offload_checkpoints=--cases,llama-3.2-1b              # one case per device call
-    bash benchmarks/gpu_run.sh offload_checkpoints=--longest,--cap-gib,24,--cases,llama-3.2-1b,--variants,stock,leantrain
+    bash benchmarks/gpu_run.sh offload_checkpoints=--longest,--cap-gib,24,--variants,stock,leantrain
 With Unsloth's row (its stack: transformers <= 5.17, TRL 1.15; carry .whl_unsloth and a bitsandbytes bundle):
     VS_BENCH=benchmarks/bench_offload_checkpoints.py bash benchmarks/gpu_vs_unsloth.sh --cases llama-3.2-1b
     VS_BENCH=benchmarks/bench_offload_checkpoints.py bash benchmarks/gpu_vs_unsloth.sh --longest --variants unsloth
@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_vs_unsloth as peer
+import memory_peak
 import shapes
 from offload_checkpoints_tables import (  # the rows, tables and plot from the records (pure: tested on CPU)
     GIB,
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--step", type=int, default=None, help=f"--longest: the lengths' grid (default {GRID[2]})")
     add("--probe-timeout", type=int, default=300, help="--longest: seconds per probe process")
     add("--out", default="", help="results directory (default $BENCH_RESULTS, else benchmarks/results)")
+    add("--trace-peak", type=int, default=None, metavar="STEP", help="record the allocator's history in step STEP "
+        "(1-based) and list what is alive at its peak (slows that step; step mode)")  # fmt: skip
     add("--log-chars", type=int, default=3000, help="tail of a failed process's log to print")
     add("--merge", nargs="+", default=[], help="offload_checkpoints.json files of several runs (device calls) to "
         "join into --out; a (case, variant) in several keeps its latest")  # fmt: skip
@@ -262,7 +265,8 @@ def worker_main(args: argparse.Namespace) -> int:
         if args.worker == "prepare":
             rec.update(peer.prepare(case, Path(args.model_dir), cuda=True))
         else:
-            train_one(case, args.worker, Path(args.model_dir), args.cap_gib if args.longest else None, rec)
+            cap = args.cap_gib if args.longest else None
+            train_one(case, args.worker, Path(args.model_dir), cap, rec, args.trace_peak)
     except Exception as error:  # an OOM is a result ("does not fit"), any other failure too (Unsloth on a family)
         traceback.print_exc()
         rec.update(status=failure_kind(error), reason=f"{type(error).__name__}: {error}"[:800])
@@ -277,7 +281,9 @@ def failure_kind(error: BaseException) -> str:
     return "oom" if type(error).__name__ == "OutOfMemoryError" or "out of memory" in str(error).lower() else "failed"
 
 
-def train_one(case: peer.Case, variant: str, model_dir: Path, cap_gib: float | None, rec: dict[str, Any]) -> None:
+def train_one(
+    case: peer.Case, variant: str, model_dir: Path, cap_gib: float | None, rec: dict[str, Any], trace_step: int | None
+) -> None:
     """Build, patch and train, filling ``rec`` as it goes: what was learnt before an error (device, versions, the cap)
     stays in the record the worker writes."""
     if variant == "unsloth":
@@ -310,13 +316,14 @@ def train_one(case: peer.Case, variant: str, model_dir: Path, cap_gib: float | N
         rec["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         clock = StepClock(True, f"{case.name} {variant} {case.batch}x{case.seq}")
         clock.install(trainer)
+        trainer.add_callback(memory_peak.step_peaks_callback(rec, trace_step))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         rec["base_gib"] = torch.cuda.memory_allocated() / GIB  # weights and adapters, before the first step
         transformers.set_seed(0)
         trainer.train()
         collect(rec, trainer, clock, case.steps)
-        rec["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        rec["peak_gib"] = max([torch.cuda.max_memory_allocated() / GIB, *rec.get("step_peaks_gib", [])])
         rec["reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         rec["stats"] = offload_stats(trainer)
         rec["report"] = outcomes(trainer)
@@ -498,6 +505,7 @@ def spawn(case: peer.Case, variant: str, model_dir: Path, args: argparse.Namespa
                "--timed", str(extra.get("timed", args.timed)), "--cap-gib", str(args.cap_gib)]  # fmt: skip
     command += (["--seq", str(seq)] if seq else []) + (["--batch", str(batch)] if batch else [])
     command += (["--longest"] if longest else []) + (["--smoke"] if args.smoke else [])
+    command += ["--trace-peak", str(args.trace_peak)] if args.trace_peak and not longest else []
     timeout = args.probe_timeout if longest else args.timeout
     started = time.perf_counter()
     code, log = run_child(command, worker_env(variant), work, timeout)

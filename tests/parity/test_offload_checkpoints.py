@@ -107,6 +107,13 @@ def test_small_inputs_stay_on_the_device():
     assert offload.stats.packed == 0 and offload.stats.kept == 0
 
 
+def test_an_empty_tensor_stays_where_it_is():
+    """torch <= 2.11's non-reentrant checkpoint saves a 0-element dummy beside the inputs: not an input to move."""
+    offload = HostOffload(budget_bytes=GIB)
+    dummy = torch.empty((0,), requires_grad=True)
+    assert offload.pack(dummy) is dummy and offload.stats.packed == 0
+
+
 def test_a_failed_host_copy_keeps_every_later_input_on_the_device(monkeypatch):
     failures = []
     offload = HostOffload(budget_bytes=GIB, on_failure=failures.append)

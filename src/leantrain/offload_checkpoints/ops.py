@@ -96,7 +96,9 @@ class HostOffload:
     # -- the forward
     def pack(self, tensor: torch.Tensor) -> Any:
         nbytes = tensor.numel() * tensor.element_size()
-        if self.failed or nbytes < self.min_bytes:
+        # An empty tensor is no input (torch <= 2.11's non-reentrant checkpoint saves a 0-element dummy beside the
+        # inputs): moving it frees nothing and would take the newest input's place on the device.
+        if self.failed or nbytes == 0 or nbytes < self.min_bytes:
             return tensor
         if self.stats.live_bytes + nbytes > self.budget_bytes:
             self.stats.kept += 1

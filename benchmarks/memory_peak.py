@@ -1,0 +1,113 @@
+"""What is alive on the GPU at a training step's peak: a callback that records each step's peak allocated memory and,
+for one chosen step, the CUDA caching allocator's history (``torch.cuda.memory._record_memory_history``), replayed
+into the live blocks at the step's peak, grouped by the code that allocated them.
+
+The replay (``live_at_peak``) is pure Python over the snapshot's trace events, so it is tested on CPU with made-up
+traces; the callback needs CUDA. Benchmarks use it to say where a peak comes from (``--trace-peak`` in
+bench_offload_checkpoints.py), not to time anything: recording stacks slows the traced step."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+
+GIB = 1024**3
+# Frames from these folders say little about who asked for the memory: the label is the first frame outside them.
+PLUMBING = ("/torch/nn/modules/module.py", "/torch/_tensor.py", "/torch/autograd/", "/torch/utils/_contextlib.py",
+            "/torch/_dynamo/", "/torch/_functorch/", "/torch/_ops.py", "/torch/overrides.py", "/torch/_compile.py",
+            "/torch/_inductor/runtime/", "/torch/_inductor/utils.py", "/torch/_prims_common/",
+            "/torch/_C/", "<frozen")  # fmt: skip
+
+
+def frame_label(frames: Iterable[dict[str, Any]]) -> str:
+    """``file:line name`` of the innermost frame that is not torch's plumbing (module calls, autograd, dynamo), or
+    ``(no python frame)`` (an allocation made from C++ alone, e.g. autograd's gradient accumulation)."""
+    listed = list(frames)
+    for frame in listed:
+        name = str(frame.get("filename", ""))
+        if not any(part in name for part in PLUMBING):
+            return f"{short_path(name)}:{frame.get('line', '?')} {frame.get('name', '?')}"
+    return "(no python frame)" if not listed else f"{short_path(str(listed[0].get('filename')))} (torch internals)"
+
+
+def short_path(path: str) -> str:
+    """The path from its package down (``site-packages/`` and the like cut off)."""
+    for marker in ("site-packages/", "/src/", "/benchmarks/", "torchinductor_"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return os.path.basename(path)
+
+
+def live_at_peak(events: Iterable[dict[str, Any]], start_bytes: int = 0) -> tuple[int, list[dict[str, Any]]]:
+    """Replay one device's allocator trace from ``start_bytes`` allocated: the most bytes allocated at once, and the
+    traced blocks alive at that moment.
+
+    A block counts from its ``alloc`` to its ``free_completed`` (the moment the allocator's statistics drop it: a
+    block used on a side stream is freed only once that stream is done with it); traces without completed frees
+    use ``free_requested``. A block allocated before the trace began is not listed, but its free lowers the total."""
+    events = list(events)
+    ends = "free_completed" if any(e.get("action") == "free_completed" for e in events) else "free_requested"
+    live: dict[int, dict[str, Any]] = {}
+    total = best = start_bytes
+    best_live: list[dict[str, Any]] = []
+    for event in events:
+        action, size = event.get("action"), int(event.get("size", 0))
+        if action == "alloc":
+            live[event.get("addr")] = event
+            total += size
+            if total > best:
+                best, best_live = total, list(live.values())
+        elif action == ends:
+            live.pop(event.get("addr"), None)
+            total -= size
+    return best, best_live
+
+
+def group_blocks(blocks: Iterable[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
+    """Live blocks grouped by ``frame_label`` of their allocation, largest total first: ``{"where", "gib",
+    "blocks"}``; what is past ``top`` is one row, ``(others)``."""
+    groups: dict[str, list[int]] = {}
+    for block in blocks:
+        entry = groups.setdefault(frame_label(block.get("frames") or []), [0, 0])
+        entry[0] += int(block.get("size", 0))
+        entry[1] += 1
+    rows = [{"where": k, "gib": round(v[0] / GIB, 4), "blocks": v[1]} for k, v in groups.items()]
+    rows.sort(key=lambda r: -r["gib"])
+    if len(rows) > top:
+        rest = rows[top:]
+        rows = [*rows[:top], {"where": "(others)", "gib": round(sum(r["gib"] for r in rest), 4),
+                              "blocks": sum(r["blocks"] for r in rest)}]  # fmt: skip
+    return rows
+
+
+def step_peaks_callback(rec: dict[str, Any], trace_step: int | None = None) -> Any:
+    """A TrainerCallback that appends each step's peak allocated GiB to ``rec["step_peaks_gib"]`` and, for step
+    ``trace_step`` (1-based), records the allocator's history and stores the live blocks at that step's peak in
+    ``rec["peak_trace"]``. Resetting the peak statistic at each step leaves the run's peak as the largest step's."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepPeaks(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            torch.cuda.synchronize()
+            self.start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            if trace_step is not None and state.global_step + 1 == trace_step:
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            torch.cuda.synchronize()
+            rec.setdefault("step_peaks_gib", []).append(round(torch.cuda.max_memory_allocated() / GIB, 4))
+            rec.setdefault("step_start_gib", []).append(round(self.start / GIB, 4))
+            if trace_step is not None and state.global_step == trace_step:
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                peak, blocks = live_at_peak(snapshot["device_traces"][0], self.start)
+                rec["peak_trace"] = {
+                    "step": trace_step, "peak_gib": round(peak / GIB, 4),
+                    "before_step_gib": round(self.start / GIB, 4), "groups": group_blocks(blocks),
+                }  # fmt: skip
+
+    return StepPeaks()

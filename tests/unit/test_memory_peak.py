@@ -1,0 +1,55 @@
+"""benchmarks/memory_peak.py: the replay of an allocator trace into what is alive at the peak (made-up traces)."""
+
+from __future__ import annotations
+
+import memory_peak as mp
+
+
+def frames(*names: str) -> list[dict]:
+    return [{"filename": name, "line": 1, "name": "f"} for name in names]
+
+
+MLP = "/x/site-packages/transformers/models/llama/modeling_llama.py"
+PLUMB = "/x/site-packages/torch/nn/modules/module.py"
+
+
+def test_the_peak_counts_blocks_from_alloc_to_completed_free():
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames(PLUMB, MLP)},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frames(MLP)},
+        {"action": "free_requested", "addr": 1, "size": 100},  # a side stream still reads it
+        {"action": "alloc", "addr": 3, "size": 30, "frames": []},  # peak: 100 + 50 + 30 (+ 10 before the trace)
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 3, "size": 30},
+        {"action": "alloc", "addr": 4, "size": 60, "frames": []},  # 50 + 60 + 10: below the peak
+    ]
+    peak, live = mp.live_at_peak(trace, start_bytes=10)
+    assert peak == 190 and sorted(b["addr"] for b in live) == [1, 2, 3]
+
+
+def test_a_free_of_a_block_from_before_the_trace_lowers_the_total():
+    trace = [
+        {"action": "free_requested", "addr": 9, "size": 80},  # allocated before the trace began
+        {"action": "alloc", "addr": 1, "size": 50, "frames": []},
+    ]
+    peak, live = mp.live_at_peak(trace, start_bytes=100)
+    assert peak == 100 and live == []  # 100 - 80 + 50 = 70 never passes the start
+
+
+def test_groups_are_labelled_by_the_first_frame_past_torch_plumbing():
+    blocks = [
+        {"size": mp.GIB, "frames": frames(PLUMB, MLP)},
+        {"size": mp.GIB // 2, "frames": frames(MLP)},
+        {"size": 3, "frames": []},
+    ]
+    rows = mp.group_blocks(blocks)
+    assert rows[0] == {"where": "transformers/models/llama/modeling_llama.py:1 f", "gib": 1.5, "blocks": 2}
+    assert rows[1]["where"] == "(no python frame)"
+    assert mp.frame_label(frames(PLUMB)) == "torch/nn/modules/module.py (torch internals)"
+
+
+def test_groups_past_the_top_are_one_row():
+    blocks = [{"size": mp.GIB * (i + 1), "frames": frames(f"/s/{i}.py")} for i in range(5)]
+    rows = mp.group_blocks(blocks, top=2)
+    assert [r["where"] for r in rows] == ["4.py:1 f", "3.py:1 f", "(others)"]
+    assert rows[-1] == {"where": "(others)", "gib": 6.0, "blocks": 3}
