@@ -135,6 +135,14 @@ class LeantrainConfig:
     cggr_scoring: str = _opt("entropy", "str", "token difficulty score", _one_of(*CGGR_SCORINGS))
     cggr_warmup_steps: int = _opt(100, "int", "optimizer steps trained on all labels first", _at_least(0))
     cggr_ratio_schedule: str = _opt("constant", "str", "ratio during warmup", _one_of("constant", "linear"))
+    # Fused loss
+    fused_ce_tile_mib: int = _opt(
+        256,
+        "int",
+        "memory bound of one logits tile of the fused loss, MiB (smaller than a decoder layer's activations, so the "
+        "loss never sets the step's peak)",
+        _at_least(1),
+    )
     # Fused log-probs
     grpo_logps_tile_mib: int = _opt(512, "int", "memory bound of one logits tile, MiB", _at_least(1))
     grpo_logps_keep_logits_mib: int = _opt(

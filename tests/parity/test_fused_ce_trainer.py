@@ -291,3 +291,23 @@ def test_auto_keeps_the_stock_loss_where_not_measured_faster(tmp_path, monkeypat
     measured_here(monkeypatch, trainer, faster=False)
     outcome = leantrain.patch_trainer(trainer, **OFF)["fused_ce"]
     assert outcome.status is Status.SKIPPED and outcome.reasons[0].startswith(f"measured at H=64 V={VOCAB} float32")
+
+
+def test_the_tile_option_reaches_the_op(tmp_path, monkeypatch):
+    """fused_ce_tile_mib bounds the op's logits tile (default 256 MiB: below a decoder layer's activations)."""
+    from leantrain.lm_head import ops
+
+    tiles: list[int] = []
+    real = ops.head_loss
+
+    def spy(*args, **kwargs):
+        tiles.append(kwargs["tile_mib"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "head_loss", spy)
+    for patch, want in (({**ON, "fused_ce_tile_mib": 3}, 3), (ON, 256)):
+        patched, _, _ = pair(tmp_path, tiny(), patch=patch, max_steps=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            patched.train()
+        assert tiles.pop() == want and not tiles

@@ -28,7 +28,7 @@ class FusedCE(Optimization):
 
     def apply(self, trainer: Any, plan: CePlan, ctx: PatchContext) -> Applied:
         kernel_guard = trl_head.kernel_guard(self.name, ctx.fallback)
-        op = functools.partial(glue.run_op, kernel_guard)
+        op = functools.partial(glue.run_op, kernel_guard, ctx.config.fused_ce_tile_mib)
         model, st, undo = plan.model, plan.settings, ctx.undo
         model_name = f"{type(model).__name__}.forward"
         if plan.path == "trl_fused":

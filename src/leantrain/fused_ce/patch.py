@@ -95,6 +95,7 @@ class LossSpec:
 
 def run_op(
     guard: RuntimeFallback,
+    tile_mib: int,
     st: HeadSettings,
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -107,7 +108,7 @@ def run_op(
     """(loss, logp, entropy, is_top1) of the rows on the best backend; a Triton failure falls back to the torch
     path. With ``loss``, the op's scalar loss (``ops.head_loss``: 3 GEMMs for a trainable head) carries the gradient
     and the per-token values come back detached; without, ``logp`` itself is differentiable (``ops.token_stats``)."""
-    options = dict(bias=bias, need_entropy=need_entropy, need_top1=need_top1)
+    options = dict(bias=bias, need_entropy=need_entropy, need_top1=need_top1, tile_mib=tile_mib)
     options.update(trl_head.head_options(st, weight, bias))
 
     def run(backend: str):
