@@ -116,7 +116,7 @@ class LeantrainConfig:
         None,
         "tristate",
         "activation checkpointing: each checkpointed decoder layer's input in pinned host memory, copied on a side "
-        "stream (auto: where its step cost is measured small; needs the trainer's gradient_checkpointing)",
+        "stream (auto: where its step cost measured within 3%; needs the trainer's gradient_checkpointing)",
     )
     disable: bool = _opt(
         False,

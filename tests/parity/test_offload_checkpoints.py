@@ -24,6 +24,7 @@ from transformers import Trainer, TrainingArguments
 import leantrain
 from leantrain import NotReadyError, Status
 from leantrain.cli.tiny import tiny_model
+from leantrain.offload_checkpoints import measured as offload_measured
 from leantrain.offload_checkpoints import patch as offload_patch
 from leantrain.offload_checkpoints import probe as offload_probe
 from leantrain.offload_checkpoints import stats
@@ -250,6 +251,18 @@ def test_auto_mode_waits_for_a_measurement(tmp_path):
     report = leantrain.patch_trainer(trainer_for(tiny(), tmp_path, **checkpointed()), environ={})
     outcome = report["offload_checkpoints"]
     assert outcome.status is Status.SKIPPED and outcome.reasons[0].startswith("not measured on cpu")
+
+
+def test_on_cuda_auto_mode_quotes_the_measured_step_cost():
+    """Auto mode on CUDA: on only where every measured case cost at most 3% of the step; the measurement says it did
+    not, so the reason quotes it (and names the switch), and it turns on once every case is within 3%."""
+    reason = offload_probe.auto_reason("cuda")
+    assert reason is not None and "not within 3%" in reason and "offload_checkpoints=True" in reason
+    assert "llama-3.2-1b 0.37 GiB less at +13.1% a step" in reason
+    cheap = {name: dataclasses.replace(case, cost=0.01) for name, case in offload_measured.MEASURED.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(offload_measured, "MEASURED", cheap)
+        assert offload_probe.auto_reason("cuda") is None
 
 
 def test_checkpointing_off_is_said(tmp_path):

@@ -310,3 +310,19 @@ def test_merge_joins_runs_and_keeps_each_cases_latest(tmp_path, monkeypatch):
     assert rows_of.index(merged)[("llama-3.2-1b", "stock", "speed")].p50 == 1.0  # the later run of stock
     assert rows_of.index(merged)[("llama-3.2-1b", "leantrain", "speed")].p50 == 100.0
     assert (joined / "offload_checkpoints.md").read_text().count("| llama-3.2-1b |") == 5
+
+
+def test_the_committed_results_give_the_cases_in_measured_py():
+    """offload_checkpoints/measured.py holds the committed rows' step cost (leantrain_offload's median step against
+    leantrain's) and the peak memory saved, per case."""
+    from leantrain.offload_checkpoints.measured import MEASURED
+
+    committed = Path(bench.__file__).resolve().parent / "results" / "offload_checkpoints.json"
+    by = {(r.mode, r.provider, r.metric): r for r in _harness.read_rows(committed)}
+    cases = sorted({mode for mode, provider, _ in by if provider == "leantrain_offload"})
+    assert cases == sorted(MEASURED)
+    for case in cases:
+        ours, lean = by[(case, "leantrain_offload", "speed")], by[(case, "leantrain", "speed")]
+        assert MEASURED[case].cost == pytest.approx(ours.p50 / lean.p50 - 1, abs=5e-4)
+        saved = by[(case, "leantrain", "memory")].p50 - by[(case, "leantrain_offload", "memory")].p50
+        assert MEASURED[case].saved_gib == pytest.approx(saved, abs=5e-3)

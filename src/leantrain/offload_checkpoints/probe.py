@@ -14,6 +14,7 @@ from torch import nn
 from ..models import data_parallel_reason, decoder_parts, text_config, unwrap_model
 from ..optimization import PatchContext, Readiness
 from ..report import size_text
+from . import measured
 from .ops import host_budget_bytes
 
 
@@ -75,13 +76,16 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     return Readiness(detail=describe(plan), plan=plan).with_auto_rule(rule)
 
 
-def auto_reason(device: str) -> str:
-    """Auto mode's rule: on where the step cost was measured at most 3% (nowhere yet), an option elsewhere."""
+def auto_reason(device: str) -> str | None:
+    """Auto mode's rule: on where every measured case cost at most 3% of the step (``measured.py``), an option
+    elsewhere; None where it applies."""
     if device != "cuda":
         return f"not measured on {device} (the layer inputs are in host memory already: nothing to move off)"
+    if measured.pays_on_cuda():
+        return None
     return (
-        "its step cost against stock checkpointing is not measured yet (auto mode turns it on where it costs <= 3% "
-        "of the step); pass offload_checkpoints=True to apply it"
+        f"its step cost was not within {measured.MAX_COST:.0%} of the step on every measured case "
+        f"({measured.EVIDENCE}); pass offload_checkpoints=True for the memory"
     )
 
 
