@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--step", type=int, default=None, help=f"--longest: the lengths' grid (default {GRID[2]})")
     add("--probe-timeout", type=int, default=300, help="--longest: seconds per probe process")
     add("--out", default="", help="results directory (default $BENCH_RESULTS, else benchmarks/results)")
+    add("--options", nargs="*", default=[], metavar="NAME=VALUE", help="patch_trainer options of both leantrain "
+        "variants, e.g. layer_kernels=True (values read as Python literals; recorded in the rows)")  # fmt: skip
     add("--trace-peak", type=int, default=None, metavar="STEP", help="record the allocator's history in step STEP "
         "(1-based) and list what is alive at its peak (slows that step; step mode)")  # fmt: skip
     add("--log-chars", type=int, default=3000, help="tail of a failed process's log to print")
@@ -208,6 +210,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.worker or args.merge:
         return args
+    try:
+        patch_options(args.options)
+    except ValueError as error:
+        parser.error(str(error))
     known = cases(args.smoke)
     default_cases = list(known) if args.smoke else list(LONGEST_CASES if args.longest else STEP_CASES)
     args.cases = pick(parser, "case", args.cases, list(known), default_cases)
@@ -266,6 +272,7 @@ def worker_main(args: argparse.Namespace) -> int:
             rec.update(peer.prepare(case, Path(args.model_dir), cuda=True))
         else:
             cap = args.cap_gib if args.longest else None
+            rec["options"] = patch_options(args.options)
             train_one(case, args.worker, Path(args.model_dir), cap, rec, args.trace_peak)
     except Exception as error:  # an OOM is a result ("does not fit"), any other failure too (Unsloth on a family)
         traceback.print_exc()
@@ -308,7 +315,7 @@ def train_one(
         build = unsloth_trainer if variant == "unsloth" else hf_trainer
         trainer = build(case, variant, model_dir, out)
         tell_run_length(trainer, sum(case.steps))
-        report = patch(trainer, variant)
+        report = patch(trainer, variant, rec.get("options", {}))
         if report is not None:
             print(report, flush=True)
         rec["args"] = peer.trainer_settings(trainer)
@@ -437,16 +444,33 @@ def unsloth_trainer(case: peer.Case, variant: str, model_dir: Path, out: str) ->
     return trainer
 
 
-def patch(trainer: Any, variant: str) -> Any:
-    """leantrain's call for the variant (None for the others). offload_checkpoints=True raises where it cannot apply:
-    the record is that error."""
+def patch(trainer: Any, variant: str, options: dict[str, Any]) -> Any:
+    """leantrain's call for the variant (None for the others), with ``--options``. offload_checkpoints=True raises
+    where it cannot apply: the record is that error."""
     import leantrain
 
     if variant == "leantrain":
-        return leantrain.patch_trainer(trainer, offload_checkpoints=False)
+        return leantrain.patch_trainer(trainer, **{**options, "offload_checkpoints": False})
     if variant == "leantrain_offload":
-        return leantrain.patch_trainer(trainer, offload_checkpoints=True)
+        return leantrain.patch_trainer(trainer, **{**options, "offload_checkpoints": True})
     return None
+
+
+def patch_options(items: Sequence[str]) -> dict[str, Any]:
+    """``NAME=VALUE`` items (each may hold several, comma-separated) as keyword arguments; a value that is not a
+    Python literal stays a string."""
+    import ast
+
+    options: dict[str, Any] = {}
+    for item in (part for given in items for part in given.split(",") if part.strip()):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--options takes NAME=VALUE items, got {item!r}")
+        try:
+            options[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[name.strip()] = value.strip()
+    return options
 
 
 def offload_stats(trainer: Any) -> dict[str, Any] | None:
@@ -506,6 +530,7 @@ def spawn(case: peer.Case, variant: str, model_dir: Path, args: argparse.Namespa
     command += (["--seq", str(seq)] if seq else []) + (["--batch", str(batch)] if batch else [])
     command += (["--longest"] if longest else []) + (["--smoke"] if args.smoke else [])
     command += ["--trace-peak", str(args.trace_peak)] if args.trace_peak and not longest else []
+    command += ["--options", *args.options] if args.options else []
     timeout = args.probe_timeout if longest else args.timeout
     started = time.perf_counter()
     code, log = run_child(command, worker_env(variant), work, timeout)

@@ -40,9 +40,11 @@ def short_path(path: str) -> str:
     return os.path.basename(path)
 
 
-def live_at_peak(events: Iterable[dict[str, Any]], start_bytes: int = 0) -> tuple[int, list[dict[str, Any]]]:
-    """Replay one device's allocator trace from ``start_bytes`` allocated: the most bytes allocated at once, and the
-    traced blocks alive at that moment.
+def live_at_peak(
+    events: Iterable[dict[str, Any]], start_bytes: int = 0, from_event: int = 0
+) -> tuple[int, list[dict[str, Any]]]:
+    """Replay one device's allocator trace from ``start_bytes`` allocated: the most bytes allocated at once from event
+    ``from_event`` on (the events before it only build the state), and the traced blocks alive at that moment.
 
     A block counts from its ``alloc`` to its ``free_completed`` (the moment the allocator's statistics drop it: a
     block used on a side stream is freed only once that stream is done with it); traces without completed frees
@@ -52,12 +54,14 @@ def live_at_peak(events: Iterable[dict[str, Any]], start_bytes: int = 0) -> tupl
     live: dict[int, dict[str, Any]] = {}
     total = best = start_bytes
     best_live: list[dict[str, Any]] = []
-    for event in events:
+    if from_event:
+        best = -1
+    for index, event in enumerate(events):
         action, size = event.get("action"), int(event.get("size", 0))
         if action == "alloc":
             live[event.get("addr")] = event
             total += size
-            if total > best:
+            if total > best and index >= from_event:
                 best, best_live = total, list(live.values())
         elif action == ends:
             live.pop(event.get("addr"), None)
@@ -84,30 +88,41 @@ def group_blocks(blocks: Iterable[dict[str, Any]], top: int = 20) -> list[dict[s
 
 def step_peaks_callback(rec: dict[str, Any], trace_step: int | None = None) -> Any:
     """A TrainerCallback that appends each step's peak allocated GiB to ``rec["step_peaks_gib"]`` and, for step
-    ``trace_step`` (1-based), records the allocator's history and stores the live blocks at that step's peak in
-    ``rec["peak_trace"]``. Resetting the peak statistic at each step leaves the run's peak as the largest step's."""
+    ``trace_step`` (1-based), stores the live blocks at that step's peak in ``rec["peak_trace"]``. The allocator's
+    history is recorded from the start of training, so compiled code is built and run under the same recording
+    (starting it mid-run changes the state compiled code was built in). Resetting the peak statistic at each step
+    leaves the run's peak as the largest step's."""
     import torch
     from transformers import TrainerCallback
 
     class StepPeaks(TrainerCallback):
+        start_bytes = first_event = 0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if trace_step is not None:
+                torch.cuda.synchronize()
+                self.start_bytes = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
+
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             torch.cuda.synchronize()
             self.start = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             if trace_step is not None and state.global_step + 1 == trace_step:
-                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+                self.first_event = len(torch.cuda.memory._snapshot()["device_traces"][0])
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             torch.cuda.synchronize()
             rec.setdefault("step_peaks_gib", []).append(round(torch.cuda.max_memory_allocated() / GIB, 4))
             rec.setdefault("step_start_gib", []).append(round(self.start / GIB, 4))
             if trace_step is not None and state.global_step == trace_step:
-                snapshot = torch.cuda.memory._snapshot()
+                events = torch.cuda.memory._snapshot()["device_traces"][0]
                 torch.cuda.memory._record_memory_history(enabled=None)
-                peak, blocks = live_at_peak(snapshot["device_traces"][0], self.start)
+                peak, blocks = live_at_peak(events, self.start_bytes, self.first_event)
                 rec["peak_trace"] = {
                     "step": trace_step, "peak_gib": round(peak / GIB, 4),
                     "before_step_gib": round(self.start / GIB, 4), "groups": group_blocks(blocks),
+                    "events": len(events),
                 }  # fmt: skip
 
     return StepPeaks()

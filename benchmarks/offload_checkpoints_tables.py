@@ -48,6 +48,7 @@ def combine(runs: list[dict]) -> dict[str, Any]:
         "base_gib": ok[0].get("base_gib"), "losses": ok[0]["losses"], "stats": ok[-1].get("stats"),
         "loss_noise": loss_gap(ok[0]["losses"], ok[-1]["losses"]) if len(ok) > 1 else None,
         "step_peaks_gib": ok[-1].get("step_peaks_gib"), "peak_trace": ok[-1].get("peak_trace"),
+        "options": ok[0].get("options") or {},
         "steps_per_run": len(ok[-1]["steps"]),
         "tokens_per_s": statistics.median(r["summary"]["tokens_per_s"] for r in ok),
         "report": ok[0].get("report"), "args": ok[0].get("args"), "trainable": ok[0].get("trainable"),
@@ -225,6 +226,8 @@ def notes(variant: str, c: dict) -> list[str]:
     gap = c.get("loss_diff_vs_leantrain")
     if variant == "leantrain_offload" and gap is not None:
         out.append("losses equal leantrain's" if gap == 0 else f"max loss diff vs leantrain {gap:.3g}")
+    if c.get("options") and variant.startswith("leantrain"):
+        out.append("patch_trainer options: " + ", ".join(f"{k}={v}" for k, v in c["options"].items()))
     if c.get("loss_noise"):  # two runs of one variant differ: the GPU's nondeterministic kernels set the floor
         out.append(f"its own two runs differ by {c['loss_noise']:.3g}")
     return out + list(c.get("failed_runs") or [])

@@ -326,3 +326,12 @@ def test_the_committed_results_give_the_cases_in_measured_py():
         assert MEASURED[case].cost == pytest.approx(ours.p50 / lean.p50 - 1, abs=5e-4)
         saved = by[(case, "leantrain", "memory")].p50 - by[(case, "leantrain_offload", "memory")].p50
         assert MEASURED[case].saved_gib == pytest.approx(saved, abs=5e-3)
+
+
+def test_options_are_read_as_python_literals_and_checked():
+    assert bench.patch_options(["layer_kernels=True,fused_ce_tile_mib=128", "compile_layers=None"]) == {
+        "layer_kernels": True, "fused_ce_tile_mib": 128, "compile_layers": None,
+    }  # fmt: skip
+    assert bench.patch_options(["name=plain words"]) == {"name": "plain words"}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--options", "layer_kernels"])  # no value: a parser error, before any process starts

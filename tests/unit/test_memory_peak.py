@@ -53,3 +53,15 @@ def test_groups_past_the_top_are_one_row():
     rows = mp.group_blocks(blocks, top=2)
     assert [r["where"] for r in rows] == ["4.py:1 f", "3.py:1 f", "(others)"]
     assert rows[-1] == {"where": "(others)", "gib": 6.0, "blocks": 3}
+
+
+def test_a_peak_before_the_traced_step_does_not_count():
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 500, "frames": []},  # an earlier step's peak
+        {"action": "free_completed", "addr": 1, "size": 500},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": []},  # the traced step starts here
+        {"action": "alloc", "addr": 3, "size": 20, "frames": []},
+    ]
+    peak, live = mp.live_at_peak(trace, start_bytes=10, from_event=2)
+    assert peak == 80 and sorted(b["addr"] for b in live) == [2, 3]
+    assert mp.live_at_peak(trace, start_bytes=10)[0] == 510
