@@ -7,6 +7,7 @@ import dataclasses
 import datetime as dt
 import math
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -338,20 +339,47 @@ def tables(rows: list[Any]) -> str:
 
 
 def plot(rows: list[Any], path: Path) -> None:
-    """A panel per (case, metric), each on its own scale: step ms, peak allocated GiB, longest tokens."""
-    from _harness import stacked_bar_panels
+    """One row of panels per metric (step ms with its p20-p80 whisker, peak allocated GiB, longest tokens), a panel
+    per case, one colour per variant in every panel, each bar labelled with its value."""
+    import matplotlib
 
-    wanted = {"speed": "step ms", "memory": "peak alloc GiB", "longest": "longest tokens"}
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wanted = {"speed": "step ms (median, p20-p80)", "memory": "peak allocated GiB", "longest": "longest tokens"}
     by = index(rows)
-    panels: dict[str, dict[str, dict[str, float]]] = {}
-    for mode in [*modes(rows, longest=False), *modes(rows, longest=True)]:
-        for metric, part in wanted.items():
-            found = {v: by.get((mode, v, metric)) for v in VARIANTS}
-            bars = {v: {part: r.p50} for v, r in found.items() if r is not None and not math.isnan(r.p50)}
+    grid = []  # (metric label, [(case title, {variant: row})])
+    for metric, label in wanted.items():
+        found = []
+        for mode in modes(rows, longest=metric == "longest"):
+            bars = {v: r for v in VARIANTS if (r := by.get((mode, v, metric))) is not None and not math.isnan(r.p50)}
             if bars:
-                panels[panel_title(mode, part, found)] = bars
-    parts = [p for p in wanted.values() if any(p in b for bars in panels.values() for b in bars.values())]
-    stacked_bar_panels(path, "offload_checkpoints: step time, peak memory, longest sequence", panels, parts, "")
+                found.append((panel_title(mode, label.split(" (")[0], bars), bars))
+        if found:
+            grid.append((label, found))
+    if not grid:
+        return
+    cols = max(len(found) for _, found in grid)
+    fig, axes = plt.subplots(len(grid), cols, figsize=(3.6 * cols, 3.4 * len(grid)), squeeze=False)
+    colors = dict(zip(VARIANTS, plt.get_cmap("tab10").colors, strict=False))
+    for (label, found), ax_row in zip(grid, axes, strict=True):
+        for ax in ax_row[len(found) :]:
+            ax.axis("off")
+        for ax, (title, bars) in zip(ax_row, found, strict=False):
+            names = list(bars)
+            values = [bars[v].p50 for v in names]
+            low = [v - (bars[n].p20 if bars[n].p20 is not None else v) for n, v in zip(names, values, strict=True)]
+            high = [(bars[n].p80 if bars[n].p80 is not None else v) - v for n, v in zip(names, values, strict=True)]
+            drawn = ax.bar(range(len(names)), values, color=[colors[n] for n in names], yerr=[low, high], capsize=3)
+            ax.bar_label(drawn, labels=[f"{v:.3g}" for v in values], fontsize=7, padding=2)
+            ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=7)
+            ax.set_title(textwrap.fill(title, 40), fontsize=8)
+            ax.margins(y=0.15)
+        ax_row[0].set_ylabel(label, fontsize=8)
+    fig.suptitle("offload_checkpoints: step time, peak GPU memory, longest sequence", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def panel_title(mode: str, part: str, found: dict[str, Any]) -> str:
