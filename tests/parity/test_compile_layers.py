@@ -156,6 +156,34 @@ def test_past_the_recompile_limit_the_eager_layers_take_over(tmp_path):
     assert stats(compiled[2]).compiles == 2  # no compile after the fallback
 
 
+@pytest.mark.expect_fallback
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_fallback_in_the_middle_of_a_forward_keeps_each_recompute_on_its_forwards_path(reentrant, tmp_path):
+    """The fallback can trip between two layers of one forward (the recompile limit crossed at a layer whose guards
+    differ, as Gemma-2's alternating attention). The layers before it ran compiled: their checkpoint recomputes in
+    the backward must run the compiled code again, not the eager layers, or non-reentrant checkpointing sees other
+    saved tensors than its forward saved and stops training. Later forwards are eager."""
+    ckpt = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    stock = run(tiny, tmp_path, None, **ckpt)
+    trainer = trainer_for(tiny(), tmp_path, **ckpt)
+    leantrain.patch_trainer(trainer, **{**only("compile_layers"), "compile_layers": True, **AOT})
+    forwards = []
+
+    def trip_in_the_second_step(module, args):
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # a forward, not a recompute
+            forwards.append(1)
+            if len(forwards) == 2:  # layer 0 ran compiled in this step; layer 1 and after run eager
+                stats(trainer).fallback.fail("injected between two layers")
+
+    decoder_parts(trainer.model).layers[1].register_forward_pre_hook(trip_in_the_second_step)
+    with pytest.warns(RuntimeWarning, match="injected between two layers"):
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    assert_same_run(stock, (losses, weights))
+    assert trainer.leantrain_report["compile_layers"].status is Status.FAILED
+
+
 def test_strict_mode_raises_past_the_recompile_limit(tmp_path):
     data = rows(8, lengths=(9, 11, 13, 15, 17, 19, 21, 23))  # shuffled batches of two: a new width within 4 steps
     patch = {"compile_layers": True, "compile_layers_max_recompiles": 0, "strict": True, **AOT}

@@ -4,13 +4,14 @@ One ``torch.compile`` of a private copy of the layer class's forward (``compilin
 the layer is an argument, so Dynamo compiles once and reuses the entry for each instance. Transformers' checkpointing
 (``GradientCheckpointingLayer.__call__``) wraps ``nn.Module.__call__``, which calls the instance's forward: the
 checkpoint wraps the compiled region, in both modes. Every call runs through the run-time fallback: a compile error
-warns once and the stock forward serves from then on. The compile backend is wrapped to count compiles: past the
-recompile limit the eager layers take over (warned once, the report marked failed), before torch's own limit would
-make Dynamo run eagerly without a word."""
+warns once and the stock forward serves from then on (a checkpoint's recompute keeps the path its forward took).
+The compile backend is wrapped to count compiles: past the recompile limit the eager layers take over (warned once,
+the report marked failed), before torch's own limit would make Dynamo run eagerly without a word."""
 
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -63,8 +64,18 @@ def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: A
     dynamic = None if plan.dynamic == "auto" else True  # None: static first, dynamic dims from the first change
     compiled = torch.compile(private_copy(inner), backend=stats.backend, dynamic=dynamic)
 
+    ran_compiled: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
     def guarded(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return fallback.call(compiled, inner, self, *args, **kwargs)
+        # A checkpoint's recompute (in the backward) takes the path its layer's forward took: the fallback may have
+        # tripped at a later layer of that forward, and non-reentrant checkpointing stops training when a recompute
+        # saves other tensors than the forward did.
+        took = ran_compiled.get(self) if recomputing() else None
+        if took is not None:
+            return (compiled if took else inner)(self, *args, **kwargs)
+        out = fallback.call(compiled, inner, self, *args, **kwargs)
+        ran_compiled[self] = fallback.failed is None
+        return out
 
     forward = guarded if inner is plan.stock else with_inner(plan.stock, guarded)
     forward.__leantrain_original__ = plan.stock  # type: ignore[attr-defined]
@@ -75,6 +86,12 @@ def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: A
         undo.set_attr(module, "forward", types.MethodType(type(module).forward, module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken)
+
+
+def recomputing() -> bool:
+    """Whether this call runs inside a backward pass (a checkpoint's recompute), read from autograd's engine."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def kernel_forwards(plan: CompilePlan) -> list[torch.nn.Module]:
