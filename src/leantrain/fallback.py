@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,22 @@ def _control_flow_errors() -> tuple[type[BaseException], ...]:
 _CONTROL_FLOW = _control_flow_errors()
 
 
+def recomputing() -> bool:
+    """Whether this call runs inside a backward pass (a checkpoint's recompute), read from autograd's engine."""
+    import torch
+
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing this call."""
+    import torch
+
+    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(check is not None and check())
+
+
 class RuntimeFallback:
     """Runs an optimized path; on its first unexpected error warns once and serves the stock path from then on.
 
@@ -38,6 +55,22 @@ class RuntimeFallback:
         self.strict = strict
         self.on_failure = on_failure
         self.failed: str | None = None
+        self._took: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    def call_at(
+        self, site: Any, fast: Callable[..., Any], stock: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """``call`` for a site inside checkpointed layers (a module, or a function made for one module): a recompute
+        in the backward takes the path the site's own forward took. The fallback may trip at a later site of the same
+        forward; non-reentrant checkpointing stops training when a recompute saves other tensors than its forward."""
+        if compiling():  # traced by Dynamo (a user's compiled region): the graph holds one path, nothing to track
+            return self.call(fast, stock, *args, **kwargs)
+        took = self._took.get(site) if recomputing() else None
+        if took is not None:
+            return (fast if took else stock)(*args, **kwargs)
+        out = self.call(fast, stock, *args, **kwargs)
+        self._took[site] = self.failed is None
+        return out
 
     def call(self, fast: Callable[..., Any], stock: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.failed is not None:

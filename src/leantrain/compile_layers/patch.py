@@ -11,7 +11,6 @@ the report marked failed), before torch's own limit would make Dynamo run eagerl
 from __future__ import annotations
 
 import types
-import weakref
 from typing import Any
 
 import torch
@@ -64,18 +63,8 @@ def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: A
     dynamic = None if plan.dynamic == "auto" else True  # None: static first, dynamic dims from the first change
     compiled = torch.compile(private_copy(inner), backend=stats.backend, dynamic=dynamic)
 
-    ran_compiled: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
-
     def guarded(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # A checkpoint's recompute (in the backward) takes the path its layer's forward took: the fallback may have
-        # tripped at a later layer of that forward, and non-reentrant checkpointing stops training when a recompute
-        # saves other tensors than the forward did.
-        took = ran_compiled.get(self) if recomputing() else None
-        if took is not None:
-            return (compiled if took else inner)(self, *args, **kwargs)
-        out = fallback.call(compiled, inner, self, *args, **kwargs)
-        ran_compiled[self] = fallback.failed is None
-        return out
+        return fallback.call_at(self, compiled, inner, self, *args, **kwargs)
 
     forward = guarded if inner is plan.stock else with_inner(plan.stock, guarded)
     forward.__leantrain_original__ = plan.stock  # type: ignore[attr-defined]
@@ -86,12 +75,6 @@ def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: A
         undo.set_attr(module, "forward", types.MethodType(type(module).forward, module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken)
-
-
-def recomputing() -> bool:
-    """Whether this call runs inside a backward pass (a checkpoint's recompute), read from autograd's engine."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 def kernel_forwards(plan: CompilePlan) -> list[torch.nn.Module]:

@@ -3,7 +3,8 @@
 Each is bound with ``MethodType``, so a deep copy of the model rebinds it to the copy's module, and reads the
 module's state (weight, epsilon, projections) at call time, so PEFT adapters, ``.to()`` and sharded parameters
 are seen as the stock forward sees them. Every kernel call runs through the run-time fallback: the first failure
-warns once and the stock forward serves from then on."""
+warns once and the stock forward serves from then on (a norm's or MLP's checkpoint recompute keeps the path its
+forward took)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def norm_forward(spec: Family, fallback: RuntimeFallback) -> Callable[[nn.Module
         return ops.rms_norm(x, self.weight, getattr(self, spec.norm_eps), spec.offset, spec.casting)
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        return fallback.call(fast, type(self).forward, self, hidden_states)
+        return fallback.call_at(self, fast, type(self).forward, self, hidden_states)
 
     return forward
 
@@ -54,7 +55,7 @@ def mlp_forward(spec: Family, fallback: RuntimeFallback) -> Callable[[nn.Module,
         return self.down_proj(gated(self.gate_proj(x), self.up_proj(x)))
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return fallback.call(fast, type(self).forward, self, x)
+        return fallback.call_at(self, fast, type(self).forward, self, x)
 
     return forward
 

@@ -44,7 +44,7 @@ def experts_forward(plan_for: PlanFor, fallback: Any) -> Callable:
             return grouped_forward(plan, hidden_states, indices, weights)
 
         def forward(hidden_states, *args, **kwargs):
-            return fallback.call(fast, original, hidden_states, *args, **kwargs)
+            return fallback.call_at(fast, fast, original, hidden_states, *args, **kwargs)  # fast: one per module
 
         return forward
 
@@ -85,7 +85,7 @@ def block_forward(block: Any, plan_for: PlanFor, normalize: str, shared: bool, f
         def forward(hidden_states, *args, **kwargs):
             if args or kwargs:  # the stock blocks take the hidden states only
                 return original(hidden_states, *args, **kwargs)
-            return fallback.call(fast, original, hidden_states)
+            return fallback.call_at(fast, fast, original, hidden_states)  # fast: one per block
 
         return forward
 
