@@ -50,9 +50,13 @@ Directly (after ``bash benchmarks/install_wheels.sh`` and
 Subsets: ``--cases llama-3.2-1b --variants stock,leantrain_offload`` (commas or spaces); the search range:
 ``--low 8192 --high 65536``. ``--smoke`` runs 1 round and a 2-probe search by default: every process pays its imports
 (~10 s), so a smoke run takes minutes, not seconds.
-Time (estimates from bench_vs_unsloth's per-process costs on an H200): a step-mode case is 10 processes of 30-80 s,
-~8 min, so one case per 10-minute device call (then ``--merge``); a --longest search is ~10 probes of 25-60 s per
-(case, variant): one or two variants per call. Unsloth imports where it is installed, or from the site folder named by
+Time (H200, 2026-11-29): a step-mode process takes 26-59 s (a case with leantrain, leantrain_offload and unsloth,
+twice: ~4 min); a --longest search is ~10 probes of 25-60 s per (case, variant): one or two variants per call, or,
+with ``--parallel 4`` (the variants of a case search side by side, each process under its own cap; each longest
+length then trains once more alone for its step time), one case per call:
+    VS_BENCH=benchmarks/bench_offload_checkpoints.py bash benchmarks/gpu_vs_unsloth.sh --longest --parallel 4 \
+        --cases llama-3.2-1b --variants stock,leantrain,leantrain_offload,unsloth
+Unsloth imports where it is installed, or from the site folder named by
 $UNSLOTH_SITE, put on the path of the unsloth process only (the layout benchmarks/gpu_vs_unsloth.sh installs into
 /tmp/site_unsloth); Unsloth 2026.10.9 accepts transformers <= 5.17, so on a newer transformers its row is the
 failure it raises. On a machine without CUDA the script exits with code 2 (``--help`` and ``--merge`` still work).
@@ -61,6 +65,7 @@ failure it raises. On a machine without CUDA the script exits with code 2 (``--h
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -69,6 +74,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -78,14 +84,19 @@ from typing import Any
 import bench_vs_unsloth as peer
 import memory_peak
 import shapes
-from offload_checkpoints_tables import (  # the rows, tables and plot from the records (pure: tested on CPU)
+from offload_checkpoints_tables import (  # the rows, tables, plot and lines from the records (pure: tested on CPU)
     GIB,
     NAME,
+    SKIPS,
     VARIANTS,
+    compact,
     latest,
+    longest_line,
     longest_rows,
     now,
     plot,
+    probe_line,
+    step_line,
     step_rows,
     tables,
 )
@@ -97,7 +108,6 @@ STEP_CASES = ("llama-3.2-1b", "llama-3.2-1b-qlora", "qwen2.5-1.5b")
 LONGEST_CASES = ("llama-3.2-1b", "llama-3.2-1b-qlora")
 HF_OFFLOAD = {"use_reentrant": False, "offload": True}  # stock's kwargs (transformers' default) plus the offload
 RUN_STEPS = 1000  # the run length every trainer is told (timing stops after warm-up + timed steps)
-SKIPS = ("skipped", "not installed")  # nothing to time: a second round or a further probe would say the same
 # Smoke: big enough that a layer input (2 x 1024 x 512 x 2 bytes = 2 MiB) passes the offload's 1 MiB floor.
 TINY = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=8192)  # fmt: skip
@@ -187,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--low", type=int, default=None, help=f"--longest: shortest length tried (default {GRID[0]})")
     add("--high", type=int, default=None, help=f"--longest: longest length tried (default {GRID[1]})")
     add("--step", type=int, default=None, help=f"--longest: the lengths' grid (default {GRID[2]})")
+    add("--parallel", type=int, default=1, help="--longest: variants of a case searched at once (each under its "
+        "own cap; the step time at each longest length is then measured alone)")  # fmt: skip
     add("--probe-timeout", type=int, default=300, help="--longest: seconds per probe process")
     add("--out", default="", help="results directory (default $BENCH_RESULTS, else benchmarks/results)")
     add("--options", nargs="*", default=[], metavar="NAME=VALUE", help="patch_trainer options of both leantrain "
@@ -610,16 +622,6 @@ def run_steps(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def step_line(rec: dict) -> str:
-    head = f"[step] {rec['case']} / {rec['variant']} round {rec.get('round', 1)}"
-    if rec["status"] != "ok":
-        return f"{head}: {rec['status']} {rec.get('reason', '')[:300]} ({rec.get('wall_s', 0):.0f} s)"
-    sm = rec["summary"]
-    return (f"{head}: {sm['p50']:.1f} ms/step (p20 {sm['p20']:.1f}, p80 {sm['p80']:.1f}), peak "
-            f"{rec['peak_gib']:.2f} GiB allocated / {rec['reserved_gib']:.2f} GiB reserved, first step "
-            f"{rec['first_step_s']:.1f} s ({rec['wall_s']:.0f} s)")  # fmt: skip
-
-
 class Skipped(Exception):
     """A probe said the variant cannot run at all (not installed, skipped): no length to search for."""
 
@@ -629,27 +631,64 @@ class Skipped(Exception):
 
 
 def run_longest(args: argparse.Namespace) -> int:
-    """Every (case, variant): the bisection, a process per probe, rows written after every probe."""
+    """Every (case, variant): the bisection, a process per probe, rows written after every probe. ``--parallel N``:
+    up to N variants of a case search at once (each process under its own cap), then each longest length is trained
+    again alone for its step time."""
     known = cases(args.smoke)
     results: dict[tuple[str, str], dict] = {}
     weights = Weights(args)
+    lock = threading.Lock()
+
+    def saved() -> None:
+        with lock:
+            write(longest_rows(results), args)
+
     try:
         for name in args.cases:
             case = known[name]
             model_dir, ready = weights.for_case(case)
             high = grid_high(args.high, case.fields.get("max_position_embeddings"), args.low, args.step)
-            for variant in args.variants:
-                rec = results[(name, variant)] = search_record(name, variant, args, high)
+            recs = [results.setdefault((name, v), search_record(name, v, args, high)) for v in args.variants]
+
+            def one(rec: dict, case: peer.Case = case, model_dir: Path = model_dir, ready: dict = ready) -> None:
                 failed = not_built(ready)
                 if failed:
                     rec.update(failed)
                 else:
-                    search(case, variant, model_dir, args, rec, lambda: write(longest_rows(results), args))
+                    search(case, rec["variant"], model_dir, args, rec, saved)
                 print(longest_line(rec), flush=True)
-                write(longest_rows(results), args)
+                saved()
+
+            with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+                list(pool.map(one, recs))  # list(): a search's exception surfaces here
+            if args.parallel > 1:  # searched side by side: each longest length's step time, measured alone
+                for rec in recs:
+                    retime(case, model_dir, args, rec)
+                    saved()
     finally:
         weights.close()
     return 0
+
+
+def retime(case: peer.Case, model_dir: Path, args: argparse.Namespace, rec: dict) -> None:
+    """Train the longest length found once more with the GPU to itself: its step time and peaks (``rec["alone"]``)."""
+    if rec["status"] != "ok" or rec["longest"] is None:
+        return
+    seq = rec["longest"]
+    probe = spawn(case, rec["variant"], model_dir, args, seq=seq, batch=1, warmup=1, timed=1, longest=True)
+    rec["alone"] = compact(probe, seq)
+    print(probe_line(case.name, rec["variant"], rec["alone"]).replace("[longest]", "[alone]"), flush=True)
+
+
+def parallel_problem(parallel: int, cap_gib: float, total_gib: float) -> str | None:
+    """Why ``parallel`` processes under ``cap_gib`` each would not fit a GPU of ``total_gib`` (None: they fit, with
+    a tenth kept for the CUDA contexts)."""
+    if parallel < 1:
+        return f"--parallel must be at least 1, got {parallel}"
+    if parallel > 1 and parallel * cap_gib > 0.9 * total_gib:
+        return (f"--parallel {parallel} x --cap-gib {cap_gib:g} = {parallel * cap_gib:g} GiB is more than 90% of "
+                f"this GPU's {total_gib:.0f} GiB: lower --parallel")  # fmt: skip
+    return None
 
 
 def search_record(case: str, variant: str, args: argparse.Namespace, high: int) -> dict[str, Any]:
@@ -679,33 +718,6 @@ def search(case: peer.Case, variant: str, model_dir: Path, args: argparse.Namesp
         rec["status"] = "ok"
     except Skipped as skip:
         rec.update(status=skip.rec["status"], reason=skip.rec.get("reason", ""), longest=None)
-
-
-def compact(probe: dict, seq: int) -> dict[str, Any]:
-    """What a probe leaves in the record: its outcome, the second step's time, peak memory."""
-    ok = probe["status"] == "ok"
-    return {"seq": seq, "status": probe["status"], "reason": probe.get("reason", "")[:300],
-            "step_ms": probe["summary"]["p50"] if ok else None, "first_step_s": probe.get("first_step_s"),
-            "peak_gib": probe.get("peak_gib"), "reserved_gib": probe.get("reserved_gib"),
-            "stats": probe.get("stats"), "wall_s": probe.get("wall_s")}  # fmt: skip
-
-
-def probe_line(case: str, variant: str, p: dict) -> str:
-    head = f"[longest] {case} / {variant}: {p['seq']} tokens"
-    if p["status"] in SKIPS:
-        return f"{head}: {p['status']} ({p['reason'][:200]}): no search"
-    if p["status"] != "ok":
-        return f"{head} does not fit ({p['status']}: {p['reason'][:200]}) ({p['wall_s']:.0f} s)"
-    return (f"{head} fits: step {p['step_ms']:.0f} ms, peak {p['peak_gib']:.2f} GiB allocated / "
-            f"{p['reserved_gib']:.2f} GiB reserved ({p['wall_s']:.0f} s)")  # fmt: skip
-
-
-def longest_line(rec: dict) -> str:
-    head = f"[longest] {rec['case']} / {rec['variant']}"
-    if rec["status"] != "ok":
-        return f"{head}: {rec['status']} {rec.get('reason', '')[:300]}"
-    found = "nothing fits" if rec["longest"] is None else f"longest {rec['longest']} tokens"
-    return f"{head}: {found} under {rec['cap_gib']:g} GiB ({len(rec['probes'])} probes)"
 
 
 def write(new: list[Any], args: argparse.Namespace, merge: bool = False) -> Path:
@@ -749,7 +761,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
-    return run_longest(args) if args.longest else run_steps(args)
+    if args.longest:
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory / GIB
+        problem = parallel_problem(args.parallel, args.cap_gib, total)
+        if problem:
+            print(f"bench_offload_checkpoints.py: {problem}", file=sys.stderr)
+            return 2
+        return run_longest(args)
+    return run_steps(args)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
+SKIPS = ("skipped", "not installed")  # nothing to time: a second round or a further probe would say the same
 NAME = "offload_checkpoints"
 VARIANTS = ("stock", "hf_offload", "leantrain", "leantrain_offload", "unsloth")
 TARGET_PCT = 3.0  # the offload's step cost against leantrain that auto mode may accept
@@ -124,7 +125,10 @@ def longest_rows(results: dict[tuple[str, str], dict]) -> list[Any]:
             rows.append(Row(NAME, variant, mode, "status", "", *x, math.nan, config=config, **common))
             continue
         config = {k: rec.get(k) for k in ("status", "low", "high", "step", "cap_gib", "probes")}
-        at = next((p for p in rec["probes"] if p["seq"] == rec["longest"] and p["status"] == "ok"), {})
+        # the step time and peaks at the longest length: measured alone where the search ran side by side
+        found = next((p for p in rec["probes"] if p["seq"] == rec["longest"] and p["status"] == "ok"), {})
+        at = rec["alone"] if (rec.get("alone") or {}).get("status") == "ok" else found
+        config["timed_alone"] = at is not found
         longest = math.nan if rec["longest"] is None else float(rec["longest"])
         rows.append(Row(NAME, variant, mode, "longest", "tokens", *x, longest, config=config, **common))
         for metric, unit, key in (("speed at longest", "ms", "step_ms"), ("memory at longest", "GiB", "peak_gib"),
@@ -387,3 +391,43 @@ def panel_title(mode: str, part: str, found: dict[str, Any]) -> str:
         return f"{mode}: {part}"
     cap = next(r.x_value for r in found.values() if r is not None)
     return f"{mode.split(':', 1)[1]}: {part} under {cap:g} GiB"
+
+
+# -- progress lines -------------------------------------------------------------------------------------------------
+
+
+def step_line(rec: dict) -> str:
+    head = f"[step] {rec['case']} / {rec['variant']} round {rec.get('round', 1)}"
+    if rec["status"] != "ok":
+        return f"{head}: {rec['status']} {rec.get('reason', '')[:300]} ({rec.get('wall_s', 0):.0f} s)"
+    sm = rec["summary"]
+    return (f"{head}: {sm['p50']:.1f} ms/step (p20 {sm['p20']:.1f}, p80 {sm['p80']:.1f}), peak "
+            f"{rec['peak_gib']:.2f} GiB allocated / {rec['reserved_gib']:.2f} GiB reserved, first step "
+            f"{rec['first_step_s']:.1f} s ({rec['wall_s']:.0f} s)")  # fmt: skip
+
+
+def compact(probe: dict, seq: int) -> dict[str, Any]:
+    """What a probe leaves in the record: its outcome, the second step's time, peak memory."""
+    ok = probe["status"] == "ok"
+    return {"seq": seq, "status": probe["status"], "reason": probe.get("reason", "")[:300],
+            "step_ms": probe["summary"]["p50"] if ok else None, "first_step_s": probe.get("first_step_s"),
+            "peak_gib": probe.get("peak_gib"), "reserved_gib": probe.get("reserved_gib"),
+            "stats": probe.get("stats"), "wall_s": probe.get("wall_s")}  # fmt: skip
+
+
+def probe_line(case: str, variant: str, p: dict) -> str:
+    head = f"[longest] {case} / {variant}: {p['seq']} tokens"
+    if p["status"] in SKIPS:
+        return f"{head}: {p['status']} ({p['reason'][:200]}): no search"
+    if p["status"] != "ok":
+        return f"{head} does not fit ({p['status']}: {p['reason'][:200]}) ({p['wall_s']:.0f} s)"
+    return (f"{head} fits: step {p['step_ms']:.0f} ms, peak {p['peak_gib']:.2f} GiB allocated / "
+            f"{p['reserved_gib']:.2f} GiB reserved ({p['wall_s']:.0f} s)")  # fmt: skip
+
+
+def longest_line(rec: dict) -> str:
+    head = f"[longest] {rec['case']} / {rec['variant']}"
+    if rec["status"] != "ok":
+        return f"{head}: {rec['status']} {rec.get('reason', '')[:300]}"
+    found = "nothing fits" if rec["longest"] is None else f"longest {rec['longest']} tokens"
+    return f"{head}: {found} under {rec['cap_gib']:g} GiB ({len(rec['probes'])} probes)"

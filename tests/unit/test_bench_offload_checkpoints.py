@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import _harness
@@ -335,3 +336,45 @@ def test_options_are_read_as_python_literals_and_checked():
     assert bench.patch_options(["name=plain words"]) == {"name": "plain words"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--options", "layer_kernels"])  # no value: a parser error, before any process starts
+
+
+def test_parallel_searches_then_times_each_longest_length_alone(tmp_path, monkeypatch):
+    """--parallel 2: the variants' searches overlap (both first probes wait for each other), then each longest
+    length is trained once more alone, and the rows take their step time from that lone run."""
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    limits = {"stock": 2048, "leantrain_offload": 4096}
+    both_first = threading.Barrier(2, timeout=30)  # broken (an error) unless the two searches run at once
+    alone = {"now": False}
+
+    def spawn(case, variant, model_dir, args, **extra):
+        if variant == "prepare":
+            return {"status": "ok", "reason": "", "wall_s": 0.0}
+        if extra["seq"] == args.low and not alone["now"]:
+            both_first.wait()
+        ok = extra["seq"] <= limits[variant]
+        return {"status": "ok" if ok else "oom", "reason": "" if ok else "OutOfMemoryError", "date": "2026-11-29",
+                "summary": {"p50": 400.0 if alone["now"] else 500.0}, "peak_gib": 20.0, "reserved_gib": 21.0,
+                "wall_s": 1.0}  # fmt: skip
+
+    real_retime = bench.retime
+
+    def retime(*a, **k):
+        alone["now"] = True
+        return real_retime(*a, **k)
+
+    monkeypatch.setattr(bench, "spawn", spawn)
+    monkeypatch.setattr(bench, "retime", retime)
+    args = bench.parse_args(["--longest", "--cases", "llama-3.2-1b", "--variants", "stock,leantrain_offload",
+                             "--parallel", "2", "--low", "1024", "--high", "8192", "--step", "1024",
+                             "--out", str(tmp_path)])  # fmt: skip
+    assert bench.run_longest(args) == 0
+    rows = rows_of.index(_harness.read_rows(tmp_path / "offload_checkpoints.json"))
+    for variant, limit in limits.items():
+        assert rows[("longest:llama-3.2-1b", variant, "longest")].p50 == limit
+        assert rows[("longest:llama-3.2-1b", variant, "speed at longest")].p50 == 400.0  # the lone run's step
+
+
+def test_parallel_searches_must_fit_the_gpu():
+    assert bench.parallel_problem(1, 24.0, 139.8) is None and bench.parallel_problem(5, 24.0, 139.8) is None
+    assert "lower --parallel" in bench.parallel_problem(6, 24.0, 139.8)
+    assert "at least 1" in bench.parallel_problem(0, 24.0, 139.8)
