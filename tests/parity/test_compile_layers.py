@@ -29,6 +29,7 @@ from leantrain.compile_layers import patch as compile_patch
 from leantrain.compile_layers import probe as compile_probe
 from leantrain.compile_layers import stats
 from leantrain.compile_layers.ops import Payback
+from leantrain.fallback import recomputing
 from leantrain.models import decoder_parts
 from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
@@ -170,7 +171,7 @@ def test_a_fallback_in_the_middle_of_a_forward_keeps_each_recompute_on_its_forwa
     forwards = []
 
     def trip_in_the_second_step(module, args):
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # a forward, not a recompute
+        if not recomputing():  # a forward (under no_grad in reentrant checkpointing), not a recompute
             forwards.append(1)
             if len(forwards) == 2:  # layer 0 ran compiled in this step; layer 1 and after run eager
                 stats(trainer).fallback.fail("injected between two layers")
