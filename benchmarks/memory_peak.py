@@ -8,8 +8,9 @@ bench_offload_checkpoints.py), not to time anything: recording stacks slows the 
 
 from __future__ import annotations
 
+import linecache
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -21,15 +22,33 @@ PLUMBING = ("/torch/nn/modules/module.py", "/torch/_tensor.py", "/torch/autograd
             "/torch/_C/", "<frozen")  # fmt: skip
 
 
+# Where the model's own code is: the frame that says which layer, projection or loss a compiled buffer serves.
+MODEL_CODE = ("/transformers/models/", "/peft/tuners/", "/leantrain/")
+
+
 def frame_label(frames: Iterable[dict[str, Any]]) -> str:
     """``file:line name`` of the innermost frame that is not torch's plumbing (module calls, autograd, dynamo), or
-    ``(no python frame)`` (an allocation made from C++ alone, e.g. autograd's gradient accumulation)."""
+    ``(no python frame)`` (an allocation made from C++ alone, e.g. autograd's gradient accumulation). A frame of
+    generated code (inductor's output files) also carries its source line, which names the buffer and its shape."""
     listed = list(frames)
     for frame in listed:
         name = str(frame.get("filename", ""))
         if not any(part in name for part in PLUMBING):
-            return f"{short_path(name)}:{frame.get('line', '?')} {frame.get('name', '?')}"
+            label = f"{short_path(name)}:{frame.get('line', '?')} {frame.get('name', '?')}"
+            if "torchinductor_" in name:
+                label += " | " + linecache.getline(name, int(frame.get("line", 0) or 0)).strip()[:120]
+            return label
     return "(no python frame)" if not listed else f"{short_path(str(listed[0].get('filename')))} (torch internals)"
+
+
+def context_label(frames: Iterable[dict[str, Any]]) -> str:
+    """``file:line name`` of the innermost frame in the model's code (transformers' modeling files, PEFT's tuners,
+    leantrain), or ``(outside model code)``: for compiled code, the layer call or checkpoint recompute it runs in."""
+    for frame in frames:
+        name = str(frame.get("filename", ""))
+        if any(part in name for part in MODEL_CODE):
+            return f"{short_path(name)}:{frame.get('line', '?')} {frame.get('name', '?')}"
+    return "(outside model code)"
 
 
 def short_path(path: str) -> str:
@@ -69,12 +88,14 @@ def live_at_peak(
     return best, best_live
 
 
-def group_blocks(blocks: Iterable[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
-    """Live blocks grouped by ``frame_label`` of their allocation, largest total first: ``{"where", "gib",
-    "blocks"}``; what is past ``top`` is one row, ``(others)``."""
+def group_blocks(
+    blocks: Iterable[dict[str, Any]], top: int = 20, label: Callable[[list[dict[str, Any]]], str] = frame_label
+) -> list[dict[str, Any]]:
+    """Live blocks grouped by ``label`` of their allocation's frames (``frame_label`` by default), largest total
+    first: ``{"where", "gib", "blocks"}``; what is past ``top`` is one row, ``(others)``."""
     groups: dict[str, list[int]] = {}
     for block in blocks:
-        entry = groups.setdefault(frame_label(block.get("frames") or []), [0, 0])
+        entry = groups.setdefault(label(block.get("frames") or []), [0, 0])
         entry[0] += int(block.get("size", 0))
         entry[1] += 1
     rows = [{"where": k, "gib": round(v[0] / GIB, 4), "blocks": v[1]} for k, v in groups.items()]
@@ -121,7 +142,9 @@ def step_peaks_callback(rec: dict[str, Any], trace_step: int | None = None) -> A
                 peak, blocks = live_at_peak(events, self.start_bytes, self.first_event)
                 rec["peak_trace"] = {
                     "step": trace_step, "peak_gib": round(peak / GIB, 4),
-                    "before_step_gib": round(self.start / GIB, 4), "groups": group_blocks(blocks),
+                    "before_step_gib": round(self.start / GIB, 4), "groups": group_blocks(blocks, top=40),
+                    "contexts": group_blocks(blocks, label=context_label),
+                    "pairs": group_blocks(blocks, top=40, label=lambda f: f"{context_label(f)} <- {frame_label(f)}"),
                     "events": len(events),
                 }  # fmt: skip
 

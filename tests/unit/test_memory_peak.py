@@ -65,3 +65,19 @@ def test_a_peak_before_the_traced_step_does_not_count():
     peak, live = mp.live_at_peak(trace, start_bytes=10, from_event=2)
     assert peak == 80 and sorted(b["addr"] for b in live) == [2, 3]
     assert mp.live_at_peak(trace, start_bytes=10)[0] == 510
+
+
+def test_generated_code_frames_carry_their_source_line(tmp_path):
+    code = tmp_path / "torchinductor_root" / "ab" / "cab.py"
+    code.parent.mkdir(parents=True)
+    code.write_text("def call(args):\n    buf0 = empty_strided_cuda((4, 2048, 8192), (1, 1, 1), torch.bfloat16)\n")
+    label = mp.frame_label([{"filename": str(code), "line": 2, "name": "call"}])
+    assert label == "root/ab/cab.py:2 call | buf0 = empty_strided_cuda((4, 2048, 8192), (1, 1, 1), torch.bfloat16)"
+
+
+def test_the_context_is_the_innermost_frame_in_model_code():
+    generated = "/tmp/torchinductor_root/ab/cab.py"
+    assert mp.context_label(frames(generated, PLUMB, MLP)) == "transformers/models/llama/modeling_llama.py:1 f"
+    assert mp.context_label(frames(generated, PLUMB)) == "(outside model code)"
+    rows = mp.group_blocks([{"size": mp.GIB, "frames": frames(PLUMB, MLP)}], label=mp.context_label)
+    assert rows == [{"where": "transformers/models/llama/modeling_llama.py:1 f", "gib": 1.0, "blocks": 1}]
