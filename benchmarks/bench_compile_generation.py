@@ -340,14 +340,21 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 rows += rows_of(result)
+                merged = save(rows, out, args.smoke)  # after every variant: a run cut off keeps what finished
     if rows:
-        merged = [r for r in previous_rows(NAME, out, args.smoke) if r.x_value not in {x.x_value for x in rows}]
-        rows = merged + rows
-        write_results(NAME, rows, table(rows), out)
-        plot(rows, out / f"{NAME}.png")
-        print(table(rows))
-        print(emit_rule(rows))
+        print(table(merged))
+        print(emit_rule(merged))
     return 1 if failures else 0
+
+
+def save(rows: list[Row], out: Path, smoke: bool) -> list[Row]:
+    """This run's rows merged over the results file's (a config this run measured replaces its old rows), written
+    with the table and the plot; returns the merged rows."""
+    ours = {r.x_value for r in rows}
+    merged = [r for r in previous_rows(NAME, out, smoke) if r.x_value not in ours] + rows
+    write_results(NAME, merged, table(merged), out)
+    plot(merged, out / f"{NAME}.png")
+    return merged
 
 
 if __name__ == "__main__":
