@@ -42,6 +42,7 @@ CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_DYNAMIC = ("auto", "always")
+COMPILE_RECOMPUTE = ("default", "elementwise")
 # torch._dynamo's own per-function limit is 8 compiled entries; past it Dynamo runs the frame eagerly without a
 # word, so leantrain's limit must bite first (at most 6 recompiles: 7 entries).
 MAX_LAYER_RECOMPILES = 6
@@ -178,6 +179,14 @@ class LeantrainConfig:
         "sequence lengths: auto (static first, dynamic from the first new length: one recompile), always (dynamic "
         "from the start)",
         _one_of(*COMPILE_DYNAMIC),
+    )
+    compile_layers_recompute: str = _opt(
+        "default",
+        "str",
+        "what the compiled layers save for their backward: default (torch's choice, the fastest backward), "
+        "elementwise (only matmul, attention and reduction outputs: norms, activations and casts are recomputed in "
+        "the backward; less memory per layer, more elementwise work)",
+        _one_of(*COMPILE_RECOMPUTE),
     )
     compile_layers_max_recompiles: int = _opt(
         4,

@@ -339,3 +339,54 @@ def test_compiles_instead_of_the_layer_kernels_inside_the_layers(tmp_path):
     layers = decoder_parts(trainer.model).layers
     leantrain.unpatch_trainer(trainer)
     assert all("forward" not in vars(m) for layer in layers for m in layer.modules())
+
+
+def lora_tiny():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    return peft.get_peft_model(tiny(), lora)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_elementwise_recompute_trains_exactly_as_stock(reentrant, tmp_path):
+    """Recomputing the elementwise ops in the backward runs the same aten kernels on the same inputs (aot_eager,
+    fp32): the run equals stock's bit for bit, LoRA and both checkpointing modes included."""
+    ckpt = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    stock = run(lora_tiny, tmp_path, None, **ckpt)
+    patch = {"compile_layers": True, "compile_layers_recompute": "elementwise", **AOT}
+    compiled = run(lora_tiny, tmp_path, patch, **ckpt)
+    assert_same_run(stock, compiled)
+    assert "elementwise ops recomputed in the backward" in compiled[2].leantrain_report["compile_layers"].detail
+
+
+def saved_activation_bytes(recompute: str, tmp_path) -> int:
+    """Bytes the compiled layers save for their backward in one forward of a LoRA model (no checkpointing, so the
+    saves stay visible): every saved tensor but the parameters, each storage counted once."""
+    trainer = trainer_for(lora_tiny(), tmp_path)
+    leantrain.patch_trainer(trainer, **only("compile_layers"), compile_layers_recompute=recompute, **AOT)
+    model = trainer.model
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    batch = pad(rows(2, (64,)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch).loss.backward()
+    assert stats(trainer).compiles >= 1
+    return sum(saved.values())
+
+
+def test_elementwise_recompute_saves_less_for_the_backward(tmp_path):
+    """The option reaches the partition: the layers stop saving what elementwise ops rebuild. At the least the MLP's
+    activation product (the down projection's input, 2 x 64 tokens x the intermediate width x fp32, per layer) is
+    recomputed from the gate and up outputs the SiLU backward keeps anyway."""
+    default = saved_activation_bytes("default", tmp_path)
+    torch._dynamo.reset()
+    elementwise = saved_activation_bytes("elementwise", tmp_path)
+    intermediate = tiny().config.intermediate_size
+    assert elementwise <= default - 3 * 2 * 64 * intermediate * 4, (default, elementwise)

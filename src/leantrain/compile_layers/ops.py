@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class Payback:
@@ -63,3 +65,17 @@ def with_inner(wrapper: types.FunctionType, inner: Callable[..., Any]) -> types.
     copy.__kwdefaults__ = wrapper.__kwdefaults__
     copy.__qualname__, copy.__doc__, copy.__module__ = wrapper.__qualname__, wrapper.__doc__, wrapper.__module__
     return copy
+
+
+def recomputing_elementwise(backend: Callable[..., Any]) -> Callable[..., Any]:
+    """``backend`` partitioning each graph it compiles with torch's aggressive recomputation: the forward saves only
+    what an elementwise op cannot rebuild (matmul, attention and reduction outputs); norms, activations and dtype
+    casts are recomputed in the backward (where the default partition saves their outputs to spare that work). The
+    switch is set while the graph compiles only (the partition is decided then), so the compiled code pays nothing
+    per call and other compiles in the process keep torch's defaults."""
+
+    def compile_graph(gm: Any, example_inputs: list[Any]) -> Any:
+        with torch._functorch.config.patch(aggressive_recomputation=True):
+            return backend(gm, example_inputs)
+
+    return compile_graph

@@ -18,7 +18,7 @@ import torch
 from ..compiling import CountingBackend, private_copy
 from ..fallback import RuntimeFallback
 from ..undo import Undo
-from .ops import checkpointing_inner, with_inner
+from .ops import checkpointing_inner, recomputing_elementwise, with_inner
 from .probe import CompilePlan
 
 
@@ -36,7 +36,10 @@ class CompileStats(CountingBackend):
     what = "compile_layers: the decoder layers"
 
     def __init__(self, plan: CompilePlan, fallback: RuntimeFallback) -> None:
-        super().__init__(torch._dynamo.lookup_backend(plan.backend), plan.max_recompiles)
+        backend = torch._dynamo.lookup_backend(plan.backend)
+        if plan.recompute == "elementwise":
+            backend = recomputing_elementwise(backend)
+        super().__init__(backend, plan.max_recompiles)
         self.plan, self.fallback = plan, fallback
 
     def past_limit(self, recompiles: int) -> None:

@@ -33,6 +33,7 @@ class CompilePlan:
     stock: Callable[..., Any]  # the layer class's forward (a plain function), what the eager path runs
     backend: str
     dynamic: str  # "auto" or "always" (config.COMPILE_DYNAMIC)
+    recompute: str  # "default" or "elementwise" (config.COMPILE_RECOMPUTE): what the compiled backward recomputes
     max_recompiles: int
     cache: str  # where inductor's FX-graph and AOTAutograd caches live, and whether they are on
     why: str
@@ -63,6 +64,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         stock=type(layers[0]).forward,
         backend=cfg.compile_layers_backend,
         dynamic=cfg.compile_layers_dynamic,
+        recompute=cfg.compile_layers_recompute,
         max_recompiles=cfg.compile_layers_max_recompiles,
         cache=cache_description(cfg.compile_layers_backend),
         why="",
@@ -224,9 +226,14 @@ def _autograd_cache(functorch_config: Any) -> bool:
 
 def describe(plan: CompilePlan) -> str:
     dynamic = "dynamic sequence length from the first new length" if plan.dynamic == "auto" else "dynamic shapes"
+    lean = (
+        "; elementwise ops recomputed in the backward (less memory per layer)"
+        if plan.recompute == "elementwise"
+        else ""
+    )
     return (
         f"torch.compile ({plan.backend}, {dynamic}) of {type(plan.layers[0][1]).__name__}.forward, one compiled code "
-        f"for {len(plan.layers)} layers, at most {plan.max_recompiles} recompiles; {plan.cache}"
+        f"for {len(plan.layers)} layers, at most {plan.max_recompiles} recompiles{lean}; {plan.cache}"
         + (f"; {plan.why}" if plan.why else "")
     )
 

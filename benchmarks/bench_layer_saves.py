@@ -1,0 +1,195 @@
+"""What one LoRA decoder layer keeps for its backward, and what its forward + backward costs, for each way of running
+it: stock (PEFT on transformers' eager layer), compiled as ``compile_layers`` compiles it, and compiled with
+``compile_layers_recompute="elementwise"`` (the partition recomputes norms, activations and casts in the backward).
+
+Under activation checkpointing the backward of each layer first recomputes its forward, so what the layer saves is
+the per-layer part of the training step's peak memory. Counted exactly with ``saved_tensors_hooks`` (every saved
+tensor but the parameters and the layer's input, each storage once), on any device; on CUDA also the peak memory of
+one forward + backward above what was allocated before, and its time (median of ``--reps``).
+
+Shapes (random-init, bf16, LoRA r16 alpha 32 on the 7 projections, fp32 adapters as PEFT makes them, autocast
+bf16): ``llama-3.2-1b`` and ``qwen2.5-1.5b`` layers. Rows go to ``layer_saves.{json,md}`` in $BENCH_RESULTS (else
+benchmarks/results/); the saved bytes are also given per 8192 tokens (the token-sized tensors scaled, the rest as is).
+    python benchmarks/bench_layer_saves.py                    # CPU: 512 tokens, inductor (minutes of compiling)
+    python benchmarks/bench_layer_saves.py --tokens 8192      # on the GPU machine (seconds)
+    python benchmarks/bench_layer_saves.py --smoke            # tiny layer, aot_eager (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from _harness import RESULTS, Row, markdown_table, write_results
+
+
+NAME = "layer_saves"
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, family="llama"),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+                         head_dim=128, family="qwen2"),
+    "tiny": dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 family="llama"),
+}  # fmt: skip
+VARIANTS = ("stock", "compiled", "compiled_elementwise")
+GIB = 1024**3
+
+
+def build_layer(shape: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module, int]:
+    """A PEFT-wrapped decoder layer of ``shape`` on ``device`` in bf16, its model's rotary embedding, the width."""
+    import peft
+    import transformers
+
+    fields = dict(SHAPES[shape])
+    family = fields.pop("family")
+    config_class = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    config = config_class(num_hidden_layers=1, vocab_size=128, **fields)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16)
+    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    model = peft.get_peft_model(model, lora).base_model.model
+    return model.model.layers[0], model.model.rotary_emb, config.hidden_size
+
+
+def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[..., Any]:
+    """The layer's forward as the variant runs it (the compiled ones as compile_layers builds its backend)."""
+    if variant == "stock":
+        return layer.forward
+    from leantrain.compile_layers.ops import recomputing_elementwise
+
+    compile_backend = torch._dynamo.lookup_backend(backend)
+    if variant == "compiled_elementwise":
+        compile_backend = recomputing_elementwise(compile_backend)
+    return torch.compile(layer.forward, backend=compile_backend)
+
+
+def measure(shape: str, variant: str, tokens: int, backend: str, reps: int) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch._dynamo.reset()
+    layer, rotary, hidden = build_layer(shape, device)
+    x = torch.randn(1, tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary(x, torch.arange(tokens, device=device)[None])
+    forward = layer_call(layer, variant, backend)
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+    saved: dict[int, tuple[int, bool]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            saved[ptr] = (t.untyped_storage().nbytes(), tokens in t.shape)
+        return t
+
+    def step(record: bool = False) -> None:
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if record else _nothing()
+        with hooks, torch.autocast(device.type, torch.bfloat16):
+            out = forward(x, position_embeddings=(cos, sin), attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+
+    start = time.perf_counter()
+    step()  # compiles
+    first_s = time.perf_counter() - start
+    step(record=True)
+    scale = 8192 / tokens
+    per_8192 = sum(b * (scale if per_token else 1) for b, per_token in saved.values()) / GIB
+    result = {"saved_gib": sum(b for b, _ in saved.values()) / GIB, "tensors": len(saved), "first_s": first_s,
+              "saved_gib_8192": per_8192}  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        result["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
+        times = []
+        for _ in range(reps):
+            start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_event.record()
+            step()
+            end_event.record()
+            end_event.synchronize()
+            times.append(start_event.elapsed_time(end_event))
+        result["ms"] = statistics.median(times)
+    return result
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def rows_of(shape: str, variant: str, tokens: int, backend: str, result: dict[str, Any]) -> list[Row]:
+    config = {"tokens": tokens, "backend": backend if variant != "stock" else "eager", "first_s": result["first_s"],
+              "tensors": result["tensors"], "saved_gib_at_tokens": result["saved_gib"]}  # fmt: skip
+    rows = [Row(NAME, variant, "saved", "memory", "GiB", "shape", shape, result["saved_gib_8192"], config=config)]
+    if "peak_gib" in result:
+        peak, ms = result["peak_gib"], result["ms"]
+        rows.append(Row(NAME, variant, "fwd+bwd peak", "memory", "GiB", "shape", shape, peak, config=config))
+        rows.append(Row(NAME, variant, "fwd+bwd", "speed", "ms", "shape", shape, ms, config=config))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    by = {(r.x_value, r.provider, r.mode): r for r in rows}
+    lines = []
+    for shape in dict.fromkeys(r.x_value for r in rows):
+        stock = by.get((shape, "stock", "saved"))
+        for variant in VARIANTS:
+            saved = by.get((shape, variant, "saved"))
+            if saved is None:
+                continue
+            peak, ms = by.get((shape, variant, "fwd+bwd peak")), by.get((shape, variant, "fwd+bwd"))
+            lines.append([shape, variant, f"{saved.p50:.3f}", f"{saved.p50 / stock.p50:.2f}x" if stock else "-",
+                          f"{peak.p50:.3f}" if peak else "-", f"{ms.p50:.2f}" if ms else "-"])  # fmt: skip
+    header = ["layer", "variant", "saved for backward, GiB per 8192 tokens", "vs stock", "fwd+bwd peak GiB", "ms"]
+    return markdown_table(header, lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="llama-3.2-1b,qwen2.5-1.5b")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--tokens", type=int, default=0, help="sequence length (default: 8192 on CUDA, 512 on CPU)")
+    parser.add_argument("--backend", default="inductor", help="compile backend of the compiled variants")
+    parser.add_argument("--reps", type=int, default=10, help="timed forward + backward calls (CUDA)")
+    parser.add_argument("--smoke", action="store_true", help="the tiny layer, 32 tokens, aot_eager (tests)")
+    args = parser.parse_args(argv)
+    shapes = ["tiny"] if args.smoke else args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES] + [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown {unknown}: shapes {list(SHAPES)}, variants {list(VARIANTS)}")
+    tokens = 32 if args.smoke else args.tokens or (8192 if torch.cuda.is_available() else 512)
+    backend = "aot_eager" if args.smoke else args.backend
+    out = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    rows: list[Row] = []
+    for shape in shapes:
+        for variant in args.variants.split(","):
+            result = measure(shape, variant, tokens, backend, args.reps)
+            print(f"{shape} {variant}: saved {result['saved_gib_8192']:.3f} GiB per 8192 tokens "
+                  f"({result['tensors']} tensors)" + (f", peak {result['peak_gib']:.3f} GiB, {result['ms']:.2f} ms"
+                                                       if "ms" in result else ""), flush=True)  # fmt: skip
+            rows += rows_of(shape, variant, tokens, backend, result)
+    name = f"{NAME}_smoke" if args.smoke else NAME
+    write_results(name, rows, table(rows), out)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
