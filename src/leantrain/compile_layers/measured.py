@@ -49,6 +49,22 @@ MEASURED: dict[str, Measured] = {
     ),
 }
 
+# Layers holding bitsandbytes 4-bit linears (QLoRA), any family: faster compiled, but the compiled step's peak memory
+# was higher, and QLoRA runs are chosen for memory, so auto mode leaves them eager and quotes this row (``True``
+# compiles them). benchmarks/results/vs_unsloth.md, the llama-3.2-1b-qlora row (nf4 double-quant, bf16 compute,
+# the same run as the LoRA rows otherwise): patch_trainer's defaults vs compile_layers=True, one process each.
+QUANTIZED_4BIT = Measured(
+    98.5,
+    6.6,
+    Evidence(
+        "faster",
+        "H200",
+        "2026-11-29",
+        "Llama-3.2-1B QLoRA SFT step 320.7 -> 222.1 ms at 4 x 2048, peak memory 2.63 -> 2.81 GiB, first step 6.0 -> "
+        "12.5 s (cold caches)",
+    ),
+)
+
 # Families whose decoder layer does not compile on a torch version: (model_type, torch prefix) -> the error seen.
 # The run-time fallback covers the ones not listed (the first call's compile error serves the eager layers).
 KNOWN_FAILURES: dict[tuple[str, str], str] = {}

@@ -18,7 +18,7 @@ from torch import nn
 from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, decoder_parts, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
-from .measured import KNOWN_FAILURES, MEASURED
+from .measured import KNOWN_FAILURES, MEASURED, QUANTIZED_4BIT
 from .ops import Payback
 
 
@@ -88,9 +88,11 @@ def slower_reason(trainer: Any, kind: str, family: str, layer: nn.Module) -> str
         return f"not measured on {device.type} (measured faster on CUDA only: {_measured_families()})"
     quantized = _quantized(layer)
     if quantized:
+        evidence = QUANTIZED_4BIT.evidence
         return (
-            f"the layers hold {quantized} (bitsandbytes 4-bit): compiling them is not measured yet (if they do not "
-            "compile, the eager layers serve, warned once)"
+            f"the layers hold {quantized} (bitsandbytes 4-bit): compiled they measured faster but took more peak "
+            f"memory ({evidence.detail}; {evidence.device}, {evidence.date}), and a 4-bit run is chosen for memory: "
+            "pass compile_layers=True for the speed"
         )
     return payback_reason(trainer, family)
 
