@@ -204,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--options", nargs="*", default=[], metavar="NAME=VALUE", help="patch_trainer options of both leantrain "
         "variants, e.g. layer_kernels=True (values read as Python literals; recorded in the rows)")  # fmt: skip
     add("--trace-peak", type=int, default=None, metavar="STEP", help="record the allocator's history in step STEP "
-        "(1-based) and list what is alive at its peak (slows that step; step mode)")  # fmt: skip
+        "(1-based) and list what is alive at its peak (slows that step; step mode). torch 2.11 fails a compiled "
+        "region under checkpointing while the history records (pytorch#179536): trace the eager layers there "
+        "(--options compile_layers=False), or count a compiled layer's saves with bench_layer_saves.py")  # fmt: skip
     add("--log-chars", type=int, default=3000, help="tail of a failed process's log to print")
     add("--merge", nargs="+", default=[], help="offload_checkpoints.json files of several runs (device calls) to "
         "join into --out; a (case, variant) in several keeps its latest")  # fmt: skip

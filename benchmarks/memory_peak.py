@@ -1,6 +1,8 @@
 """What is alive on the GPU at a training step's peak: a callback that records each step's peak allocated memory and,
 for one chosen step, the CUDA caching allocator's history (``torch.cuda.memory._record_memory_history``), replayed
-into the live blocks at the step's peak, grouped by the code that allocated them.
+into the live blocks at the step's peak, grouped by the code that allocated them. On torch 2.11 a compiled region
+inside an activation checkpoint fails (``SystemError`` from the compiled function's ``apply``) while the history
+records (pytorch#179536): trace runs with eager layers there.
 
 The replay (``live_at_peak``) is pure Python over the snapshot's trace events, so it is tested on CPU with made-up
 traces; the callback needs CUDA. Benchmarks use it to say where a peak comes from (``--trace-peak`` in
