@@ -10,7 +10,7 @@ one forward + backward above what was allocated before, and its time (median of 
 Shapes (random-init, bf16, LoRA r16 alpha 32 on the 7 projections, fp32 adapters as PEFT makes them, autocast
 bf16): ``llama-3.2-1b`` and ``qwen2.5-1.5b`` layers. Rows go to ``layer_saves.{json,md}`` in $BENCH_RESULTS (else
 benchmarks/results/); the saved bytes are also given per 8192 tokens (the token-sized tensors scaled, the rest as is).
-    python benchmarks/bench_layer_saves.py                    # CPU: 512 tokens, inductor (minutes of compiling)
+    python benchmarks/bench_layer_saves.py                    # CPU: 128 tokens, inductor (minutes: bf16 on CPU)
     python benchmarks/bench_layer_saves.py --tokens 8192      # on the GPU machine (seconds)
     python benchmarks/bench_layer_saves.py --smoke            # tiny layer, aot_eager (tests)
 """
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama-3.2-1b,qwen2.5-1.5b")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--tokens", type=int, default=0, help="sequence length (default: 8192 on CUDA, 512 on CPU)")
+    parser.add_argument("--tokens", type=int, default=0, help="sequence length (default: 8192 on CUDA, 128 on CPU)")
     parser.add_argument("--backend", default="inductor", help="compile backend of the compiled variants")
     parser.add_argument("--reps", type=int, default=10, help="timed forward + backward calls (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="the tiny layer, 32 tokens, aot_eager (tests)")
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in shapes if s not in SHAPES] + [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown {unknown}: shapes {list(SHAPES)}, variants {list(VARIANTS)}")
-    tokens = 32 if args.smoke else args.tokens or (8192 if torch.cuda.is_available() else 512)
+    tokens = 32 if args.smoke else args.tokens or (8192 if torch.cuda.is_available() else 128)
     backend = "aot_eager" if args.smoke else args.backend
     out = Path(os.environ.get("BENCH_RESULTS", RESULTS))
     rows: list[Row] = []

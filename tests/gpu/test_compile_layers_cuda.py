@@ -79,6 +79,21 @@ def test_lora_with_checkpointing_trains_as_stock(family, reentrant, cuda, tmp_pa
     assert stats(trainer).compiles <= 2  # one code for both layers (reentrant: maybe a no-grad entry too)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_elementwise_recompute_trains_as_stock(reentrant, cuda, tmp_path):
+    """compile_layers_recompute="elementwise" on inductor/CUDA: the recomputed norms and activations may round
+    differently from the saved ones (other fused kernels), so the same bf16 bound as the default compile."""
+    pytest.importorskip("peft")
+    data = rows(8, (32,))
+    patch = {"compile_layers": True, "compile_layers_recompute": "elementwise"}
+    fp32, _ = train(lora_model("llama", cuda), tmp_path, None, data, bf16=False, reentrant=reentrant)
+    stock, _ = train(lora_model("llama", cuda), tmp_path, None, data, reentrant=reentrant)
+    compiled, trainer = train(lora_model("llama", cuda), tmp_path, patch, data, reentrant=reentrant)
+    outcome = trainer.leantrain_report["compile_layers"]
+    assert outcome.status is Status.APPLIED and "elementwise ops recomputed" in outcome.detail, outcome
+    assert_within_bf16_bound(compiled, stock, fp32)
+
+
 @pytest.mark.parametrize("dynamic", ["auto", "always"])
 def test_varying_lengths_stay_compiled(dynamic, cuda, tmp_path):
     pytest.importorskip("peft")
@@ -107,11 +122,13 @@ def qlora_model(tmp_path, device: torch.device) -> torch.nn.Module:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_qlora_trains_as_stock(cuda, tmp_path):
+@pytest.mark.parametrize("recompute", ["default", "elementwise"])
+def test_qlora_trains_as_stock(recompute, cuda, tmp_path):
     pytest.importorskip("peft")
     data = rows(8, (32,))
+    patch = {"compile_layers": True, "compile_layers_recompute": recompute}
     stock, _ = train(qlora_model(tmp_path, cuda), tmp_path, None, data)
-    compiled, trainer = train(qlora_model(tmp_path, cuda), tmp_path, {"compile_layers": True}, data)
+    compiled, trainer = train(qlora_model(tmp_path, cuda), tmp_path, patch, data)
     outcome = trainer.leantrain_report["compile_layers"]
     assert outcome.status is Status.APPLIED, outcome
     for step, (c, s) in enumerate(zip(compiled, stock, strict=True)):
