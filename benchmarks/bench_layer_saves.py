@@ -18,6 +18,7 @@ benchmarks/results/); the saved bytes are also given per 8192 tokens (the token-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -90,7 +91,7 @@ def measure(shape: str, variant: str, tokens: int, backend: str, reps: int) -> d
         return t
 
     def step(record: bool = False) -> None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if record else _nothing()
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if record else contextlib.nullcontext()
         with hooks, torch.autocast(device.type, torch.bfloat16):
             out = forward(x, position_embeddings=(cos, sin), attention_mask=None)
         out = out[0] if isinstance(out, tuple) else out
@@ -124,14 +125,6 @@ def measure(shape: str, variant: str, tokens: int, backend: str, reps: int) -> d
             times.append(start_event.elapsed_time(end_event))
         result["ms"] = statistics.median(times)
     return result
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def rows_of(shape: str, variant: str, tokens: int, backend: str, result: dict[str, Any]) -> list[Row]:
