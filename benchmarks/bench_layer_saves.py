@@ -1,5 +1,6 @@
 """What one LoRA decoder layer keeps for its backward, and what its forward + backward costs, for each way of running
-it: stock (PEFT on transformers' eager layer), compiled as ``compile_layers`` compiles it, and compiled with
+it: stock (PEFT on transformers' eager layer), compiled with PEFT's own LoRA forward (``compiled_peft``), compiled as
+``compile_layers`` compiles it (the LoRA scaling on the rank-r side), and that with
 ``compile_layers_recompute="elementwise"`` (the partition recomputes norms, activations and casts in the backward).
 
 Under activation checkpointing the backward of each layer first recomputes its forward, so what the layer saves is
@@ -13,6 +14,10 @@ benchmarks/results/); the saved bytes are also given per 8192 tokens (the token-
     python benchmarks/bench_layer_saves.py                    # CPU: 128 tokens, inductor (minutes: bf16 on CPU)
     python benchmarks/bench_layer_saves.py --tokens 8192      # on the GPU machine (seconds)
     python benchmarks/bench_layer_saves.py --smoke            # tiny layer, aot_eager (tests)
+On CUDA, ``--trace`` also records the allocator's history over one forward + backward and lists what is alive at its
+peak (memory_peak.py; a compiled buffer is named by its line of generated code), and ``--config`` sets torch compile
+settings for the compiled variants (``inductor.NAME=VALUE`` or ``functorch.NAME=VALUE``, Python literals), e.g.
+    python benchmarks/bench_layer_saves.py --trace --variants compiled --config inductor.memory_planning=True
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from _harness import RESULTS, Row, markdown_table, write_results
+from memory_peak import frame_label, group_blocks, live_at_peak
 
 
 NAME = "layer_saves"
@@ -40,7 +47,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  family="llama"),
 }  # fmt: skip
-VARIANTS = ("stock", "compiled", "compiled_elementwise")
+VARIANTS = ("stock", "compiled_peft", "compiled", "compiled_elementwise")
 GIB = 1024**3
 
 
@@ -66,15 +73,19 @@ def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[.
     """The layer's forward as the variant runs it (the compiled ones as compile_layers builds its backend)."""
     if variant == "stock":
         return layer.forward
-    from leantrain.compile_layers.ops import recomputing_elementwise
+    from leantrain.compile_layers.ops import lora_scaled_on_rank, recomputing_elementwise, scaling_folds
 
+    if variant != "compiled_peft":  # as compile_layers binds it: the LoRA scaling on the rank-r side
+        for module in layer.modules():
+            if hasattr(module, "lora_A") and scaling_folds(module, "default"):
+                module.forward = types.MethodType(lora_scaled_on_rank, module)
     compile_backend = torch._dynamo.lookup_backend(backend)
     if variant == "compiled_elementwise":
         compile_backend = recomputing_elementwise(compile_backend)
     return torch.compile(layer.forward, backend=compile_backend)
 
 
-def measure(shape: str, variant: str, tokens: int, backend: str, reps: int) -> dict[str, Any]:
+def measure(shape: str, variant: str, tokens: int, backend: str, reps: int, trace: bool = False) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.reset()
     layer, rotary, hidden = build_layer(shape, device)
@@ -124,12 +135,47 @@ def measure(shape: str, variant: str, tokens: int, backend: str, reps: int) -> d
             end_event.synchronize()
             times.append(start_event.elapsed_time(end_event))
         result["ms"] = statistics.median(times)
+        if trace:
+            result["trace"] = traced(step)
     return result
+
+
+def traced(step: Callable[[], None]) -> dict[str, Any]:
+    """What is alive at the peak of one ``step()`` (GiB above what was allocated before it), grouped by the code that
+    allocated it."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    step()
+    torch.cuda.synchronize()
+    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, blocks = live_at_peak(events)
+    return {"peak_gib": round(peak / GIB, 4), "before_gib": round(start / GIB, 4),
+            "groups": group_blocks(blocks, top=30, label=frame_label)}  # fmt: skip
+
+
+def set_compile_config(items: list[str]) -> dict[str, Any]:
+    """``inductor.NAME=VALUE`` / ``functorch.NAME=VALUE`` items set on torch's config modules (values as literals)."""
+    import ast
+
+    modules = {"inductor": torch._inductor.config, "functorch": torch._functorch.config}
+    done: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        owner, _, name = key.partition(".")
+        if owner not in modules or not name or not hasattr(modules[owner], name) or not value:
+            raise SystemExit(f"--config takes inductor.NAME=VALUE or functorch.NAME=VALUE (a setting torch has), "
+                             f"got {item!r}")  # fmt: skip
+        setattr(modules[owner], name, ast.literal_eval(value))
+        done[key] = getattr(modules[owner], name)
+    return done
 
 
 def rows_of(shape: str, variant: str, tokens: int, backend: str, result: dict[str, Any]) -> list[Row]:
     config = {"tokens": tokens, "backend": backend if variant != "stock" else "eager", "first_s": result["first_s"],
-              "tensors": result["tensors"], "saved_gib_at_tokens": result["saved_gib"]}  # fmt: skip
+              "tensors": result["tensors"], "saved_gib_at_tokens": result["saved_gib"],
+              "settings": result.get("settings", {}), "trace": result.get("trace")}  # fmt: skip
     rows = [Row(NAME, variant, "saved", "memory", "GiB", "shape", shape, result["saved_gib_8192"], config=config)]
     if "peak_gib" in result:
         peak, ms = result["peak_gib"], result["ms"]
@@ -162,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor", help="compile backend of the compiled variants")
     parser.add_argument("--reps", type=int, default=10, help="timed forward + backward calls (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="the tiny layer, 32 tokens, aot_eager (tests)")
+    parser.add_argument("--trace", action="store_true", help="CUDA: what is alive at one forward + backward's peak")
+    parser.add_argument("--config", nargs="*", default=[], help="inductor.NAME=VALUE / functorch.NAME=VALUE")
     args = parser.parse_args(argv)
+    settings = set_compile_config(args.config)
     shapes = ["tiny"] if args.smoke else args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES] + [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
@@ -173,10 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for shape in shapes:
         for variant in args.variants.split(","):
-            result = measure(shape, variant, tokens, backend, args.reps)
+            result = measure(shape, variant, tokens, backend, args.reps, trace=args.trace)
+            result["settings"] = settings if variant != "stock" else {}
             print(f"{shape} {variant}: saved {result['saved_gib_8192']:.3f} GiB per 8192 tokens "
                   f"({result['tensors']} tensors)" + (f", peak {result['peak_gib']:.3f} GiB, {result['ms']:.2f} ms"
                                                        if "ms" in result else ""), flush=True)  # fmt: skip
+            for group in result.get("trace", {}).get("groups", []):
+                print(f"    {group['gib']:.4f} GiB {group['blocks']:4d}  {group['where']}")
             rows += rows_of(shape, variant, tokens, backend, result)
     name = f"{NAME}_smoke" if args.smoke else NAME
     write_results(name, rows, table(rows), out)

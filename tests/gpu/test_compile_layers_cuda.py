@@ -133,3 +133,34 @@ def test_qlora_trains_as_stock(recompute, cuda, tmp_path):
     assert outcome.status is Status.APPLIED, outcome
     for step, (c, s) in enumerate(zip(compiled, stock, strict=True)):
         assert abs(c - s) <= 8 * U * abs(s), f"step {step}: compiled {c} vs stock {s}"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lora_scaling_on_the_rank_side_gives_the_same_bits(compiled, cuda):
+    """The LoRA forward compile_layers binds (scaling 16 / 8 = 2 on the rank-r side) against PEFT's, in bf16 autocast
+    on CUDA, eager and compiled by inductor: output and gradients equal bit for bit (scaling by a power of two
+    commutes with every rounding, so no fusion choice can move a bit)."""
+    from leantrain.compile_layers.ops import lora_scaled_on_rank
+
+    module = lora_model("llama", cuda).base_model.model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        module.lora_B["default"].weight.normal_(0, 0.5)
+    torch.manual_seed(4)
+    x = torch.randn(2, 64, module.in_features, device=cuda)
+    grad = torch.randn(2, 64, module.out_features, device=cuda, dtype=torch.bfloat16)
+
+    def run(forward):
+        module.zero_grad(set_to_none=True)
+        inputs = x.detach().requires_grad_()
+        call = torch.compile(forward, backend="inductor") if compiled else forward
+        with torch.autocast("cuda", torch.bfloat16):
+            out = call(module, inputs)
+        out.backward(grad)
+        return [out, inputs.grad, module.lora_A["default"].weight.grad, module.lora_B["default"].weight.grad]
+
+    torch._dynamo.reset()
+    stock = run(type(module).forward)
+    torch._dynamo.reset()
+    folded = run(lora_scaled_on_rank)
+    for name, a, b in zip(("output", "input grad", "A grad", "B grad"), stock, folded, strict=True):
+        assert torch.equal(a, b), f"{name}: max difference {(a.float() - b.float()).abs().max().item():.3g}"

@@ -127,6 +127,10 @@ def test_lora_adapters_train_as_stock(tmp_path):
     compiled = run(make, tmp_path, {"compile_layers": True, **AOT}, **ckpt)
     assert_same_run(stock, compiled)
     assert stats(compiled[2]).compiles == 1
+    # alpha / r = 2: the scaling moves to the rank-r side on all 7 projections of the 3 layers, with the same bits
+    assert "LoRA scaling applied to the rank-r activations in 21 linears" in (
+        compiled[2].leantrain_report["compile_layers"].detail
+    )
 
 
 @pytest.mark.parametrize("dynamic", ["auto", "always"])
@@ -390,3 +394,68 @@ def test_elementwise_recompute_saves_less_for_the_backward(tmp_path):
     elementwise = saved_activation_bytes("elementwise", tmp_path)
     intermediate = tiny().config.intermediate_size
     assert elementwise <= default - 3 * 2 * 64 * intermediate * 4, (default, elementwise)
+
+
+def lora_linear(alpha: int = 8, dtype: torch.dtype = torch.float32, **config) -> torch.nn.Module:
+    """One PEFT LoRA linear (r=4, B not zero so the adapter counts) of a tiny model."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(3)
+    lora = peft.LoraConfig(r=4, lora_alpha=alpha, lora_dropout=0.0, target_modules=["up_proj"], **config)
+    model = peft.get_peft_model(tiny(layers=1), lora).to(dtype)
+    module = model.base_model.model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        module.lora_B["default"].weight.normal_(0, 0.5)
+    return module
+
+
+def forward_and_grads(module: torch.nn.Module, forward, x: torch.Tensor, grad: torch.Tensor, autocast: bool):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = forward(module, x)
+    out.backward(grad.to(out.dtype))
+    return [out, x.grad] + [p.grad for p in module.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize(("alpha", "dtype", "autocast"), [(8, torch.float32, False), (8, torch.bfloat16, False),
+                                                          (8, torch.float32, True), (2, torch.float32, False),
+                                                          (12, torch.float32, False)])  # fmt: skip
+def test_lora_scaling_on_the_rank_side_gives_the_same_bits(alpha, dtype, autocast):
+    """base(x) + B(A(x) * s) against PEFT's base(x) + B(A(x)) * s: for s = 2 and 0.5 (powers of two) every rounding
+    commutes with the scaling, so output and gradients are equal bit for bit, in fp32, bf16 and bf16 autocast; s = 3
+    runs PEFT's own forward (and the patch leaves such a linear alone)."""
+    from leantrain.compile_layers.ops import lora_scaled_on_rank, scaling_folds
+
+    module = lora_linear(alpha, dtype)
+    assert scaling_folds(module, "default") is (alpha != 12)
+    torch.manual_seed(4)
+    x = torch.randn(2, 12, module.in_features, dtype=dtype)
+    grad = torch.randn(2, 12, module.out_features)
+    stock = forward_and_grads(module, type(module).forward, x, grad, autocast)
+    folded = forward_and_grads(module, lora_scaled_on_rank, x, grad, autocast)
+    assert len(stock) == 4  # output, input grad, A and B grads
+    for a, b in zip(stock, folded, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("config", [{"use_dora": True}, {"lora_bias": True}, {"lora_alpha": 12}])
+def test_the_patch_leaves_lora_linears_it_cannot_serve_exactly_to_peft(config, tmp_path):
+    alpha = config.pop("lora_alpha", 8)
+    module = lora_linear(alpha, **config)
+    from leantrain.compile_layers.ops import scaling_folds
+
+    assert not scaling_folds(module, "default")
+
+
+def test_disabled_adapters_run_peft_forward(tmp_path):
+    """A reference forward under PEFT's disable_adapter (TRL's GRPO/DPO reference model) must see the base layer."""
+    from leantrain.compile_layers.ops import lora_scaled_on_rank
+
+    module = lora_linear()
+    x = torch.randn(2, 5, module.in_features)
+    module.enable_adapters(False)  # what PEFT's disable_adapter() does on every LoRA layer
+    try:
+        assert torch.equal(lora_scaled_on_rank(module, x), module.base_layer(x))
+    finally:
+        module.enable_adapters(True)
+    assert not torch.equal(lora_scaled_on_rank(module, x), module.base_layer(x))

@@ -32,8 +32,13 @@ class CompileLayers(Optimization):
     def apply(self, trainer: Any, plan: CompilePlan, ctx: PatchContext) -> Applied:
         from .patch import install
 
-        targets, taken = install(plan, ctx.undo, ctx.fallback, trainer)
+        targets, taken, folded = install(plan, ctx.undo, ctx.fallback, trainer)
         detail = describe(plan)
+        if folded:
+            detail += (
+                f"; LoRA scaling applied to the rank-r activations in {folded} linears (a power of two: the same "
+                "bits, without the backward's scaled full-width gradient copies)"
+            )
         if taken:
             detail += (
                 f"; compiles instead of layer_kernels inside the layers ({taken} Liger forwards set back to stock: "

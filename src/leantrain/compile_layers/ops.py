@@ -6,6 +6,7 @@ and it goes away with the patch."""
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,3 +80,41 @@ def recomputing_elementwise(backend: Callable[..., Any]) -> Callable[..., Any]:
             return backend(gm, example_inputs)
 
     return compile_graph
+
+
+def power_of_two(value: Any) -> bool:
+    """Multiplying by ``value`` is exact in floating point (barring overflow and subnormals): a power of two."""
+    return isinstance(value, (int, float)) and value > 0 and math.frexp(value)[0] == 0.5
+
+
+def lora_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PEFT's LoRA ``Linear.forward`` with the adapter's scaling applied to ``lora_A``'s rank-r output instead of
+    ``lora_B``'s full-width one: ``base(x) + B(A(x) * s)`` for PEFT's ``base(x) + B(A(x)) * s``.
+
+    With ``s`` a power of two both are the same bits, forward and backward (scaling by 2^k commutes with every
+    rounding). What changes is the backward's memory: PEFT's form makes autograd (and inductor) build ``grad * s``,
+    a scaled copy of the layer's full-width output gradient (at the MLP, tokens x intermediate), kept alongside the
+    unscaled one while the two projections' backwards run; here the scaled tensor is rank-r. Any other state
+    (several or disabled adapters, merged weights, DoRA and other variants, a LoRA bias, another scaling, extra
+    arguments) runs PEFT's own forward."""
+    active = self.active_adapters
+    name = active[0] if len(active) == 1 else None
+    if args or kwargs or self.disable_adapters or self.merged or not scaling_folds(self, name):
+        return type(self).forward(self, x, *args, **kwargs)
+    result = self.base_layer(x)
+    lora_A = self.lora_A[name]
+    x = self._cast_input_dtype(x, lora_A.weight.dtype)
+    scaled = lora_A(self.lora_dropout[name](x)) * self.scaling[name]
+    return (result + self.lora_B[name](scaled)).to(result.dtype)
+
+
+def scaling_folds(module: torch.nn.Module, name: Any) -> bool:
+    """Adapter ``name`` of a PEFT LoRA linear is vanilla LoRA (no DoRA or other variant, no LoRA bias) with a
+    power-of-two scaling: ``lora_scaled_on_rank`` serves it with the same bits."""
+    return (
+        name in module.lora_A
+        and name not in getattr(module, "lora_variant", {})
+        and not getattr(module, "use_dora", {}).get(name, False)
+        and module.lora_B[name].bias is None
+        and power_of_two(module.scaling[name])
+    )

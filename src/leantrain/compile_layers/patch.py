@@ -18,7 +18,7 @@ import torch
 from ..compiling import CountingBackend, private_copy
 from ..fallback import RuntimeFallback
 from ..undo import Undo
-from .ops import checkpointing_inner, recomputing_elementwise, with_inner
+from .ops import checkpointing_inner, lora_scaled_on_rank, recomputing_elementwise, scaling_folds, with_inner
 from .probe import CompilePlan
 
 
@@ -54,9 +54,12 @@ class CompileStats(CountingBackend):
         self.fallback.fail(reason)
 
 
-def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: Any) -> tuple[tuple[str, ...], int]:
-    """Bind the compiled forward on every planned layer (each recorded on ``undo``); the qualified names, and how many
-    kernel forwards bound inside the layers it took over.
+def install(
+    plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: Any
+) -> tuple[tuple[str, ...], int, int]:
+    """Bind the compiled forward on every planned layer (each recorded on ``undo``); the qualified names, how many
+    kernel forwards bound inside the layers it took over, and on how many LoRA linears the scaling moved to the rank-r
+    side (``ops.lora_scaled_on_rank``).
 
     The compiled region is the layer's own forward; where transformers checkpoints inside ``forward``
     (``forward_with_checkpointing``), each instance gets a copy of that wrapper calling the compiled forward, so the
@@ -76,8 +79,27 @@ def install(plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: A
     taken = kernel_forwards(plan)
     for module in taken:  # compiled instead: inductor fuses what these kernels did
         undo.set_attr(module, "forward", types.MethodType(type(module).forward, module))
+    folded = lora_linears(plan)
+    for module in folded:
+        undo.set_attr(module, "forward", types.MethodType(lora_scaled_on_rank, module))
     undo.set_attr(trainer, STATS_ATTR, stats)
-    return tuple(name for name, _ in plan.layers), len(taken)
+    return tuple(name for name, _ in plan.layers), len(taken), len(folded)
+
+
+def lora_linears(plan: CompilePlan) -> list[torch.nn.Module]:
+    """PEFT's plain LoRA ``Linear`` modules inside the layers (not its quantized or other subclasses, whose forwards
+    differ) with one adapter, no DoRA or LoRA bias and a power-of-two scaling: the ones ``lora_scaled_on_rank``
+    serves with the same bits."""
+    found = []
+    for _, layer in plan.layers:
+        for module in layer.modules():
+            kind = type(module)
+            if kind.__name__ != "Linear" or kind.__module__ != "peft.tuners.lora.layer" or "forward" in vars(module):
+                continue
+            adapters = list(getattr(module, "lora_A", {}))
+            if len(adapters) == 1 and hasattr(module, "_cast_input_dtype") and scaling_folds(module, adapters[0]):
+                found.append(module)
+    return found
 
 
 def kernel_forwards(plan: CompilePlan) -> list[torch.nn.Module]:
