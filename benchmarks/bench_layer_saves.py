@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _harness import RESULTS, Row, markdown_table, write_results
+from _harness import RESULTS, Row, bar_plot, markdown_table, write_results
 from memory_peak import frame_label, group_blocks, live_at_peak
 
 
@@ -200,6 +200,20 @@ def table(rows: list[Row]) -> str:
     return markdown_table(header, lines)
 
 
+def plot(rows: list[Row], path: Path) -> None:
+    """Bars per (layer, variant): what it saves for the backward and its forward + backward peak (CUDA rows)."""
+    by = {(r.x_value, r.provider, r.mode): r.p50 for r in rows}
+    keys = [
+        (shape, v) for shape in dict.fromkeys(r.x_value for r in rows) for v in VARIANTS if (shape, v, "saved") in by
+    ]
+    if not keys or not all((shape, v, "fwd+bwd peak") in by for shape, v in keys):
+        return
+    series = {"saved for backward": [by[(s, v, "saved")] for s, v in keys],
+              "forward + backward peak": [by[(s, v, "fwd+bwd peak")] for s, v in keys]}  # fmt: skip
+    groups = [f"{s}\n{v}" for s, v in keys]
+    bar_plot(path, "One LoRA decoder layer, 8192 tokens (GiB)", groups, series, "GiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama-3.2-1b,qwen2.5-1.5b")
@@ -232,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += rows_of(shape, variant, tokens, backend, result)
     name = f"{NAME}_smoke" if args.smoke else NAME
     write_results(name, rows, table(rows), out)
+    plot(rows, out / f"{name}.png")
     print(table(rows))
     return 0
 

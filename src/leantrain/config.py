@@ -185,7 +185,7 @@ class LeantrainConfig:
         "str",
         "what the compiled layers save for their backward: default (torch's choice, the fastest backward), "
         "elementwise (only matmul, attention and reduction outputs: norms, activations and casts are recomputed in "
-        "the backward; less memory per layer, more elementwise work)",
+        "the backward; less saved per layer, but on a GPU no lower layer peak and more elementwise work)",
         _one_of(*COMPILE_RECOMPUTE),
     )
     compile_layers_max_recompiles: int = _opt(

@@ -229,7 +229,7 @@ def _autograd_cache(functorch_config: Any) -> bool:
 def describe(plan: CompilePlan) -> str:
     dynamic = "dynamic sequence length from the first new length" if plan.dynamic == "auto" else "dynamic shapes"
     lean = (
-        "; elementwise ops recomputed in the backward (less memory per layer)"
+        "; elementwise ops recomputed in the backward (less saved per layer)"
         if plan.recompute == "elementwise"
         else ""
     )
