@@ -136,13 +136,19 @@ def test_qlora_trains_as_stock(recompute, cuda, tmp_path):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_lora_scaling_on_the_rank_side_gives_the_same_bits(compiled, cuda):
-    """The LoRA forward compile_layers binds (scaling 16 / 8 = 2 on the rank-r side) against PEFT's, in bf16 autocast
-    on CUDA, eager and compiled by inductor: output and gradients equal bit for bit (scaling by a power of two
-    commutes with every rounding, so no fusion choice can move a bit)."""
-    from leantrain.compile_layers.ops import lora_scaled_on_rank
+@pytest.mark.parametrize("quantized", [False, True])
+def test_lora_scaling_on_the_rank_side_gives_the_same_bits(quantized, compiled, cuda, tmp_path):
+    """The LoRA forwards compile_layers binds (scaling 16 / 8 = 2 on the rank-r side) against PEFT's, for its plain
+    and its bitsandbytes 4-bit LoRA linear, in bf16 autocast on CUDA, eager and compiled by inductor: output and
+    gradients equal bit for bit (scaling by a power of two commutes with every rounding, so no fusion choice can
+    move a bit)."""
+    from leantrain.compile_layers.ops import lora4bit_scaled_on_rank, lora_scaled_on_rank
 
-    module = lora_model("llama", cuda).base_model.model.model.layers[0].mlp.up_proj
+    if quantized and importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes not installed")
+    model = qlora_model(tmp_path, cuda) if quantized else lora_model("llama", cuda)
+    module = model.base_model.model.model.layers[0].mlp.up_proj
+    assert type(module).__name__ == ("Linear4bit" if quantized else "Linear")
     with torch.no_grad():
         module.lora_B["default"].weight.normal_(0, 0.5)
     torch.manual_seed(4)
@@ -155,12 +161,12 @@ def test_lora_scaling_on_the_rank_side_gives_the_same_bits(compiled, cuda):
         call = torch.compile(forward, backend="inductor") if compiled else forward
         with torch.autocast("cuda", torch.bfloat16):
             out = call(module, inputs)
-        out.backward(grad)
+        out.backward(grad.to(out.dtype))
         return [out, inputs.grad, module.lora_A["default"].weight.grad, module.lora_B["default"].weight.grad]
 
     torch._dynamo.reset()
     stock = run(type(module).forward)
     torch._dynamo.reset()
-    folded = run(lora_scaled_on_rank)
+    folded = run(lora4bit_scaled_on_rank if quantized else lora_scaled_on_rank)
     for name, a, b in zip(("output", "input grad", "A grad", "B grad"), stock, folded, strict=True):
         assert torch.equal(a, b), f"{name}: max difference {(a.float() - b.float()).abs().max().item():.3g}"

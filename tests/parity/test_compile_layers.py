@@ -459,3 +459,51 @@ def test_disabled_adapters_run_peft_forward(tmp_path):
     finally:
         module.enable_adapters(True)
     assert not torch.equal(lora_scaled_on_rank(module, x), module.base_layer(x))
+
+
+def qlora_tiny(alpha: int = 8) -> torch.nn.Module:
+    """A tiny Llama with its layers' linears in bitsandbytes nf4 (as from_pretrained(load_in_4bit=True)) and LoRA
+    r=4 on them: PEFT wraps them in its 4-bit LoRA class."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from testkit.moe4bit_models import load_in_4bit_like
+
+    model = tiny(layers=2)
+    load_in_4bit_like(model)
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear")
+    model = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # B starts at zero: a real adapter's products
+    return model
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_qlora_scaling_on_the_rank_side_gives_the_same_bits(autocast):
+    """PEFT's 4-bit LoRA linear (its own forward: cloned base output, casts only outside autocast) against the
+    rank-side forward: output and gradients equal bit for bit."""
+    from leantrain.compile_layers.ops import lora4bit_scaled_on_rank
+
+    module = qlora_tiny().base_model.model.model.layers[0].mlp.up_proj
+    assert type(module).__name__ == "Linear4bit"
+    torch.manual_seed(4)
+    x = torch.randn(2, 12, module.in_features)
+    grad = torch.randn(2, 12, module.out_features)
+    stock = forward_and_grads(module, type(module).forward, x, grad, autocast)
+    folded = forward_and_grads(module, lora4bit_scaled_on_rank, x, grad, autocast)
+    assert len(stock) == 4
+    for a, b in zip(stock, folded, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_compiled_qlora_layers_train_as_stock(tmp_path):
+    """compile_layers=True on 4-bit layers (aot_eager, fp32 compute): the run equals the eager QLoRA run's bits, the
+    4-bit LoRA linears served with the scaling on the rank-r side."""
+    ckpt = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    stock = run(qlora_tiny, tmp_path, None, **ckpt)
+    compiled = run(qlora_tiny, tmp_path, {"compile_layers": True, **AOT}, **ckpt)
+    assert_same_run(stock, compiled)
+    detail = compiled[2].leantrain_report["compile_layers"].detail
+    assert "LoRA scaling applied to the rank-r activations in 14 linears" in detail, detail

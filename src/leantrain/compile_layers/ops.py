@@ -97,15 +97,40 @@ def lora_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kw
     unscaled one while the two projections' backwards run; here the scaled tensor is rank-r. Any other state
     (several or disabled adapters, merged weights, DoRA and other variants, a LoRA bias, another scaling, extra
     arguments) runs PEFT's own forward."""
-    active = self.active_adapters
-    name = active[0] if len(active) == 1 else None
-    if args or kwargs or self.disable_adapters or self.merged or not scaling_folds(self, name):
+    name = rank_side_adapter(self, args, kwargs)
+    if name is None:
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x)
     lora_A = self.lora_A[name]
     x = self._cast_input_dtype(x, lora_A.weight.dtype)
     scaled = lora_A(self.lora_dropout[name](x)) * self.scaling[name]
     return (result + self.lora_B[name](scaled)).to(result.dtype)
+
+
+def lora4bit_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``lora_scaled_on_rank`` for PEFT's bitsandbytes ``Linear4bit`` (QLoRA), whose forward clones the 4-bit base
+    output and casts the LoRA input and output only outside autocast: the same steps, the scaling on the rank-r
+    side."""
+    name = rank_side_adapter(self, args, kwargs)
+    if name is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    result = self.base_layer(x).clone()  # as PEFT: backprop through a view of the 4-bit output can fail
+    lora_A = self.lora_A[name]
+    convert = not torch.is_autocast_enabled()
+    if convert:
+        x = self._cast_input_dtype(x, lora_A.weight.dtype)
+    output = self.lora_B[name](lora_A(self.lora_dropout[name](x)) * self.scaling[name])
+    return result + (output.to(result.dtype) if convert else output)
+
+
+def rank_side_adapter(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The adapter a rank-side forward serves for this call (the one active adapter, when ``scaling_folds``), or
+    None: PEFT's own forward serves the call."""
+    active = module.active_adapters
+    name = active[0] if len(active) == 1 else None
+    if args or kwargs or module.disable_adapters or module.merged or not scaling_folds(module, name):
+        return None
+    return name
 
 
 def scaling_folds(module: torch.nn.Module, name: Any) -> bool:

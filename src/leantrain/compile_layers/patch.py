@@ -11,6 +11,7 @@ the report marked failed), before torch's own limit would make Dynamo run eagerl
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,14 @@ import torch
 from ..compiling import CountingBackend, private_copy
 from ..fallback import RuntimeFallback
 from ..undo import Undo
-from .ops import checkpointing_inner, lora_scaled_on_rank, recomputing_elementwise, scaling_folds, with_inner
+from .ops import (
+    checkpointing_inner,
+    lora4bit_scaled_on_rank,
+    lora_scaled_on_rank,
+    recomputing_elementwise,
+    scaling_folds,
+    with_inner,
+)
 from .probe import CompilePlan
 
 
@@ -80,25 +88,32 @@ def install(
     for module in taken:  # compiled instead: inductor fuses what these kernels did
         undo.set_attr(module, "forward", types.MethodType(type(module).forward, module))
     folded = lora_linears(plan)
-    for module in folded:
-        undo.set_attr(module, "forward", types.MethodType(lora_scaled_on_rank, module))
+    for module, forward in folded:
+        undo.set_attr(module, "forward", types.MethodType(forward, module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken), len(folded)
 
 
-def lora_linears(plan: CompilePlan) -> list[torch.nn.Module]:
-    """PEFT's plain LoRA ``Linear`` modules inside the layers (not its quantized or other subclasses, whose forwards
-    differ) with one adapter, no DoRA or LoRA bias and a power-of-two scaling: the ones ``lora_scaled_on_rank``
-    serves with the same bits."""
+# PEFT's LoRA linears served with the scaling on the rank-r side: (module, class name) -> the forward
+RANK_SIDE = {
+    ("peft.tuners.lora.layer", "Linear"): lora_scaled_on_rank,
+    ("peft.tuners.lora.bnb", "Linear4bit"): lora4bit_scaled_on_rank,
+}
+
+
+def lora_linears(plan: CompilePlan) -> list[tuple[torch.nn.Module, Callable[..., Any]]]:
+    """PEFT's plain and 4-bit LoRA linears inside the layers (not its other classes, whose forwards differ) with one
+    adapter, no DoRA or LoRA bias and a power-of-two scaling, each with the rank-side forward that serves it with
+    the same bits."""
     found = []
     for _, layer in plan.layers:
         for module in layer.modules():
-            kind = type(module)
-            if kind.__name__ != "Linear" or kind.__module__ != "peft.tuners.lora.layer" or "forward" in vars(module):
+            forward = RANK_SIDE.get((type(module).__module__, type(module).__name__))
+            if forward is None or "forward" in vars(module):
                 continue
             adapters = list(getattr(module, "lora_A", {}))
             if len(adapters) == 1 and hasattr(module, "_cast_input_dtype") and scaling_folds(module, adapters[0]):
-                found.append(module)
+                found.append((module, forward))
     return found
 
 
