@@ -14,6 +14,7 @@ benchmarks/results/); the saved bytes are also given per 8192 tokens (the token-
     python benchmarks/bench_layer_saves.py                    # CPU: 128 tokens, inductor (minutes: bf16 on CPU)
     python benchmarks/bench_layer_saves.py --tokens 8192      # on the GPU machine (seconds)
     python benchmarks/bench_layer_saves.py --smoke            # tiny layer, aot_eager (tests)
+    python benchmarks/bench_layer_saves.py --quant            # QLoRA layers (nf4): layer_saves_qlora.{json,md,png}
 On CUDA, ``--trace`` also records the allocator's history over one forward + backward and lists what is alive at its
 peak (memory_peak.py; a compiled buffer is named by its line of generated code), and ``--config`` sets torch compile
 settings for the compiled variants (``inductor.NAME=VALUE`` or ``functorch.NAME=VALUE``, Python literals), e.g.
@@ -51,8 +52,9 @@ VARIANTS = ("stock", "compiled_peft", "compiled", "compiled_elementwise")
 GIB = 1024**3
 
 
-def build_layer(shape: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module, int]:
-    """A PEFT-wrapped decoder layer of ``shape`` on ``device`` in bf16, its model's rotary embedding, the width."""
+def build_layer(shape: str, device: torch.device, quant: bool = False) -> tuple[torch.nn.Module, torch.nn.Module, int]:
+    """A PEFT-wrapped decoder layer of ``shape`` on ``device`` in bf16 (``quant``: its linears in bitsandbytes nf4,
+    double-quantized, bf16 compute, as QLoRA loads them), its model's rotary embedding, the width."""
     import peft
     import transformers
 
@@ -63,6 +65,10 @@ def build_layer(shape: str, device: torch.device) -> tuple[torch.nn.Module, torc
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16)
+    if quant:
+        from testkit.moe4bit_models import load_in_4bit_like
+
+        load_in_4bit_like(model, compute_dtype=torch.bfloat16, double_quant=True)
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
     model = peft.get_peft_model(model, lora).base_model.model
@@ -73,22 +79,26 @@ def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[.
     """The layer's forward as the variant runs it (the compiled ones as compile_layers builds its backend)."""
     if variant == "stock":
         return layer.forward
-    from leantrain.compile_layers.ops import lora_scaled_on_rank, recomputing_elementwise, scaling_folds
+    from leantrain.compile_layers.ops import recomputing_elementwise, scaling_folds
+    from leantrain.compile_layers.patch import RANK_SIDE
 
     if variant != "compiled_peft":  # as compile_layers binds it: the LoRA scaling on the rank-r side
         for module in layer.modules():
-            if hasattr(module, "lora_A") and scaling_folds(module, "default"):
-                module.forward = types.MethodType(lora_scaled_on_rank, module)
+            forward = RANK_SIDE.get((type(module).__module__, type(module).__name__))
+            if forward is not None and scaling_folds(module, "default"):
+                module.forward = types.MethodType(forward, module)
     compile_backend = torch._dynamo.lookup_backend(backend)
     if variant == "compiled_elementwise":
         compile_backend = recomputing_elementwise(compile_backend)
     return torch.compile(layer.forward, backend=compile_backend)
 
 
-def measure(shape: str, variant: str, tokens: int, backend: str, reps: int, trace: bool = False) -> dict[str, Any]:
+def measure(
+    shape: str, variant: str, tokens: int, backend: str, reps: int, trace: bool = False, quant: bool = False
+) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.reset()
-    layer, rotary, hidden = build_layer(shape, device)
+    layer, rotary, hidden = build_layer(shape, device, quant)
     x = torch.randn(1, tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rotary(x, torch.arange(tokens, device=device)[None])
     forward = layer_call(layer, variant, backend)
@@ -223,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=10, help="timed forward + backward calls (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="the tiny layer, 32 tokens, aot_eager (tests)")
     parser.add_argument("--trace", action="store_true", help="CUDA: what is alive at one forward + backward's peak")
+    parser.add_argument("--quant", action="store_true", help="the layers' linears in nf4 (QLoRA; needs bitsandbytes)")
     parser.add_argument("--config", nargs="*", default=[], help="inductor.NAME=VALUE / functorch.NAME=VALUE")
     args = parser.parse_args(argv)
     settings = set_compile_config(args.config)
@@ -236,15 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for shape in shapes:
         for variant in args.variants.split(","):
-            result = measure(shape, variant, tokens, backend, args.reps, trace=args.trace)
+            result = measure(shape, variant, tokens, backend, args.reps, trace=args.trace, quant=args.quant)
             result["settings"] = settings if variant != "stock" else {}
             print(f"{shape} {variant}: saved {result['saved_gib_8192']:.3f} GiB per 8192 tokens "
                   f"({result['tensors']} tensors)" + (f", peak {result['peak_gib']:.3f} GiB, {result['ms']:.2f} ms"
                                                        if "ms" in result else ""), flush=True)  # fmt: skip
             for group in result.get("trace", {}).get("groups", []):
                 print(f"    {group['gib']:.4f} GiB {group['blocks']:4d}  {group['where']}")
-            rows += rows_of(shape, variant, tokens, backend, result)
-    name = f"{NAME}_smoke" if args.smoke else NAME
+            rows += rows_of(f"{shape}-qlora" if args.quant else shape, variant, tokens, backend, result)
+    name = (f"{NAME}_smoke" if args.smoke else NAME) + ("_qlora" if args.quant else "")
     write_results(name, rows, table(rows), out)
     plot(rows, out / f"{name}.png")
     print(table(rows))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import bench_layer_saves as bench
+import pytest
 
 
 def test_smoke_counts_the_saves_of_each_variant(tmp_path, monkeypatch):
@@ -16,3 +17,15 @@ def test_smoke_counts_the_saves_of_each_variant(tmp_path, monkeypatch):
     assert set(saved) == set(bench.VARIANTS)
     assert saved["compiled_elementwise"] < saved["compiled"] < saved["stock"], saved
     assert "compiled_elementwise" in (tmp_path / "layer_saves_smoke.md").read_text()
+
+
+def test_smoke_quant_counts_the_saves_of_qlora_layers(tmp_path, monkeypatch):
+    """--quant: the layer's linears in nf4 (PEFT's 4-bit LoRA class, the rank-side forward bound on it), rows named
+    by the shape with -qlora, written to layer_saves_smoke_qlora.*; compiling saves less than the eager layer."""
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    assert bench.main(["--smoke", "--quant"]) == 0
+    rows = json.loads((tmp_path / "layer_saves_smoke_qlora.json").read_text())
+    saved = {r["provider"]: r["p50"] for r in rows if r["mode"] == "saved"}
+    assert set(saved) == set(bench.VARIANTS) and {r["x_value"] for r in rows} == {"tiny-qlora"}
+    assert saved["compiled"] < saved["stock"], saved
