@@ -313,7 +313,9 @@ def longest_cells(by: dict, mode: str, variant: str, found: Any, stock: Any) -> 
     if c.get("status") == "searching":
         note.append("search cut off: the longest that fit so far")
     if not math.isnan(found.p50) and found.p50 >= c.get("high", math.inf):
-        note.append(f"the search's ceiling ({c['high']}) fits: the limit is higher")
+        note.append(f"the search's ceiling ({c['high']}: --high or the model's position range) fits")
+    if c.get("timed_alone") is False and not math.isnan(found.p50) and len(probes) > 1:
+        note.append("step timed during the search (its run alone did not finish)")
     if math.isnan(found.p50) and probes:
         note.append(f"{probes[0]['seq']} does not fit ({probes[0]['status']}: {clean(probes[0]['reason'], 200)})")
     step_ms = "–" if speed is None or math.isnan(speed.p50) else f"{speed.p50:.0f}"

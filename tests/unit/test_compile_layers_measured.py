@@ -34,13 +34,26 @@ def test_the_4bit_row_is_the_committed_qlora_measurement():
     assert f"peak memory {peaks[0]:.2f} -> {peaks[1]:.2f} GiB" in QUANTIZED_4BIT.evidence.detail
 
 
-def test_auto_leaves_4bit_layers_eager_and_says_why():
-    class Linear4bit(nn.Module):  # bitsandbytes' class, by name (the probe reads names, importing nothing)
-        pass
+class Linear4bit(nn.Module):  # bitsandbytes' class, by name (the probe reads names, importing nothing)
+    pass
 
+
+def _trainer(max_steps: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(args=types.SimpleNamespace(device=torch.device("cuda"), max_steps=max_steps))
+
+
+def test_auto_weighs_4bit_layers_with_the_qlora_row():
+    """4-bit layers are weighed with the QLoRA measurement (not the family's LoRA one): a long run compiles them and
+    says why with that evidence; a run too short to pay the compile back leaves them eager with the arithmetic."""
     layer = nn.Sequential(nn.Linear(2, 2), Linear4bit())
-    trainer = types.SimpleNamespace(args=types.SimpleNamespace(device=torch.device("cuda")))
-    reason = slower_reason(trainer, "sft", "llama", layer)
-    assert isinstance(reason, str)
-    assert "Linear4bit" in reason and QUANTIZED_4BIT.evidence.detail in reason
-    assert "compile_layers=True" in reason
+    applies = slower_reason(_trainer(1000), "sft", "llama", layer)
+    assert applies[0] is None and "pays back within this run" in applies[1]
+    assert "1000 steps x 54 ms saved" in applies[1] and QUANTIZED_4BIT.evidence.detail in applies[1]
+    short = slower_reason(_trainer(100), "sft", "llama", layer)
+    assert isinstance(short, str) and "does not pay back" in short and "pays back from step 190" in short
+    assert QUANTIZED_4BIT.evidence.detail in short
+
+
+def test_4bit_layers_of_an_unmeasured_family_are_not_compiled_by_auto():
+    reason = slower_reason(_trainer(1000), "sft", "mistral", nn.Sequential(Linear4bit()))
+    assert isinstance(reason, str) and reason.startswith("not measured on mistral")

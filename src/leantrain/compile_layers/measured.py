@@ -49,19 +49,20 @@ MEASURED: dict[str, Measured] = {
     ),
 }
 
-# Layers holding bitsandbytes 4-bit linears (QLoRA), any family: faster compiled, but the compiled step's peak memory
-# was higher, and QLoRA runs are chosen for memory, so auto mode leaves them eager and quotes this row (``True``
-# compiles them). benchmarks/results/vs_unsloth.md, the llama-3.2-1b-qlora row (nf4 double-quant, bf16 compute,
-# the same run as the LoRA rows otherwise): patch_trainer's defaults vs compile_layers=True, one process each.
+# Layers holding bitsandbytes 4-bit linears (QLoRA), weighed with this row in auto mode (for the families measured
+# above): compiled, the step is faster and its peak memory lower (the LoRA linears' scaling on the rank-r side keeps
+# the full-width gradient copies out of the backward). benchmarks/results/vs_unsloth.md, the llama-3.2-1b-qlora row
+# (nf4 double-quant, bf16 compute, the same run as the LoRA rows otherwise): patch_trainer with the layers eager vs
+# compile_layers=True, one process each.
 QUANTIZED_4BIT = Measured(
-    98.5,
-    6.6,
+    53.7,
+    10.2,
     Evidence(
         "faster",
         "H200",
         "2026-11-29",
-        "Llama-3.2-1B QLoRA SFT step 320.7 -> 222.1 ms at 4 x 2048, peak memory 2.63 -> 2.81 GiB, first step 6.0 -> "
-        "12.5 s (cold caches)",
+        "Llama-3.2-1B QLoRA SFT step 259.0 -> 205.3 ms at 4 x 2048, peak memory 2.63 -> 2.43 GiB, first step 4.4 -> "
+        "14.5 s (cold caches)",
     ),
 )
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, decoder_parts, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
-from .measured import KNOWN_FAILURES, MEASURED, QUANTIZED_4BIT
+from .measured import KNOWN_FAILURES, MEASURED, QUANTIZED_4BIT, Measured
 from .ops import Payback
 
 
@@ -86,14 +86,8 @@ def slower_reason(trainer: Any, kind: str, family: str, layer: nn.Module) -> str
     device = trainer.args.device
     if device.type != "cuda":
         return f"not measured on {device.type} (measured faster on CUDA only: {_measured_families()})"
-    quantized = _quantized(layer)
-    if quantized:
-        evidence = QUANTIZED_4BIT.evidence
-        return (
-            f"the layers hold {quantized} (bitsandbytes 4-bit): compiled they measured faster but took more peak "
-            f"memory ({evidence.detail}; {evidence.device}, {evidence.date}), and a 4-bit run is chosen for memory: "
-            "pass compile_layers=True for the speed"
-        )
+    if _quantized(layer) and family in MEASURED:  # QLoRA: its own row (faster and a lower peak, measured on Llama)
+        return payback_reason(trainer, family, QUANTIZED_4BIT)
     return payback_reason(trainer, family)
 
 
@@ -184,9 +178,10 @@ def run_reasons(trainer: Any, model: nn.Module, family: str, layers: list[nn.Mod
     return reasons
 
 
-def payback_reason(trainer: Any, family: str) -> str | tuple[None, str]:
-    """Auto mode: a skip reason with the arithmetic, or (None, why it applies)."""
-    measured = MEASURED.get(family)
+def payback_reason(trainer: Any, family: str, measured: Measured | None = None) -> str | tuple[None, str]:
+    """Auto mode: a skip reason with the arithmetic, or (None, why it applies); ``measured``: the row to weigh (by
+    default the family's)."""
+    measured = measured or MEASURED.get(family)
     if measured is None:
         return f"not measured on {family} (measured: {', '.join(MEASURED)})"
     steps = planned_steps(trainer)
