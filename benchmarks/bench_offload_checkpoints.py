@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(1-based) and list what is alive at its peak (slows that step; step mode). torch 2.11 fails a compiled "
         "region under checkpointing while the history records (pytorch#179536): trace the eager layers there "
         "(--options compile_layers=False), or count a compiled layer's saves with bench_layer_saves.py")  # fmt: skip
+    add("--phase-marks", type=int, default=None, metavar="STEP", help="mark memory at each layer's backward in "
+        "step STEP (where the step peaks; any layers, compiled too)")  # fmt: skip
     add("--log-chars", type=int, default=3000, help="tail of a failed process's log to print")
     add("--merge", nargs="+", default=[], help="offload_checkpoints.json files of several runs (device calls) to "
         "join into --out; a (case, variant) in several keeps its latest")  # fmt: skip
@@ -287,7 +289,7 @@ def worker_main(args: argparse.Namespace) -> int:
         else:
             cap = args.cap_gib if args.longest else None
             rec["options"] = patch_options(args.options)
-            train_one(case, args.worker, Path(args.model_dir), cap, rec, args.trace_peak)
+            train_one(case, args.worker, Path(args.model_dir), cap, rec, args.trace_peak, args.phase_marks)
     except Exception as error:  # an OOM is a result ("does not fit"), any other failure too (Unsloth on a family)
         traceback.print_exc()
         rec.update(status=failure_kind(error), reason=f"{type(error).__name__}: {error}"[:800])
@@ -303,7 +305,13 @@ def failure_kind(error: BaseException) -> str:
 
 
 def train_one(
-    case: peer.Case, variant: str, model_dir: Path, cap_gib: float | None, rec: dict[str, Any], trace_step: int | None
+    case: peer.Case,
+    variant: str,
+    model_dir: Path,
+    cap_gib: float | None,
+    rec: dict[str, Any],
+    trace_step: int | None,
+    mark_step: int | None = None,
 ) -> None:
     """Build, patch and train, filling ``rec`` as it goes: what was learnt before an error (device, versions, the cap)
     stays in the record the worker writes."""
@@ -338,6 +346,8 @@ def train_one(
         clock = StepClock(True, f"{case.name} {variant} {case.batch}x{case.seq}")
         clock.install(trainer)
         trainer.add_callback(memory_peak.step_peaks_callback(rec, trace_step))
+        if mark_step is not None:
+            trainer.add_callback(memory_peak.phase_marks_callback(rec, mark_step))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         rec["base_gib"] = torch.cuda.memory_allocated() / GIB  # weights and adapters, before the first step
@@ -544,6 +554,7 @@ def spawn(case: peer.Case, variant: str, model_dir: Path, args: argparse.Namespa
     command += (["--seq", str(seq)] if seq else []) + (["--batch", str(batch)] if batch else [])
     command += (["--longest"] if longest else []) + (["--smoke"] if args.smoke else [])
     command += ["--trace-peak", str(args.trace_peak)] if args.trace_peak and not longest else []
+    command += ["--phase-marks", str(args.phase_marks)] if args.phase_marks and not longest else []
     command += ["--options", *args.options] if args.options else []
     timeout = args.probe_timeout if longest else args.timeout
     started = time.perf_counter()

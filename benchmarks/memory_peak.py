@@ -151,3 +151,51 @@ def step_peaks_callback(rec: dict[str, Any], trace_step: int | None = None) -> A
                 }  # fmt: skip
 
     return StepPeaks()
+
+
+def phase_marks_callback(rec: dict[str, Any], step: int) -> Any:
+    """A TrainerCallback that, in step ``step`` (1-based), marks the memory allocated and the step's peak so far at
+    each decoder layer's forward end and backward start (a hook on the layer's output and on its gradient, set in
+    the first forward, not in a checkpoint's recompute) and at the step's end. The peak last rose between the mark
+    before it and the first mark that shows it: that is where the step peaks. Stores ``rec["phase_marks"]``. The
+    peak statistic is never reset here, so the per-step peaks of ``step_peaks_callback`` stay true."""
+    import torch
+    from transformers import TrainerCallback
+
+    class PhaseMarks(TrainerCallback):
+        armed = started = False
+        handles: list[Any] = []
+        marks: list[dict[str, Any]] = []
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if state.global_step + 1 != step or model is None:
+                return
+            layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+            self.armed, self.started, self.marks = True, False, []
+            self.mark("step begins")
+            self.handles = [layer.register_forward_hook(self.hook(i)) for i, layer in enumerate(layers)]
+
+        def hook(self, index: int) -> Callable[..., None]:
+            def on_output(module: Any, inputs: Any, output: Any) -> None:
+                hidden = output[0] if isinstance(output, tuple) else output
+                if self.armed and not self.started and torch.is_tensor(hidden) and hidden.requires_grad:
+                    self.mark(f"layer {index} forward ends")
+                    hidden.register_hook(lambda grad: self.mark(f"layer {index} backward starts", backward=True))
+
+            return on_output
+
+        def mark(self, event: str, backward: bool = False) -> None:
+            self.started = self.started or backward
+            allocated, peak = torch.cuda.memory_allocated() / GIB, torch.cuda.max_memory_allocated() / GIB
+            self.marks.append({"at": event, "allocated_gib": round(allocated, 4), "peak_so_far_gib": round(peak, 4)})
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not self.armed:
+                return
+            self.mark("step ends (after the optimizer step)")
+            for handle in self.handles:
+                handle.remove()
+            self.armed = False
+            rec["phase_marks"] = {"step": step, "marks": self.marks}
+
+    return PhaseMarks()

@@ -50,6 +50,7 @@ def combine(runs: list[dict]) -> dict[str, Any]:
         "base_gib": ok[0].get("base_gib"), "losses": ok[0]["losses"], "stats": ok[-1].get("stats"),
         "loss_noise": loss_gap(ok[0]["losses"], ok[-1]["losses"]) if len(ok) > 1 else None,
         "step_peaks_gib": ok[-1].get("step_peaks_gib"), "peak_trace": ok[-1].get("peak_trace"),
+        "phase_marks": ok[-1].get("phase_marks"),
         "options": ok[0].get("options") or {},
         "steps_per_run": len(ok[-1]["steps"]),
         "tokens_per_s": statistics.median(r["summary"]["tokens_per_s"] for r in ok),
