@@ -214,7 +214,7 @@ def patch_trainer(
     plan: list[tuple[Optimization, str, PatchContext, Readiness | None]] = []
     for opt in registry().values():
         fallback = RuntimeFallback(opt.name, cfg.config.strict, _recorder(trainer, opt.name))
-        ctx = PatchContext(cfg, kind, fallback)
+        ctx = PatchContext(cfg, kind, fallback, applying=tuple(o.name for o, *_ in plan))
         status, source, reasons, readiness = _decide(opt, trainer, ctx)
         required = getattr(cfg.config, opt.name) is True
         # strict: an optimization auto mode would apply here but something blocks (not one the auto rule skips)

@@ -44,6 +44,17 @@ def compiling() -> bool:
     return bool(check is not None and check())
 
 
+# What an optimization leaves on the modules it patched for a compiled region around them (no optimization imports
+# another, so these names are the whole protocol):
+# - on a forward it binds on an instance: Dynamo traces that forward as is (a compiled layer keeps it);
+TRACEABLE_ATTR = "__leantrain_traceable__"
+# - on a module: a host-side check, called with no arguments, that its forward skips while Dynamo traces (the check
+#   reads what a trace cannot, such as data pointers and in-place versions). Whoever compiles code that runs the
+#   module calls it eagerly before each compiled call; the check reports a failure through its own optimization's
+#   run-time fallback, so a failed check sends that optimization to its stock path.
+EAGER_CHECK_ATTR = "_leantrain_eager_check"
+
+
 class RuntimeFallback:
     """Runs an optimized path; on its first unexpected error warns once and serves the stock path from then on.
 

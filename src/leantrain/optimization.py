@@ -91,12 +91,14 @@ class Applied:
 @dataclass
 class PatchContext:
     """Given to ``probe`` and ``apply``: the resolved options, the trainer kind, this optimization's run-time
-    fallback guard, and the undo stack every change is recorded on (the only undo)."""
+    fallback guard, the undo stack every change is recorded on (the only undo), and the optimizations before this
+    one in registry order that will apply (every probe runs before any apply: what a probe may count on)."""
 
     config: ResolvedConfig
     trainer_kind: str
     fallback: RuntimeFallback
     undo: Undo = field(default_factory=Undo)
+    applying: tuple[str, ...] = ()
 
 
 class Optimization:

@@ -22,7 +22,7 @@ pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
 from leantrain.cli.tiny import tiny_model  # noqa: E402
-from leantrain.moe4bit import ops  # noqa: E402
+from leantrain.moe4bit import _custom_ops  # noqa: E402
 from leantrain.report import Status  # noqa: E402
 from testkit.optimizations import others_off  # noqa: E402
 from tests._moe4bit_model import SEQ, VOCAB, make_model, make_trainer  # noqa: E402
@@ -119,7 +119,7 @@ def test_runtime_fallback_on_injected_error(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected grouped_mm failure")
 
-    monkeypatch.setattr(ops, "grouped_mm", broken)
+    monkeypatch.setattr(_custom_ops, "grouped_mm", broken)
     with pytest.warns(RuntimeWarning, match="moe4bit failed at run time"):
         loss = model(**batch()).loss
     assert torch.equal(loss, stock_loss)

@@ -69,8 +69,9 @@ REQUESTED = {
     },
     "compile_layers": {
         "dense": None if TRANSFORMERS_5 else COMPILE_4X,
-        # moe4bit's grouped 4-bit kernels do not trace; plain experts compile as the stock code
-        "moe_4bit": "MoE layers with 4-bit experts: moe4bit's grouped 4-bit expert kernels",
+        # moe4bit (auto) keeps the stock experts on CPU here, whose per-expert loop does not compile as one graph;
+        # plain experts compile as the stock code
+        "moe_4bit": "MoE layers with 4-bit experts that moe4bit does not serve in this run",
         "moe_plain": None if TRANSFORMERS_5 else COMPILE_4X,
     },
     "fused_ce": dict.fromkeys(MODELS),
@@ -130,11 +131,16 @@ def test_transformers_4_does_not_fail_strict_on_cpu(tmp_path, monkeypatch):
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="gpt-oss' 4-bit expert lists are served from transformers 5 on")
 def test_moe4bit_requested_on_a_moe_is_not_blamed_on_compile_layers(tmp_path):
     """moe4bit=True with strict on a 4-bit MoE: compile_layers (never asked for, not measured on MoE families nor on
-    CPU) declines the MoE layers, and strict mode does not raise for it."""
+    CPU) is skipped by its auto rule, and strict mode does not raise for it; asked for, it compiles moe4bit's
+    grouped experts."""
     report = leantrain.patch_trainer(moe(tmp_path, True), moe4bit=True, strict=True, environ={})
     assert report["moe4bit"].status is Status.APPLIED
     compile_layers = report["compile_layers"]
-    assert compile_layers.status is Status.SKIPPED and "MoE layers with 4-bit experts" in compile_layers.reasons[0]
+    assert compile_layers.status is Status.SKIPPED and compile_layers.reasons[0].startswith("not measured on cpu")
+    both = leantrain.patch_trainer(
+        moe(tmp_path / "both", True), moe4bit=True, compile_layers=True, strict=True, environ={}
+    )
+    assert both.applied == ("moe4bit", "compile_layers"), both
 
 
 def test_without_bitsandbytes_plain_experts_are_not_applicable(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..compiling import CountingBackend, private_copy
-from ..fallback import RuntimeFallback
+from ..fallback import EAGER_CHECK_ATTR, TRACEABLE_ATTR, RuntimeFallback, recomputing
 from ..undo import Undo
 from .ops import (
     checkpointing_inner,
@@ -76,8 +76,12 @@ def install(
     inner = checkpointing_inner(plan.stock) or plan.stock
     dynamic = None if plan.dynamic == "auto" else True  # None: static first, dynamic dims from the first change
     compiled = torch.compile(private_copy(inner), backend=stats.backend, dynamic=dynamic)
+    checks = {id(layer): eager_checks(layer) for _, layer in plan.layers}
 
     def guarded(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if fallback.failed is None and not recomputing():  # a checkpoint's recompute: its forward checked
+            for check in checks.get(id(self), ()):
+                check()
         return fallback.call_at(self, compiled, inner, self, *args, **kwargs)
 
     forward = guarded if inner is plan.stock else with_inner(plan.stock, guarded)
@@ -117,18 +121,26 @@ def lora_linears(plan: CompilePlan) -> list[tuple[torch.nn.Module, Callable[...,
     return found
 
 
+def eager_checks(layer: torch.nn.Module) -> tuple[Callable[[], None], ...]:
+    """The host-side checks other optimizations left on the layer's modules (``fallback.EAGER_CHECK_ATTR``: moe4bit's
+    check that the experts still hold the stacks its plan was built from): their traced forwards skip them, so the
+    eager wrapper runs them before the compiled code; each reports through its own optimization's fallback."""
+    return tuple(check for m in layer.modules() if callable(check := vars(m).get(EAGER_CHECK_ATTR)))
+
+
 def kernel_forwards(plan: CompilePlan) -> list[torch.nn.Module]:
     """Modules inside the layers whose forward another leantrain optimization bound on the instance (layer_kernels'
     Liger RMSNorm / SwiGLU / RoPE forwards: Dynamo failed on Liger's RMSNorm autograd function with an AssertionError
     on torch 2.11, H200, when the checkpoint was traced in the same region; with the checkpoint outside it is not
-    measured yet, so the stock forwards run and inductor fuses them), in the order found."""
+    measured yet, so the stock forwards run and inductor fuses them), in the order found. Forwards marked
+    traceable (``fallback.TRACEABLE_ATTR``: moe4bit's grouped experts, whose kernels are custom ops) stay."""
     found = []
     for _, layer in plan.layers:
         for module in layer.modules():
             bound = vars(module).get("forward") if module is not layer else None
             func = getattr(bound, "__func__", bound)
-            if func is not None and (
-                getattr(func, "__module__", "").startswith("leantrain.") or hasattr(func, "__leantrain_original__")
-            ):
+            if func is None or getattr(func, TRACEABLE_ATTR, False):
+                continue
+            if getattr(func, "__module__", "").startswith("leantrain.") or hasattr(func, "__leantrain_original__"):
                 found.append(module)
     return found

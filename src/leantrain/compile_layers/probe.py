@@ -1,7 +1,7 @@
 """The compiled layers' probe: is there one decoder-layer class to compile, does anything in the run stop Dynamo
-from serving it (OSFT's factored modules, MoE experts under moe4bit, ZeRO-3, several processes), and in auto mode
-does the measured saving pay the compile back within the run's steps. The plan names the layers and the stock
-forward ``apply`` compiles."""
+from serving it (OSFT's factored modules, 4-bit MoE experts moe4bit does not serve, modules with a class per layer,
+ZeRO-3, several processes), and in auto mode does the measured saving pay the compile back within the run's steps.
+The plan names the layers and the stock forward ``apply`` compiles."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, decoder_parts, planned_steps, unwrap_model
@@ -22,6 +23,7 @@ from .measured import KNOWN_FAILURES, MEASURED, QUANTIZED_4BIT, Measured
 from .ops import Payback
 
 
+MOE4BIT = "moe4bit"  # the optimization whose grouped 4-bit experts the compiled layers trace (applied before them)
 AUTO_KINDS = ("sft", "trainer")  # where the saving was measured (training steps of SFT / plain Trainer)
 FALLBACK_COMPILE_S = 15.3  # a family without its own cold-start measurement: Llama-3.2-1B's (measured.py)
 
@@ -51,9 +53,10 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     if not layers:
         return Readiness.not_applicable(f"{type(model).__name__} has no decoder layers")
     # the auto rule first: strict mode raises on a blocker only where auto mode would compile the layers
-    slower = slower_reason(trainer, ctx.trainer_kind, family, layers[0])
+    served = MOE4BIT in ctx.applying  # its grouped 4-bit experts, traced inside the compiled layers
+    slower = slower_reason(trainer, ctx.trainer_kind, family, layers[0], served)
     rule = slower if isinstance(slower, str) else None
-    reasons = run_reasons(trainer, model, family, layers, cfg)
+    reasons = run_reasons(trainer, model, family, layers, cfg, served)
     if reasons:
         return Readiness.no(*reasons).with_auto_rule(rule)
     prefix = getattr(model, "base_model_prefix", "model")
@@ -75,9 +78,12 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     return Readiness(detail=describe(plan), plan=plan)
 
 
-def slower_reason(trainer: Any, kind: str, family: str, layer: nn.Module) -> str | tuple[None, str]:
+def slower_reason(
+    trainer: Any, kind: str, family: str, layer: nn.Module, moe4bit_serves: bool = False
+) -> str | tuple[None, str]:
     """Where compiling is not measured to pay off here (auto mode skips, ``compile_layers=True`` compiles): the
-    evidence, or (None, why it pays)."""
+    evidence, or (None, why it pays). ``moe4bit_serves``: moe4bit applies in this run (its grouped path serves every
+    4-bit experts module it finds)."""
     if kind not in AUTO_KINDS:
         return (
             f"measured on SFT training steps only, not on {kind} trainers (generation would compile the cached "
@@ -86,6 +92,11 @@ def slower_reason(trainer: Any, kind: str, family: str, layer: nn.Module) -> str
     device = trainer.args.device
     if device.type != "cuda":
         return f"not measured on {device.type} (measured faster on CUDA only: {_measured_families()})"
+    if moe4bit_serves and _has_4bit_experts(layer):  # compiled moe4bit experts: not measured on a GPU yet
+        return (
+            "MoE layers with moe4bit's grouped 4-bit experts: compiling them is not measured on CUDA yet (pass "
+            "compile_layers=True to compile them)"
+        )
     if _quantized(layer) and family in MEASURED:  # QLoRA: its own row (faster and a lower peak, measured on Llama)
         return payback_reason(trainer, family, QUANTIZED_4BIT)
     return payback_reason(trainer, family)
@@ -116,8 +127,11 @@ def _transformers_4_reason() -> str | None:
     )
 
 
-def run_reasons(trainer: Any, model: nn.Module, family: str, layers: list[nn.Module], cfg: Any) -> list[str]:
-    """What stops the compiled layers from serving this run (each a sentence naming the next step)."""
+def run_reasons(
+    trainer: Any, model: nn.Module, family: str, layers: list[nn.Module], cfg: Any, moe4bit_serves: bool = False
+) -> list[str]:
+    """What stops the compiled layers from serving this run (each a sentence naming the next step);
+    ``moe4bit_serves``: moe4bit applies in this run (before compile_layers: its grouped path is what compiles)."""
     reasons = []
     unsupported = unsupported_reason()
     if unsupported:
@@ -149,12 +163,16 @@ def run_reasons(trainer: Any, model: nn.Module, family: str, layers: list[nn.Mod
             "osft is on: OSFT's factored modules run closures and a per-step projection that Dynamo would have to "
             "retrace; pass compile_layers=False (or osft=False)"
         )
-    if cfg.moe4bit is not False and _has_4bit_experts(first):  # experts moe4bit can serve (not plain ones)
+    four_bit = _has_4bit_experts(first)
+    if cfg.moe4bit is not False and four_bit and not moe4bit_serves:
         reasons.append(
-            "MoE layers with 4-bit experts: moe4bit's grouped 4-bit expert kernels are not torch.library custom ops "
-            "yet, so Dynamo cannot trace them; pass moe4bit=False to compile the stock experts (not measured), or "
-            "compile_layers=False"
+            "MoE layers with 4-bit experts that moe4bit does not serve in this run (its report says why): their "
+            "stock per-expert loop breaks the compiled graph at every expert; pass moe4bit=True (its grouped path "
+            "compiles), moe4bit=False to compile the stock experts (not measured), or compile_layers=False"
         )
+    own = _own_classes(layers, skip_experts=four_bit and moe4bit_serves)
+    if own:
+        reasons.append(own)
     if getattr(trainer, "is_deepspeed_enabled", False):
         plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
         stage = getattr(getattr(plugin, "deepspeed_plugin", None), "zero_stage", None)
@@ -243,12 +261,40 @@ def _quantized(layer: nn.Module) -> str | None:
 def _has_4bit_experts(layer: nn.Module) -> bool:
     """Whether ``layer`` holds MoE experts in bitsandbytes 4-bit (layers or parametrizations of its classes, read
     without importing it): the only experts moe4bit serves. Plain experts compile as the stock code."""
+    return any(_holds_4bit(experts) for name, experts in layer.named_modules() if name.endswith("experts"))
+
+
+def _holds_4bit(module: nn.Module) -> bool:
+    """Whether ``module`` holds bitsandbytes 4-bit layers or parametrizations (by class, bitsandbytes not imported)."""
     return any(
-        type(m).__module__.partition(".")[0] == "bitsandbytes"
-        for name, experts in layer.named_modules()
-        if name.endswith("experts")
-        for m in experts.modules()
+        cls.__module__.partition(".")[0] == "bitsandbytes"
+        for m in module.modules()
+        for cls in type(m).__mro__  # leantrain.quantize_experts_4bit's parametrization subclasses bitsandbytes'
     )
+
+
+def _own_classes(layers: list[nn.Module], skip_experts: bool) -> str | None:
+    """A reason when a module of the layers has a parametrized class of its own in each layer (torch's
+    ``register_parametrization`` makes one class per module, e.g. for bitsandbytes' 4-bit stacks): compiled code
+    guards on each module's type, so every layer would compile its own graph and pass the recompile limit.
+    ``skip_experts``: moe4bit serves the 4-bit experts, and gives them one class while patched."""
+    first = dict(layers[0].named_modules())
+    for index, layer in enumerate(layers[1:], start=1):
+        for name, module in layer.named_modules():
+            other = first.get(name)
+            own, theirs = type(module), type(other)
+            if other is None or own is theirs or own.__bases__ != theirs.__bases__:
+                continue
+            if skip_experts and _holds_4bit(module):  # moe4bit gives its experts one class while patched
+                continue
+            if parametrize.is_parametrized(module) and parametrize.is_parametrized(other):
+                return (
+                    f"layer {index}'s {name} has a parametrized class of its own ({own.__name__}: torch's "
+                    "parametrization makes one per module), so each decoder layer would compile its own graph and "
+                    "pass the recompile limit: for 4-bit MoE experts pass moe4bit=True (it gives them one class "
+                    "while patched), else compile_layers=False"
+                )
+    return None
 
 
 def _qualname(obj: Any) -> str:

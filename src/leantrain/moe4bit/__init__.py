@@ -13,7 +13,8 @@ readiness, adapters and plan; ``registry``: the layouts by name, finding experts
 returns the plan, ``plan`` the model plan's targets and what per-module plans are built with, ``patch`` installs them
 (trainer glue), ``_adapters`` reads PEFT's expert adapters, ``recompute`` the measured recompute verdicts, ``saved``
 what saving writes (and its state-dict hooks); the math: ``ops`` (grouped GEMMs and autograd), ``lora`` (split
-LoRA), ``_stacks`` / ``_qstate`` (packed 4-bit stacks and the stock names every layout reads), ``quantize``.
+LoRA), ``_custom_ops`` (the grouped kernels as ``torch.library`` ops, what ``torch.compile`` traces), ``_stacks`` /
+``_qstate`` (packed 4-bit stacks and the stock names every layout reads), ``quantize``.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ class Moe4bit(Optimization):
 
     def apply(self, trainer: Any, plan: Any, ctx: PatchContext) -> Applied:
         from ._adapters import lora_detail
-        from .patch import install
+        from .patch import install, share
 
         lora = []
         for target in plan.targets:  # every change goes on ctx.undo as it is made (run if apply raises)
             adapters = install(target, plan.fsdp2, ctx.undo, ctx.fallback)
             lora += [adapters] if adapters is not None else []
+        share(plan.targets, plan.fsdp2, ctx.undo)
         return Applied(tuple(t.name for t in plan.targets), plan.detail + lora_detail(lora))

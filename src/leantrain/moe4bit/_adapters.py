@@ -118,9 +118,11 @@ class _Delta(nn.Module):
         return weight + self.delta.to(weight.dtype)
 
 
-def stock_forward(experts: nn.Module, chain: list[nn.Module]) -> Callable:
+def stock_forward(experts: nn.Module, chain: list[nn.Module], as_stock: Callable = lambda call: call) -> Callable:
     """The per-expert fallback for ``target_parameters`` LoRA on 4-bit stacks: PEFT's own ``get_delta_weight`` of
-    every active adapter added on access to the dequantized stack, then the stock experts forward.
+    every active adapter added on access to the dequantized stack, then the stock experts forward (the experts' own
+    call as ``as_stock`` runs it: the layout's, e.g. under the parametrization cache, entered only once the adapters'
+    deltas are registered, so that no stack is cached without them).
 
     PEFT's ``ParamWrapper.forward`` cannot serve here: on an already-parametrized stack its nested wrappers read
     the inner stack inside the outer one's ``parametrize.cached()`` before registering their proxy (the inner
@@ -139,7 +141,7 @@ def stock_forward(experts: nn.Module, chain: list[nn.Module]) -> Callable:
                     delta = sum(wrapper.get_delta_weight(a) for a in active)
                     parametrize.register_parametrization(experts, wrapper.parameter_name, _Delta(delta), unsafe=True)
                     added.append(wrapper.parameter_name)
-            return experts(hidden_states, *args, **kwargs)
+            return as_stock(experts)(hidden_states, *args, **kwargs)
         finally:
             for name in added:
                 del experts.parametrizations[name][-1]

@@ -84,35 +84,42 @@ class PackedStack:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole stack in ``dtype``: one ``dequantize_4bit`` call, or one per chunk of experts past 2**31."""
-        import bitsandbytes.functional as bnbf
+        return dequantize_stack(self.data, self.absmax_fp32(), self.shape, self.blocksize, self.quant_type, dtype)
 
-        experts, rows, cols = self.shape
-        per_expert, bs = rows * cols, self.blocksize
-        absmax = self.absmax_fp32()
-        step = max(1, MAX_ELEMENTS_PER_CALL // per_expert)
 
-        def state(n: int, part: torch.Tensor) -> bnbf.QuantState:
-            # Shape (blocks, blocksize): every row is one whole block, which also sidesteps bitsandbytes' CPU kernel
-            # bug for rows that are not a multiple of the blocksize; on CUDA the shape is only the element count.
-            return bnbf.QuantState(
-                absmax=part, shape=(n // bs, bs), blocksize=bs, quant_type=self.quant_type, dtype=dtype
-            )
+def dequantize_stack(
+    data: torch.Tensor,
+    absmax: torch.Tensor,
+    shape: tuple[int, int, int] | list[int],
+    blocksize: int,
+    quant_type: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A packed ``[E, rows, cols]`` stack (flat uint8 ``data``, fp32 ``absmax``) in ``dtype``, through bitsandbytes'
+    own ``dequantize_4bit`` op: one call, or one per chunk of experts past bitsandbytes' 32-bit element count."""
+    import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
 
-        if step >= experts:
-            flat = bnbf.dequantize_4bit(self.data.view(-1, 1), state(self.numel, absmax))
-            return flat.view(experts, rows, cols)
-        out = torch.empty(experts, rows, cols, dtype=dtype, device=self.data.device)
-        for first in range(0, experts, step):  # a handful of chunks, only for stacks past 2**31 elements
-            last = min(experts, first + step)
-            n, lo = (last - first) * per_expert, first * per_expert
-            packed = self.data[lo // 2 : (lo + n) // 2].view(-1, 1)
-            qs = state(n, absmax[lo // bs : (lo + n) // bs])
-            target = out[first:last].view(n // bs, bs)
-            if self.data.device.type == "cuda":
-                bnbf.dequantize_4bit(packed, qs, out=target)
-            else:  # bitsandbytes registers no out= kernel on CPU
-                target.copy_(bnbf.dequantize_4bit(packed, qs))
-        return out
+    kernel = torch.ops.bitsandbytes.dequantize_4bit
+    experts, rows, cols = (int(s) for s in shape)
+    per_expert, bs = rows * cols, int(blocksize)
+    step = max(1, MAX_ELEMENTS_PER_CALL // per_expert)
+    # Shape (blocks, blocksize): every row is one whole block, which also sidesteps bitsandbytes' CPU kernel bug for
+    # rows that are not a multiple of the blocksize; on CUDA the shape is only the element count.
+    if step >= experts:
+        n = experts * per_expert
+        return kernel.default(data.view(-1, 1), absmax, bs, quant_type, [n // bs, bs], dtype).view(experts, rows, cols)
+    out = torch.empty(experts, rows, cols, dtype=dtype, device=data.device)
+    for first in range(0, experts, step):  # a handful of chunks, only for stacks past 2**31 elements
+        last = min(experts, first + step)
+        n, lo = (last - first) * per_expert, first * per_expert
+        packed = data[lo // 2 : (lo + n) // 2].view(-1, 1)
+        part = absmax[lo // bs : (lo + n) // bs]
+        target = out[first:last].view(n // bs, bs)
+        if data.device.type == "cuda":
+            kernel.out(packed, part, bs, quant_type, [n // bs, bs], dtype, out=target)
+        else:  # bitsandbytes registers no out= kernel on CPU
+            target.copy_(kernel.default(packed, part, bs, quant_type, [n // bs, bs], dtype))
+    return out
 
 
 def _concat_nested(states: list, record: Record) -> NestedAbsmax:

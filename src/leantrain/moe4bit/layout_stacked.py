@@ -6,7 +6,9 @@ in place (no consolidation); under FSDP2 it is rebuilt per call around the unsha
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,8 +74,82 @@ class StackedLayout(Layout):
     def live_plan(self, module: nn.Module, recompute: bool) -> PlanFor:
         return live_stacked_plan(module, recompute)
 
+    def stock(self, forward: Callable) -> Callable:
+        """The stock forward under torch's parametrization cache (what bitsandbytes' detached hooks turned on): the
+        per-expert loop dequantizes each stack once per call, not once per expert."""
+        from torch.nn.utils import parametrize
+
+        def cached(*args: Any, **kwargs: Any) -> Any:
+            with parametrize.cached():
+                return forward(*args, **kwargs)
+
+        return cached
+
+    def share(self, modules: list[nn.Module], record: Record, fsdp2: bool) -> None:
+        for module in modules:
+            detach_cache_hooks(module, record)
+        if not fsdp2:  # fully_shard gives each module a class of its own again; compiled layers run on one process
+            share_classes(modules, record)
+
 
 LAYOUT = StackedLayout()
+
+
+# ------------------------------------------------------------------------- one compiled code for every layer
+# torch.compile guards on the type of every module it traces and on the hooks of each: per module, both differ here.
+
+BNB_CACHE_HOOKS = ("_enable_parametrization_cache", "_disable_parametrization_cache")
+
+
+def _is_cache_hook(hook: Any) -> bool:
+    return getattr(hook, "__module__", "") == "bitsandbytes.nn.parametrize" and getattr(hook, "__name__", "") in (
+        BNB_CACHE_HOOKS
+    )
+
+
+def detach_cache_hooks(module: nn.Module, record: Record) -> None:
+    """Detach bitsandbytes' forward pre-hooks and always-called forward hooks that turn torch's parametrization
+    cache on around the module's call (one pair per parametrized stack). The grouped path reads the packed stacks,
+    never the parametrized ones, and the stock fallback runs under the cache itself (:meth:`StackedLayout.stock`);
+    the hooks' ids, which compiled code guards on, differ per module. Each is put back in its place on undo."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in list(hooks.items()):
+            if _is_cache_hook(hook):
+                always = module._forward_hooks_always_called.pop(key, None) if hooks is module._forward_hooks else None
+                del hooks[key]
+                record(functools.partial(_reattach, module, hooks, key, hook, always))
+
+
+def _reattach(module: nn.Module, hooks: dict, key: int, hook: Callable, always: bool | None) -> None:
+    hooks[key] = hook
+    for later in [k for k in hooks if k > key]:  # hook ids grow with registration: back in its place
+        hooks.move_to_end(later)
+    if always is not None:
+        module._forward_hooks_always_called[key] = always
+
+
+def share_classes(modules: list[nn.Module], record: Record) -> None:
+    """Give every parametrized module of one class and one set of parametrized stacks one class: torch's
+    ``register_parametrization`` makes a class per module (``Parametrized<Class>``, its properties reading the
+    instance's own parametrizations), so compiled code would guard on a different type in every layer. The first
+    module's class serves them all; each other module's own class comes back on undo, which runs before anything
+    that removes a parametrization could delete a property from the shared class."""
+    from torch.nn.utils import parametrize
+
+    shared: dict[tuple, type] = {}
+    for module in modules:
+        if not parametrize.is_parametrized(module):
+            continue
+        own = type(module)
+        first = shared.setdefault((own.__bases__, tuple(sorted(vars(own)))), own)
+        if first is not own:
+            module.__class__ = first
+            record(functools.partial(_restore_class, module, first, own))
+
+
+def _restore_class(module: nn.Module, shared: type, own: type) -> None:
+    if type(module) is shared:  # not replaced since (a wrapper's class): that one stays
+        module.__class__ = own
 
 
 def _stacked_tensors(module: nn.Module, plists: list) -> dict[str, torch.Tensor]:

@@ -95,6 +95,14 @@ class Layout:
         """For FSDP2 (``fsdp2`` layouts only): the plan rebuilt on every call around the module's live stacks."""
         raise NotImplementedError(f"the {self.name} layout is not served under FSDP2")
 
+    def stock(self, forward: Any) -> Any:
+        """The stock forward as the run-time fallback calls it while patched (by default, as it is)."""
+        return forward
+
+    def share(self, modules: list[nn.Module], record: Any, fsdp2: bool) -> None:
+        """While patched, make the served modules of this layout look alike to ``torch.compile`` (one compiled code
+        for every decoder layer), each change's restore step going to ``record``; by default nothing differs."""
+
 
 def expert_mlp_names(expert: nn.Module) -> tuple[str, str, str] | None:
     """The (gate, up, down) projection names of one expert MLP, or None when it is not a gated MLP."""

@@ -23,12 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
-def _gmm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    fn = getattr(F, "grouped_mm", None)
-    if fn is not None:
-        return fn(mat_a, mat_b, offs=offs)
-    return torch._grouped_mm(mat_a, mat_b, offs=offs)
+from ._custom_ops import grouped_mm  # while Dynamo traces, an op with a fake for every dtype
 
 
 def rank_multiple(dtype: torch.dtype) -> int:
@@ -73,8 +68,8 @@ class _SplitLora(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, a, b, offs, scaling, tokens=None, index=None):
-        xa = _gmm(x, a.transpose(1, 2), offs)  # [S, r]
-        y = _gmm(xa, b.transpose(1, 2), offs)  # [S, out]
+        xa = grouped_mm(x, a.transpose(1, 2), offs)  # [S, r]
+        y = grouped_mm(xa, b.transpose(1, 2), offs)  # [S, out]
         ctx.save_for_backward(x if tokens is None else None, a, b, offs, xa, tokens, index)
         ctx.scaling = scaling
         return y * scaling
@@ -86,14 +81,14 @@ class _SplitLora(torch.autograd.Function):
             x = tokens.index_select(0, index).to(a.dtype)
         g = (gy * ctx.scaling).contiguous()
         empty = _empty_groups(offs).view(-1, 1, 1)
-        gxa = _gmm(g, b, offs)  # [S, r]: dY_e @ B_e
+        gxa = grouped_mm(g, b, offs)  # [S, r]: dY_e @ B_e
         db = da = dx = None
         if ctx.needs_input_grad[2]:
-            db = _gmm(g.t(), xa, offs).masked_fill_(empty, 0)  # [E, out, r]: dY_e^T @ xa_e
+            db = grouped_mm(g.t(), xa, offs).masked_fill_(empty, 0)  # [E, out, r]: dY_e^T @ xa_e
         if ctx.needs_input_grad[1]:
-            da = _gmm(gxa.t(), x, offs).masked_fill_(empty, 0)  # [E, r, in]: gxa_e^T @ x_e
+            da = grouped_mm(gxa.t(), x, offs).masked_fill_(empty, 0)  # [E, r, in]: gxa_e^T @ x_e
         if ctx.needs_input_grad[0]:
-            dx = _gmm(gxa, a, offs)  # [S, in]
+            dx = grouped_mm(gxa, a, offs)  # [S, in]
         return dx, da, db, None, None, None, None
 
 

@@ -24,15 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._custom_ops import grouped_proj4bit, rows_backward, rows_forward
 from ._stacks import PackedStack
-
-
-def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``[S, K] x [G, K, N] -> [S, N]``, rows split into groups by the int32 cumulative ends ``offs``."""
-    fn = getattr(torch.nn.functional, "grouped_mm", None)
-    if fn is not None:
-        return fn(mat_a, mat_b, offs=offs)
-    return torch._grouped_mm(mat_a, mat_b, offs=offs)
 
 
 @dataclass
@@ -63,12 +56,20 @@ class Projection:
         return hit[2]
 
     def forward(self, inp: torch.Tensor, w: torch.Tensor, routing: Routing) -> torch.Tensor:
-        mat_b = w if self.in_major else w.transpose(1, 2)  # a transposed view, never a copy
-        return self._epilogue(grouped_mm(inp.to(w.dtype).contiguous(), mat_b, routing.offs), inp, routing)
+        return self._epilogue(rows_forward(inp, w, routing.offs, self.in_major), inp, routing)
 
     def backward(self, grad: torch.Tensor, w: torch.Tensor, routing: Routing, inp_dtype: torch.dtype) -> torch.Tensor:
-        mat_b = w.transpose(1, 2) if self.in_major else w
-        return grouped_mm(grad.to(w.dtype).contiguous(), mat_b, routing.offs).to(inp_dtype)
+        return rows_backward(grad, w, routing.offs, self.in_major, inp_dtype)
+
+    def packed_forward(self, inp: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """:meth:`forward` as one ``leantrain::grouped_proj4bit`` op (for code Dynamo traces): the same kernels and
+        bits, and its backward dequantizes the stack again, so a compiled forward saves no dequantized stack."""
+        stack, dtype = self.stack, self.dtype_for(inp)
+        out = grouped_proj4bit(
+            inp, stack.data, stack.absmax_fp32(), routing.offs, self.bias_for(dtype), routing.eid, list(stack.shape),
+            stack.blocksize, stack.quant_type, self.in_major, dtype,
+        )  # fmt: skip
+        return out.to(inp.dtype) if self.restore_dtype else out
 
     def _epilogue(self, out: torch.Tensor, inp: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The forward's tail: the bias per group, then the dtype policy."""
@@ -166,6 +167,11 @@ class _GroupedProjection(torch.autograd.Function):
 
 
 def _project(plan: ExpertsPlan, inp: torch.Tensor, proj: Projection, routing: Routing) -> torch.Tensor:
+    """One projection of the expert-sorted rows. Eager: ``_GroupedProjection`` (no custom-op dispatch per call).
+    While Dynamo traces with ``recompute`` on: the projection op, whose backward dequantizes again (traced,
+    ``_GroupedProjection``'s recompute would be undone by the partitioner, which may save the dequantized stack)."""
+    if plan.recompute and torch.compiler.is_compiling():
+        return proj.packed_forward(inp, routing)
     return _GroupedProjection.apply(inp, proj, routing, plan.recompute)
 
 

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..fallback import EAGER_CHECK_ATTR, TRACEABLE_ATTR
 from . import _adapters
 from .ops import ExpertsPlan
-from .plan import Target
-from .registry import plan_provider
+from .plan import Check, Target
+from .registry import LAYOUTS, layout_of, plan_provider
 
 
 ROUTING_INDEX_NAMES = ("router_indices", "top_k_index", "topk_ids")
@@ -32,11 +33,15 @@ def routing_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return indices, weights
 
 
-def experts_forward(plan_for: PlanFor, fallback: Any) -> Callable:
-    """``Undo.wrap_method`` factory: the experts module's forward through the grouped path, stock on failure."""
+def experts_forward(plan_for: PlanFor, fallback: Any, as_stock: Callable = lambda forward: forward) -> Callable:
+    """``Undo.wrap_method`` factory: the experts module's forward through the grouped path, stock on failure
+    (``as_stock``: the stock forward as the layout runs it while patched). Marked traceable: a compiled decoder
+    layer traces it (the grouped path's custom ops) instead of taking it back to the stock loop."""
 
     def make(original):
         from .ops import grouped_forward  # looked up at patch time (tests spy on it)
+
+        stock = as_stock(original)
 
         def fast(hidden_states, *args, **kwargs):
             indices, weights = routing_args(args, kwargs)
@@ -44,11 +49,27 @@ def experts_forward(plan_for: PlanFor, fallback: Any) -> Callable:
             return grouped_forward(plan, hidden_states, indices, weights)
 
         def forward(hidden_states, *args, **kwargs):
-            return fallback.call_at(fast, fast, original, hidden_states, *args, **kwargs)  # fast: one per module
+            return fallback.call_at(fast, fast, stock, hidden_states, *args, **kwargs)  # fast: one per module
 
+        setattr(forward, TRACEABLE_ATTR, True)
         return forward
 
     return make
+
+
+def eager_check(check: Check, fallback: Any) -> Callable[[], None]:
+    """The plan's module check without inputs, through the run-time fallback: what a compiled layer runs eagerly
+    before its compiled code (``fallback.EAGER_CHECK_ATTR``), where the traced forward skips the check. A failed
+    check warns once, marks moe4bit failed and the experts take the stock path (strict mode raises)."""
+
+    def run() -> None:
+        fallback.call(check.unchanged, _nothing)
+
+    return run
+
+
+def _nothing() -> None:
+    return None
 
 
 def route_top_k(router_logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype):
@@ -100,14 +121,28 @@ def install(target: Target, fsdp2: bool, undo: Any, fallback: Any) -> _adapters.
     ParamWrapper under ``target_parameters`` LoRA, whose stock fallback folds the adapters in as PEFT would:
     ``_adapters.stock_forward``). Returns the adapters' provider (None: no adapters)."""
     adapters = _adapters.provider(target.adapters, target.module, undo.push)
-    plan_for = _adapters.with_adapters(plan_provider(target, fsdp2, undo.push), adapters)
+    plan_for, check = plan_provider(target, fsdp2, undo.push)
+    plan_for = _adapters.with_adapters(plan_for, adapters)
     recipe = target.recipe
     if recipe is not None and recipe.hook == "forward":
         make = block_forward(target.module, plan_for, recipe.normalize, recipe.shared, fallback)
     else:
-        make = experts_forward(plan_for, fallback)
-        if target.owner is not target.module:  # PEFT's ParamWrapper forward is wrong on 4-bit stacks
-            stock = _adapters.stock_forward(target.module, target.adapters.chain)
-            make = (lambda fast: lambda original: fast(stock))(make)
+        as_stock = layout_of(target).stock
+        if target.owner is target.module:
+            make = experts_forward(plan_for, fallback, as_stock)
+        else:  # PEFT's ParamWrapper forward is wrong on 4-bit stacks
+            stock = _adapters.stock_forward(target.module, target.adapters.chain, as_stock)
+            make = (lambda fast: lambda original: fast(stock))(experts_forward(plan_for, fallback))
     undo.wrap_method(target.owner, target.hook, make)
+    if check is not None:
+        undo.set_attr(target.module, EAGER_CHECK_ATTR, eager_check(check, fallback))
     return adapters
+
+
+def share(targets: list[Target], fsdp2: bool, undo: Any) -> None:
+    """After every target is installed: each layout makes its served modules look alike to ``torch.compile``
+    (``Layout.share``: one compiled code for every decoder layer), every change recorded on ``undo``."""
+    for name, layout in LAYOUTS.items():
+        modules = [t.module for t in targets if t.layout == name]
+        if modules:
+            layout.share(modules, undo.push, fsdp2)

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fallback import compiling
 from ._stacks import Record, state_tensors
 from .layouts import BlockRecipe, Found
 from .ops import ExpertsPlan
 from .saved import clone_shared_on_save
 
 
-Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 PlanFor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], ExpertsPlan]
 
 
@@ -104,23 +104,37 @@ def _plan_device(plan: ExpertsPlan) -> torch.device:
     return plan.gate_up.stack.data.device
 
 
-def make_check(plan: ExpertsPlan, snapshot: Callable[[], tuple], frozen: Callable[[], bool], what: str) -> Check:
+class PlanCheck:
     """The per-call guard run before any kernel: the module still holds exactly the tensors the plan was built from
     (same objects, pointers, devices, dtypes, versions) and the inputs are on the plan's device. Host-side
-    attribute reads only (no device sync)."""
-    device, base = _plan_device(plan), snapshot()
+    attribute reads only (no device sync). :meth:`unchanged` is the module half alone (no inputs needed): what a
+    compiled layer runs eagerly before its compiled code (Dynamo cannot trace pointer and version reads)."""
 
-    def check(hidden_states: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> None:
-        if snapshot() != base:
-            if not frozen():
-                raise RuntimeError(f"{what} were unfrozen after patching")
-            raise RuntimeError(f"{what} were moved, cast, reloaded or replaced after patching")
+    def __init__(self, plan: ExpertsPlan, snapshot: Callable[[], tuple], frozen: Callable[[], bool], what: str):
+        self.device, self.base = _plan_device(plan), snapshot()
+        self.snapshot, self.frozen, self.what = snapshot, frozen, what
+
+    def unchanged(self) -> None:
+        if self.snapshot() != self.base:
+            if not self.frozen():
+                raise RuntimeError(f"{self.what} were unfrozen after patching")
+            raise RuntimeError(f"{self.what} were moved, cast, reloaded or replaced after patching")
+
+    def __call__(self, hidden_states: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> None:
+        self.unchanged()
+        device = self.device
         if hidden_states.device != device or indices.device != device or weights.device != device:
             raise RuntimeError(
                 f"experts inputs on {hidden_states.device} / {indices.device} / {weights.device}, experts on {device}"
             )
 
-    return check
+
+Check = PlanCheck
+
+
+def make_check(plan: ExpertsPlan, snapshot: Callable[[], tuple], frozen: Callable[[], bool], what: str) -> Check:
+    """The per-call check of a plan built from what ``snapshot`` reads (``frozen``: whether the stacks still are)."""
+    return PlanCheck(plan, snapshot, frozen, what)
 
 
 def clone_stacks_on_save(module: nn.Module, stacks: list, record: Record) -> None:
@@ -131,10 +145,14 @@ def clone_stacks_on_save(module: nn.Module, stacks: list, record: Record) -> Non
 
 
 def fixed(plan: ExpertsPlan, check: Callable) -> PlanFor:
-    """A plan built at patch time, served after the per-call check (a moved model takes the stock path)."""
+    """A plan built at patch time, served after the per-call check (a moved model takes the stock path). While
+    Dynamo traces, the check is skipped: its host-side reads cannot be traced, and a guard on the plan's tensors
+    would not catch what it exists for (the plan holds the old tensors). A compiled layer runs
+    :meth:`PlanCheck.unchanged` eagerly before its compiled code instead (``fallback.EAGER_CHECK_ATTR``)."""
 
     def plan_for(hidden_states, indices, weights):
-        check(hidden_states, indices, weights)
+        if not compiling():
+            check(hidden_states, indices, weights)
         return plan
 
     return plan_for

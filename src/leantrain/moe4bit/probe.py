@@ -15,8 +15,8 @@ from torch import nn
 from ..models import data_parallel_reason, unwrap_model
 from ..optimization import PatchContext, Readiness, optional_import_reason
 from . import _adapters, measured, recompute
+from ._custom_ops import grouped_mm
 from .layouts import Found
-from .ops import grouped_mm
 from .plan import ModelPlan, Target
 from .registry import find_experts, layout_of
 

@@ -38,9 +38,11 @@ def build_plan(found: Found, record: Record, recompute: bool) -> tuple[ExpertsPl
     return layout_of(found).build_plan(found.module, record, recompute)
 
 
-def plan_provider(target: Target, fsdp2: bool, record: Record) -> PlanFor:
+def plan_provider(target: Target, fsdp2: bool, record: Record) -> tuple[PlanFor, Check | None]:
     """Per call, the plan for ``target``: built now (consolidating per-expert stacks, each restore step going to
-    ``record``) and checked per call, or under FSDP2 rebuilt per call around the unsharded stacks."""
+    ``record``) and checked per call, or under FSDP2 rebuilt per call around the unsharded stacks; with the check
+    (None under FSDP2, whose per-call plan checks what it reads)."""
     if fsdp2:
-        return layout_of(target).live_plan(target.module, target.recompute)
-    return fixed(*build_plan(target, record, target.recompute))
+        return layout_of(target).live_plan(target.module, target.recompute), None
+    plan, check = build_plan(target, record, target.recompute)
+    return fixed(plan, check), check
