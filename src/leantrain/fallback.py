@@ -79,8 +79,22 @@ class RuntimeFallback:
         took = self._took.get(site) if recomputing() else None
         if took is not None:
             return (fast if took else stock)(*args, **kwargs)
-        out = self.call(fast, stock, *args, **kwargs)
-        self._took[site] = self.failed is None
+        if self.failed is not None:
+            self._took[site] = False
+            return stock(*args, **kwargs)
+        try:
+            out = fast(*args, **kwargs)
+        except _CONTROL_FLOW:
+            raise
+        except Exception as error:
+            if self.strict:
+                raise
+            self.fail(f"{type(error).__name__}: {error}")
+            self._took[site] = False
+            return stock(*args, **kwargs)
+        # the fast path ran to the end, even where the fallback tripped inside it (a compile past the recompile
+        # limit): its recompute must run it again to save the same tensors
+        self._took[site] = True
         return out
 
     def call(self, fast: Callable[..., Any], stock: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

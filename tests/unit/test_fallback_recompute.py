@@ -71,3 +71,30 @@ def test_switching_paths_in_a_recompute_is_what_breaks_non_reentrant_checkpointi
 
 def test_outside_a_backward_nothing_is_recomputing():
     assert not recomputing()
+
+
+@pytest.mark.expect_fallback
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_fallback_tripped_inside_the_fast_path_recomputes_it_fast(reentrant):
+    """The fallback trips while the fast path runs and the fast path still finishes (compile_layers past its recompile
+    limit inside a layer's forward: the graph being compiled runs as traced, the next calls take the stock path). That
+    forward took the fast path, so its recompute must too, though the fallback has failed by then."""
+    fallback = RuntimeFallback("test", strict=False)
+
+    def tripping_fast(x: torch.Tensor) -> torch.Tensor:
+        if not recomputing():
+            fallback.fail("injected inside the fast path")
+        return fast(x)
+
+    class TrippingSite(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return fallback.call_at(self, tripping_fast, stock, x)
+
+    x = torch.linspace(-1, 1, 8, requires_grad=True)
+    h = checkpoint(TrippingSite(), x, use_reentrant=reentrant)
+    h = checkpoint(Site(fallback, trip=False, use_call_at=True), h, use_reentrant=reentrant)  # after: stock
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h.sum().backward()
+    assert fallback.failed == "injected inside the fast path"
+    assert torch.equal(x.grad, reference())  # the first site fast, the second stock
