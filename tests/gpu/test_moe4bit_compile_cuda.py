@@ -40,12 +40,17 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def patched(device: torch.device, tmp_path, moe4bit: bool, compiled: bool):
-    """The tiny 4-bit Qwen3-MoE (bf16 compute) and its trainer, patched with moe4bit and/or compile_layers only."""
+def patched(device: torch.device, tmp_path, moe4bit: bool, compiled: bool, router: bool = False):
+    """The tiny 4-bit Qwen3-MoE (bf16 compute) and its trainer, patched with moe4bit and/or compile_layers only;
+    ``router``: the model returns its router logits (TRL's load-balancing loss) and checkpoints its layers."""
     model = tiny_model("qwen3_moe", seed=0, hidden=128, layers=2, vocab_size=VOCAB, dtype=torch.bfloat16)
     model.set_experts_implementation("eager")  # the stock per-expert loop
     leantrain.quantize_experts_4bit(model)
     model = model.to(device).train()
+    if router:
+        model.config.get_text_config().output_router_logits = True
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], save_strategy="no", seed=0,
                              per_device_train_batch_size=2, max_steps=3, disable_tqdm=True)  # fmt: skip
     ids = torch.randint(3, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(1))
@@ -84,11 +89,13 @@ def assert_close_runs(runs, reference, loss_bound: float, grad_bound: float, wha
             assert err <= grad_bound, f"{what}, batch {step}: {name} relative error {err:.3g} > {grad_bound:.3g}"
 
 
-def test_compiled_moe4bit_layers_match_eager_and_stock_with_one_compile(cuda, tmp_path):
-    stock = run(patched(cuda, tmp_path / "stock", moe4bit=False, compiled=False)[0], cuda)
-    eager = run(patched(cuda, tmp_path / "eager", moe4bit=True, compiled=False)[0], cuda)
+@pytest.mark.parametrize("router", [False, True])
+def test_compiled_moe4bit_layers_match_eager_and_stock_with_one_compile(router, cuda, tmp_path):
+    """``router``: with the router logits captured (the loss adds the load-balancing term) and checkpointing on."""
+    stock = run(patched(cuda, tmp_path / "stock", moe4bit=False, compiled=False, router=router)[0], cuda)
+    eager = run(patched(cuda, tmp_path / "eager", moe4bit=True, compiled=False, router=router)[0], cuda)
     with torch._inductor.config.patch(emulate_precision_casts=True):
-        model, trainer = patched(cuda, tmp_path / "compiled", moe4bit=True, compiled=True)
+        model, trainer = patched(cuda, tmp_path / "compiled", moe4bit=True, compiled=True, router=router)
         compiled = run(model, cuda)
     assert_close_runs(compiled, eager, 4 * U, 8 * U, "compiled vs eager moe4bit")
     assert_close_runs(compiled, stock, 12 * U, 24 * U, "compiled vs the stock loop")

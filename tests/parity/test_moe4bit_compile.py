@@ -364,3 +364,40 @@ def test_4bit_experts_moe4bit_does_not_serve_are_declined_precisely(tmp_path):
         leantrain.patch_trainer(
             make_trainer(model, tmp_path), compile_layers=True, **AOT, **others_off("compile_layers")
         )
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_router_logits_captured_inside_compiled_layers_train_bitwise_with_one_compile(checkpointing, tmp_path):
+    """TRL turns config.output_router_logits on for the MoE load-balancing loss; transformers then records the router
+    logits with a ContextVar hook inside every layer, which Dynamo cannot trace. Compiled, the hook writes into a
+    plain collector (the same keys at every call): one compile, the router logits and the loss with its auxiliary
+    term equal eager moe4bit's bit for bit, with and without checkpointing (whose recompute must run the compiled
+    code again, saving the same tensors)."""
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        model, trainer = lora_model(tmp_path / str(compiled), compiled)
+        model.config.get_text_config().output_router_logits = True
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        runs = []
+        for seed in range(2):
+            model.zero_grad(set_to_none=True)
+            out = model(**batch(seed))
+            out.loss.backward()
+            assert out.aux_loss is not None and len(out.router_logits) == 2  # both layers' logits, in order
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            runs.append((out.loss.detach(), out.aux_loss.detach(), [r.detach() for r in out.router_logits], grads))
+        return runs, trainer
+
+    eager, _ = run(False)
+    compiled, trainer = run(True)
+    assert trainer.leantrain_report["compile_layers"].status is Status.APPLIED
+    for (loss_c, aux_c, logits_c, grads_c), (loss_e, aux_e, logits_e, grads_e) in zip(compiled, eager, strict=True):
+        assert torch.equal(loss_c, loss_e) and torch.equal(aux_c, aux_e)
+        assert all(torch.equal(c, e) for c, e in zip(logits_c, logits_e, strict=True))
+        assert grads_c.keys() == grads_e.keys()
+        assert all(torch.equal(grads_c[n], g) for n, g in grads_e.items()), "gradients differ from eager moe4bit"
+    assert stats(trainer).compiles == 1, stats(trainer).compiles
+    assert trainer.leantrain_report["compile_layers"].status is Status.APPLIED  # no run-time fallback

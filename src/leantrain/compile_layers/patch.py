@@ -10,8 +10,10 @@ the report marked failed), before torch's own limit would make Dynamo run eagerl
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,11 +80,14 @@ def install(
     compiled = torch.compile(private_copy(inner), backend=stats.backend, dynamic=dynamic)
     checks = {id(layer): eager_checks(layer) for _, layer in plan.layers}
 
+    capture = TraceableCapture()
+
     def guarded(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if fallback.failed is None and not recomputing():  # a checkpoint's recompute: its forward checked
             for check in checks.get(id(self), ()):
                 check()
-        return fallback.call_at(self, compiled, inner, self, *args, **kwargs)
+        with capture.around(self):
+            return fallback.call_at(self, compiled, inner, self, *args, **kwargs)
 
     forward = guarded if inner is plan.stock else with_inner(plan.stock, guarded)
     forward.__leantrain_original__ = plan.stock  # type: ignore[attr-defined]
@@ -96,6 +101,64 @@ def install(
         undo.set_attr(module, "forward", types.MethodType(forward, module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken), len(folded)
+
+
+class TraceableCapture:
+    """transformers' captured outputs (an MoE model's router logits, which TRL's load-balancing loss reads) made
+    traceable inside the compiled layers.
+
+    transformers records them with a forward hook on each layer's router that reads the run's collector from a
+    ``ContextVar``; Dynamo cannot trace ``ContextVar.get`` (a graph break in every layer, past the recompile limit on
+    the first step). Its ``CompileableContextVar`` has a plain-attribute mode for traced code (``compiling``,
+    ``global_var``), which it enters only when the whole model is compiled. Around each compiled layer call this turns
+    that mode on with a collector of fresh empty lists (the same keys, so the same guards at every layer and step),
+    and appends what the layer captured to the run's own lists afterwards, in the layer order. A checkpoint's
+    recompute gets a collector of the same keys whose captures are dropped, as transformers' collector is not active
+    in the backward. The eager layers (after a fallback) go through the same collector, with the same result. A
+    collector asking for hidden states is left alone (the hook reads its list's length)."""
+
+    def __init__(self) -> None:
+        self.var = _collector_var()
+        self._keys: weakref.WeakKeyDictionary[Any, dict[str, Any] | None] = weakref.WeakKeyDictionary()
+
+    @contextlib.contextmanager
+    def around(self, site: Any) -> Iterator[None]:
+        var = self.var
+        if var is None or var.compiling:  # no transformers collector, or a whole-model compile set it
+            yield
+            return
+        real = None if recomputing() else var.get()
+        if real is not None and "hidden_states" in real:
+            yield
+            return
+        if recomputing():
+            layout = self._keys.get(site)
+        else:
+            layout = None if real is None else {k: (LIST if isinstance(v, list) else v) for k, v in real.items()}
+            self._keys[site] = layout
+        fresh = None if layout is None else {k: ([] if v is LIST else v) for k, v in layout.items()}
+        var.global_var, var.compiling = fresh, True
+        try:
+            yield
+        finally:
+            var.global_var, var.compiling = None, False
+        if real is not None and fresh is not None:
+            for key, value in fresh.items():
+                if layout[key] is LIST:
+                    real[key].extend(value)
+
+
+LIST = object()  # in a collector's layout: a list the hooks append to
+
+
+def _collector_var() -> Any | None:
+    """transformers' ``CompileableContextVar`` of captured outputs, where this transformers has one."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    var = getattr(output_capturing, "_active_collector", None)
+    return var if all(hasattr(var, name) for name in ("compiling", "global_var", "get")) else None
 
 
 # PEFT's LoRA linears served with the scaling on the rank-r side: (module, class name) -> the forward
