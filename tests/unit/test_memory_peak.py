@@ -81,3 +81,32 @@ def test_the_context_is_the_innermost_frame_in_model_code():
     assert mp.context_label(frames(generated, PLUMB)) == "(outside model code)"
     rows = mp.group_blocks([{"size": mp.GIB, "frames": frames(PLUMB, MLP)}], label=mp.context_label)
     assert rows == [{"where": "transformers/models/llama/modeling_llama.py:1 f", "gib": 1.0, "blocks": 1}]
+
+
+def test_phase_marks_follow_the_layers_forward_then_backward(monkeypatch, tmp_path):
+    """The marks of one step: step begins, each layer's forward end in order, each layer's backward start in reverse
+    (a checkpoint's recompute adds no forward marks), the step's end; the other steps add none. The memory figures
+    come from torch.cuda (a counter stands in for it on CPU: each read one more byte)."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from leantrain.cli.tiny import tiny_model
+    from testkit.batches import pad_right, random_rows
+
+    reads = iter(range(10_000))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: next(reads))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2 * mp.GIB)
+    rec: dict = {}
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", max_steps=3,
+                             per_device_train_batch_size=2, gradient_checkpointing=True, disable_tqdm=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": False})  # fmt: skip
+    model = tiny_model("llama", vocab_size=128, hidden=32, layers=3).train()
+    trainer = Trainer(model=model, args=args, train_dataset=random_rows(8, (12,), 128), data_collator=pad_right)
+    trainer.add_callback(mp.phase_marks_callback(rec, 2))
+    trainer.train()
+    events = [m["at"] for m in rec["phase_marks"]["marks"]]
+    assert rec["phase_marks"]["step"] == 2
+    forward = [f"layer {i} forward ends" for i in range(3)]
+    backward = [f"layer {i} backward starts" for i in (2, 1, 0)]
+    assert events == ["step begins", *forward, *backward, "step ends (after the optimizer step)"]
+    assert all(m["peak_so_far_gib"] == 2.0 for m in rec["phase_marks"]["marks"])
