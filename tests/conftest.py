@@ -70,3 +70,15 @@ def _fallback_fails_the_test(request, monkeypatch):
             "@pytest.mark.expect_fallback if it triggers that on purpose",
             pytrace=False,
         )
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean Dynamo state for a test (its automatic-dynamic profile would otherwise carry widths across tests):
+    ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")`` in a module that compiles."""
+    import torch
+
+    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+        torch._dynamo.reset()
+        yield
+    torch._dynamo.reset()

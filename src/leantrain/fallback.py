@@ -79,36 +79,30 @@ class RuntimeFallback:
         took = self._took.get(site) if recomputing() else None
         if took is not None:
             return (fast if took else stock)(*args, **kwargs)
-        if self.failed is not None:
-            self._took[site] = False
-            return stock(*args, **kwargs)
-        try:
-            out = fast(*args, **kwargs)
-        except _CONTROL_FLOW:
-            raise
-        except Exception as error:
-            if self.strict:
-                raise
-            self.fail(f"{type(error).__name__}: {error}")
-            self._took[site] = False
-            return stock(*args, **kwargs)
-        # the fast path ran to the end, even where the fallback tripped inside it (a compile past the recompile
-        # limit): its recompute must run it again to save the same tensors
-        self._took[site] = True
+        out, took_fast = self._run(fast, stock, args, kwargs)
+        # took_fast even where the fallback tripped inside the fast path and it still ran to the end (a compile past
+        # the recompile limit): its recompute must run it again to save the same tensors
+        self._took[site] = took_fast
         return out
 
     def call(self, fast: Callable[..., Any], stock: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._run(fast, stock, args, kwargs)[0]
+
+    def _run(
+        self, fast: Callable[..., Any], stock: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, bool]:
+        """The result, and whether the fast path produced it."""
         if self.failed is not None:
-            return stock(*args, **kwargs)
+            return stock(*args, **kwargs), False
         try:
-            return fast(*args, **kwargs)
+            return fast(*args, **kwargs), True
         except _CONTROL_FLOW:
             raise
         except Exception as error:
             if self.strict:
                 raise
             self.fail(f"{type(error).__name__}: {error}")
-            return stock(*args, **kwargs)
+            return stock(*args, **kwargs), False
 
     def fail(self, reason: str) -> None:
         if self.failed is not None:

@@ -25,19 +25,11 @@ from leantrain.compile_layers import stats
 from testkit.optimizations import others_off
 
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 bnb = pytest.importorskip("bitsandbytes")
 
 VOCAB, SEQ = 256, 32
 U = 2.0**-8
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
-        torch._dynamo.reset()
-        yield
-    torch._dynamo.reset()
 
 
 def patched(device: torch.device, tmp_path, moe4bit: bool, compiled: bool, router: bool = False):

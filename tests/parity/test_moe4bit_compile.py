@@ -41,15 +41,7 @@ from tests._moe4bit_model import SEQ, VOCAB, make_model, make_trainer  # noqa: E
 AOT = {"compile_layers_backend": "aot_eager"}
 BOTH = {**others_off("compile_layers"), "moe4bit": True}  # compile_layers given by each test
 CASES = [("qwen3_moe", "stacked"), ("gpt_oss", "stacked"), ("gpt_oss", "linear4bit"), ("qwen3_moe", "linear4bit")]
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """A clean Dynamo state per test (its automatic-dynamic profile would otherwise carry widths across tests)."""
-    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
-        torch._dynamo.reset()
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # a clean Dynamo state per test
 
 
 def patched(family: str, layout: str, tmp_path, compiled: bool, **options):
