@@ -330,7 +330,7 @@ def test_trainer_train_runs_patched(tmp_path):
 def test_runtime_fallback_and_unpatch_identity(tmp_path, monkeypatch):
     """An error inside the grouped path warns once and serves the stock forward (same loss); unpatch restores the
     original forwards by identity."""
-    from leantrain.moe4bit import ops
+    from leantrain.moe4bit import _custom_ops
 
     stock = tiny_4bit("qwen2_moe")
     batch = {"input_ids": torch.arange(3, 3 + SEQ).view(1, -1), "labels": torch.arange(3, 3 + SEQ).view(1, -1)}
@@ -344,7 +344,7 @@ def test_runtime_fallback_and_unpatch_identity(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected grouped_mm failure")
 
-    monkeypatch.setattr(ops, "grouped_mm", broken)
+    monkeypatch.setattr(_custom_ops, "grouped_mm", broken)
     with pytest.warns(RuntimeWarning, match="moe4bit failed at run time"):
         loss = model(**batch).loss
     assert torch.equal(loss, stock_loss)
