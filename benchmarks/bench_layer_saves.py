@@ -1,12 +1,15 @@
 """What one LoRA decoder layer keeps for its backward, and what its forward + backward costs, for each way of running
 it: stock (PEFT on transformers' eager layer), compiled with PEFT's own LoRA forward (``compiled_peft``), compiled as
-``compile_layers`` compiles it (the LoRA scaling on the rank-r side), and that with
-``compile_layers_recompute="elementwise"`` (the partition recomputes norms, activations and casts in the backward).
+``compile_layers`` compiles it (the LoRA scaling on the rank-r side, each wide LoRA projection as one GEMM), that with
+PEFT's two GEMMs per LoRA projection (``compiled_two_gemm``: a full-width adapter product beside the base one), and
+with ``compile_layers_recompute="elementwise"`` (the partition recomputes norms, activations and casts in the
+backward).
 
 Under activation checkpointing the backward of each layer first recomputes its forward, so what the layer saves is
 the per-layer part of the training step's peak memory. Counted exactly with ``saved_tensors_hooks`` (every saved
 tensor but the parameters and the layer's input, each storage once), on any device; on CUDA also the peak memory of
-one forward + backward above what was allocated before, and its time (median of ``--reps``).
+one forward + backward above what was allocated before (and of the forward alone: a checkpointed layer's first
+pass), and its time (median of ``--reps``).
 
 Shapes (random-init, bf16, LoRA r16 alpha 32 on the 7 projections, fp32 adapters as PEFT makes them, autocast
 bf16): ``llama-3.2-1b`` and ``qwen2.5-1.5b`` layers. Rows go to ``layer_saves.{json,md}`` in $BENCH_RESULTS (else
@@ -48,7 +51,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  family="llama"),
 }  # fmt: skip
-VARIANTS = ("stock", "compiled_peft", "compiled", "compiled_elementwise")
+VARIANTS = ("stock", "compiled_peft", "compiled_two_gemm", "compiled", "compiled_elementwise")
 GIB = 1024**3
 
 
@@ -85,12 +88,22 @@ def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[.
     if variant != "compiled_peft":  # as compile_layers binds it: the LoRA scaling on the rank-r side
         for module in layer.modules():
             forward = RANK_SIDE.get((type(module).__module__, type(module).__name__))
+            if forward is not None and variant == "compiled_two_gemm" and type(module).__name__ == "Linear":
+                forward = two_gemm_forward
             if forward is not None and scaling_folds(module, "default"):
                 module.forward = types.MethodType(forward, module)
     compile_backend = torch._dynamo.lookup_backend(backend)
     if variant == "compiled_elementwise":
         compile_backend = recomputing_elementwise(compile_backend)
     return torch.compile(layer.forward, backend=compile_backend)
+
+
+def two_gemm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """compile_layers' rank-side LoRA forward with PEFT's two GEMMs (base and adapter products, then their sum) on
+    every projection."""
+    from leantrain.compile_layers.ops import lora_two_gemms
+
+    return lora_two_gemms(self, x, "default")
 
 
 def measure(
@@ -136,6 +149,7 @@ def measure(
         step()
         torch.cuda.synchronize()
         result["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
+        result["forward_peak_gib"] = forward_peak(forward, x, cos, sin, base)
         times = []
         for _ in range(reps):
             start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,6 +162,21 @@ def measure(
         if trace:
             result["trace"] = traced(step)
     return result
+
+
+def forward_peak(
+    forward: Callable[..., Any], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, base: int
+) -> float:
+    """The peak of one forward with autograd recording (a checkpointed layer's first pass under non-reentrant
+    checkpointing: its saves are made, then dropped), GiB above ``base``."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", torch.bfloat16):
+        out = forward(x, position_embeddings=(cos, sin), attention_mask=None)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    del out
+    return peak
 
 
 def traced(step: Callable[[], None]) -> dict[str, Any]:
@@ -190,6 +219,8 @@ def rows_of(shape: str, variant: str, tokens: int, backend: str, result: dict[st
     if "peak_gib" in result:
         peak, ms = result["peak_gib"], result["ms"]
         rows.append(Row(NAME, variant, "fwd+bwd peak", "memory", "GiB", "shape", shape, peak, config=config))
+        forward = result["forward_peak_gib"]
+        rows.append(Row(NAME, variant, "fwd peak", "memory", "GiB", "shape", shape, forward, config=config))
         rows.append(Row(NAME, variant, "fwd+bwd", "speed", "ms", "shape", shape, ms, config=config))
     return rows
 
@@ -204,9 +235,12 @@ def table(rows: list[Row]) -> str:
             if saved is None:
                 continue
             peak, ms = by.get((shape, variant, "fwd+bwd peak")), by.get((shape, variant, "fwd+bwd"))
+            forward = by.get((shape, variant, "fwd peak"))
             lines.append([shape, variant, f"{saved.p50:.3f}", f"{saved.p50 / stock.p50:.2f}x" if stock else "-",
-                          f"{peak.p50:.3f}" if peak else "-", f"{ms.p50:.2f}" if ms else "-"])  # fmt: skip
-    header = ["layer", "variant", "saved for backward, GiB per 8192 tokens", "vs stock", "fwd+bwd peak GiB", "ms"]
+                          f"{forward.p50:.3f}" if forward else "-", f"{peak.p50:.3f}" if peak else "-",
+                          f"{ms.p50:.2f}" if ms else "-"])  # fmt: skip
+    header = ["layer", "variant", "saved for backward, GiB per 8192 tokens", "vs stock", "fwd peak GiB",
+              "fwd+bwd peak GiB", "ms"]  # fmt: skip
     return markdown_table(header, lines)
 
 

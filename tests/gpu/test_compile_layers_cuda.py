@@ -139,10 +139,10 @@ def test_qlora_trains_as_stock(recompute, cuda, tmp_path):
 @pytest.mark.parametrize("quantized", [False, True])
 def test_lora_scaling_on_the_rank_side_gives_the_same_bits(quantized, compiled, cuda, tmp_path):
     """The LoRA forwards compile_layers binds (scaling 16 / 8 = 2 on the rank-r side) against PEFT's, for its plain
-    and its bitsandbytes 4-bit LoRA linear, in bf16 autocast on CUDA, eager and compiled by inductor: output and
-    gradients equal bit for bit (scaling by a power of two commutes with every rounding, so no fusion choice can
-    move a bit)."""
-    from leantrain.compile_layers.ops import lora4bit_scaled_on_rank, lora_scaled_on_rank
+    (as two GEMMs; test_one_gemm_lora_cuda.py bounds the one-GEMM form) and its bitsandbytes 4-bit LoRA linear, in
+    bf16 autocast on CUDA, eager and compiled by inductor: output and gradients equal bit for bit (scaling by a
+    power of two commutes with every rounding, so no fusion choice can move a bit)."""
+    from leantrain.compile_layers.ops import lora4bit_scaled_on_rank, lora_two_gemms
 
     if quantized and importlib.util.find_spec("bitsandbytes") is None:
         pytest.skip("bitsandbytes not installed")
@@ -167,6 +167,6 @@ def test_lora_scaling_on_the_rank_side_gives_the_same_bits(quantized, compiled, 
     torch._dynamo.reset()
     stock = run(type(module).forward)
     torch._dynamo.reset()
-    folded = run(lora4bit_scaled_on_rank if quantized else lora_scaled_on_rank)
+    folded = run(lora4bit_scaled_on_rank if quantized else lambda m, x: lora_two_gemms(m, x, "default"))
     for name, a, b in zip(("output", "input grad", "A grad", "B grad"), stock, folded, strict=True):
         assert torch.equal(a, b), f"{name}: max difference {(a.float() - b.float()).abs().max().item():.3g}"

@@ -421,10 +421,11 @@ def forward_and_grads(module: torch.nn.Module, forward, x: torch.Tensor, grad: t
                                                           (8, torch.float32, True), (2, torch.float32, False),
                                                           (12, torch.float32, False)])  # fmt: skip
 def test_lora_scaling_on_the_rank_side_gives_the_same_bits(alpha, dtype, autocast):
-    """base(x) + B(A(x) * s) against PEFT's base(x) + B(A(x)) * s: for s = 2 and 0.5 (powers of two) every rounding
-    commutes with the scaling, so output and gradients are equal bit for bit, in fp32, bf16 and bf16 autocast; s = 3
-    runs PEFT's own forward (and the patch leaves such a linear alone)."""
-    from leantrain.compile_layers.ops import lora_scaled_on_rank, scaling_folds
+    """base(x) + B(A(x) * s) against PEFT's base(x) + B(A(x)) * s, as two GEMMs: for s = 2 and 0.5 (powers of two)
+    every rounding commutes with the scaling, so output and gradients are equal bit for bit, in fp32, bf16 and bf16
+    autocast; s = 3 runs PEFT's own forward (and the patch leaves such a linear alone). In 16-bit compute the patch
+    makes the wide side one GEMM (test_one_gemm_lora.py bounds that)."""
+    from leantrain.compile_layers.ops import lora_scaled_on_rank, lora_two_gemms, scaling_folds
 
     module = lora_linear(alpha, dtype)
     assert scaling_folds(module, "default") is (alpha != 12)
@@ -432,7 +433,8 @@ def test_lora_scaling_on_the_rank_side_gives_the_same_bits(alpha, dtype, autocas
     x = torch.randn(2, 12, module.in_features, dtype=dtype)
     grad = torch.randn(2, 12, module.out_features)
     stock = forward_and_grads(module, type(module).forward, x, grad, autocast)
-    folded = forward_and_grads(module, lora_scaled_on_rank, x, grad, autocast)
+    two_gemms = lambda m, x: lora_two_gemms(m, x, "default")  # noqa: E731
+    folded = forward_and_grads(module, two_gemms if alpha != 12 else lora_scaled_on_rank, x, grad, autocast)
     assert len(stock) == 4  # output, input grad, A and B grads
     for a, b in zip(stock, folded, strict=True):
         assert torch.equal(a, b)

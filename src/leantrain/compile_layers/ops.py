@@ -89,7 +89,8 @@ def power_of_two(value: Any) -> bool:
 
 def lora_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """PEFT's LoRA ``Linear.forward`` with the adapter's scaling applied to ``lora_A``'s rank-r output instead of
-    ``lora_B``'s full-width one: ``base(x) + B(A(x) * s)`` for PEFT's ``base(x) + B(A(x)) * s``.
+    ``lora_B``'s full-width one: ``base(x) + B(A(x) * s)`` for PEFT's ``base(x) + B(A(x)) * s``, in 16-bit compute
+    with the wide side as one GEMM (``one_gemm_side``, ``OneGemmLora``).
 
     With ``s`` a power of two both are the same bits, forward and backward (scaling by 2^k commutes with every
     rounding). What changes is the backward's memory: PEFT's form makes autograd (and inductor) build ``grad * s``,
@@ -100,11 +101,100 @@ def lora_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kw
     name = rank_side_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
+    side = one_gemm_side(self, x)
+    if side is None:
+        return lora_two_gemms(self, x, name)
+    x_a = self.lora_dropout[name](x)
+    weight, lora_a, lora_b = self.base_layer.weight, self.lora_A[name].weight, self.lora_B[name].weight
+    return OneGemmLora.apply(x, None if x_a is x else x_a, weight, lora_a, lora_b, self.scaling[name], side)
+
+
+def lora_two_gemms(self: torch.nn.Module, x: torch.Tensor, name: Any) -> torch.Tensor:
+    """The rank-side forward as PEFT computes it: the base and the adapter as two GEMMs, summed (PEFT's bits)."""
     result = self.base_layer(x)
     lora_A = self.lora_A[name]
     x = self._cast_input_dtype(x, lora_A.weight.dtype)
     scaled = lora_A(self.lora_dropout[name](x)) * self.scaling[name]
     return (result + self.lora_B[name](scaled)).to(result.dtype)
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def one_gemm_side(module: torch.nn.Module, x: torch.Tensor) -> str | None:
+    """Where a LoRA linear's wide side can be one GEMM: ``"out"`` when its output is the wide side (the forward's
+    base and adapter outputs as one product), ``"in"`` when its input is (the backward's two input gradients as one),
+    None to keep PEFT's two GEMMs: square layers, a bias or hooks on the base linear, a trained base weight, or fp32
+    compute (where the two GEMMs keep PEFT's bits exactly; the memory this saves matters in 16-bit training), and
+    16-bit layers with fp32 adapters outside autocast (PEFT computes those adapters in fp32)."""
+    base = module.base_layer
+    if type(base) is not torch.nn.Linear or base.bias is not None or base.weight.requires_grad:
+        return None
+    if base._forward_hooks or base._forward_pre_hooks or base.in_features == base.out_features:
+        return None
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+    else:  # without autocast PEFT runs the adapter in its own dtype (fp32 adapters: fp32 compute): keep that
+        name = module.active_adapters[0]
+        dtypes = {x.dtype, base.weight.dtype, module.lora_A[name].weight.dtype, module.lora_B[name].weight.dtype}
+        dtype = x.dtype if len(dtypes) == 1 else None
+    if dtype not in HALF:
+        return None
+    return "out" if base.out_features > base.in_features else "in"
+
+
+class OneGemmLora(torch.autograd.Function):
+    """``x W^T + s (x_a A^T) B^T`` with no full-width temporary beside the result (``x_a``: the dropped-out input of
+    the adapter, None when it is ``x``; ``s``: the scaling, applied on the rank-r side).
+
+    The two GEMMs PEFT runs leave a tokens x wide-side product beside the base one until they are summed: at a
+    Llama MLP, the up/gate adapter outputs in the forward and down's adapter input gradient in the backward, each as
+    large as the activation itself. Concatenating along the shared dimension (r columns more) makes each one GEMM:
+    ``side="out"``: ``[x, s x_a A^T] @ [W, B]^T``; ``side="in"``: ``dx = [dy, s dy B] @ [W; A]``. The other
+    direction keeps PEFT's ops, so its results are PEFT's bits; the concatenated one rounds once where PEFT rounds
+    the two products and their sum (within one 16-bit ulp of the result's terms). The weights' copies (r rows or
+    columns more) cost a few percent of one GEMM's traffic, against the full-width temporary they spare.
+    Adapter gradients come back in the adapters' dtype, computed as autocast's linear computes them (16-bit GEMM,
+    then cast); the base weight is frozen (``one_gemm_side`` checks)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, x_a: torch.Tensor | None, weight: torch.Tensor, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scale: float, side: str) -> torch.Tensor:  # fmt: skip
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x16 = x.to(dtype)
+        x_a16 = x16 if x_a is None else x_a.to(dtype)
+        w, a, b = weight.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
+        scaled = torch.nn.functional.linear(x_a16, a) * scale
+        if side == "out":
+            out = torch.nn.functional.linear(torch.cat([x16, scaled], -1), torch.cat([w, b], -1))
+        else:
+            out = torch.nn.functional.linear(x16, w) + torch.nn.functional.linear(scaled, b)
+        ctx.save_for_backward(x_a16, scaled, weight, lora_a, lora_b)
+        ctx.scale, ctx.side, ctx.shared = scale, side, x_a is None
+        ctx.x_dtype, ctx.x_a_dtype = x.dtype, None if x_a is None else x_a.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_a16, scaled, weight, lora_a, lora_b = ctx.saved_tensors
+        dtype = scaled.dtype
+        grad = grad.to(dtype)
+        w, a, b = weight.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
+        grad_scaled = grad @ b
+        grad_a_out = grad_scaled * ctx.scale
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_b = (rows.t() @ scaled.reshape(-1, scaled.shape[-1])).to(lora_b.dtype)
+        grad_a = grad_a_out.reshape(-1, grad_a_out.shape[-1]).t() @ x_a16.reshape(-1, x_a16.shape[-1])
+        grad_a = grad_a.to(lora_a.dtype)
+        if ctx.side == "in" and ctx.shared:
+            grad_x = (torch.cat([grad, grad_a_out], -1) @ torch.cat([w, a], 0)).to(ctx.x_dtype)
+            return grad_x, None, None, grad_a, grad_b, None, None
+        # each input gradient in its input's dtype before they add up, as autograd sums the two paths'
+        grad_x = (grad @ w).to(ctx.x_dtype)
+        grad_x_a = (grad_a_out @ a).to(ctx.x_dtype if ctx.shared else ctx.x_a_dtype)
+        if ctx.shared:
+            return grad_x + grad_x_a, None, None, grad_a, grad_b, None, None
+        return grad_x, grad_x_a, None, grad_a, grad_b, None, None
 
 
 def lora4bit_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
