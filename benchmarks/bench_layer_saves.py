@@ -88,7 +88,7 @@ def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[.
     if variant != "compiled_peft":  # as compile_layers binds it: the LoRA scaling on the rank-r side
         for module in layer.modules():
             forward = RANK_SIDE.get((type(module).__module__, type(module).__name__))
-            if forward is not None and variant == "compiled_two_gemm" and type(module).__name__ == "Linear":
+            if forward is not None and variant == "compiled_two_gemm":
                 forward = two_gemm_forward
             if forward is not None and scaling_folds(module, "default"):
                 module.forward = types.MethodType(forward, module)
@@ -103,6 +103,9 @@ def two_gemm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     every projection."""
     from leantrain.compile_layers.ops import lora_two_gemms
 
+    if type(self).__name__ == "Linear4bit":  # QLoRA, in autocast: the 4-bit GEMM, the adapter's, their sum
+        adapter = self.lora_B["default"](self.lora_A["default"](x) * self.scaling["default"])
+        return self.base_layer(x).clone() + adapter
     return lora_two_gemms(self, x, "default")
 
 

@@ -46,13 +46,16 @@ def forward_and_grads(
 
 
 def operands(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The 16-bit operands both forms multiply (bf16 autocast): x, W, A, B, the scaled rank-r activation and its
-    gradient, flattened to rows."""
+    """The 16-bit operands both forms multiply (bf16 autocast): x, W (dequantized from 4 bits where the base is
+    bitsandbytes'), A, B, the scaled rank-r activation and its gradient, flattened to rows."""
     bf16 = torch.bfloat16
     s = module.scaling["default"]
     x16 = x.to(bf16).reshape(-1, x.shape[-1])
     dy = grad.to(bf16).reshape(-1, grad.shape[-1])
-    w = module.base_layer.weight.to(bf16)
+    from leantrain.compile_layers.ops import dense_weight
+
+    weight = module.base_layer.weight
+    w = dense_weight(weight, getattr(weight, "quant_state", None), bf16)
     a, b = module.lora_A["default"].weight.to(bf16), module.lora_B["default"].weight.to(bf16)
     scaled = ((x16 @ a.t()) * s).to(bf16)
     grad_scaled = ((dy @ b) * s).to(bf16)

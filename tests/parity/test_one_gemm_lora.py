@@ -1,5 +1,6 @@
 """compile_layers' LoRA projection with its wide side as one GEMM (``OneGemmLora``) against PEFT's two GEMMs, on CPU
-in bf16 autocast, eager and traced by ``aot_eager`` (the same aten kernels as eager).
+in bf16 autocast, eager and traced by ``aot_eager`` (the same aten kernels as eager), for plain LoRA and QLoRA (the
+base weight dequantized from nf4).
 
 A wide output (gate/up: out > in) makes the forward one GEMM: the output may differ from PEFT's by the rounding bound
 of ``testkit.lora_gemm`` (one rounding where PEFT rounds two products and their sum); the backward runs PEFT's ops, so
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from leantrain.cli.tiny import tiny_model
-from leantrain.compile_layers.ops import lora_scaled_on_rank, lora_two_gemms, one_gemm_side
+from leantrain.compile_layers.ops import lora4bit_scaled_on_rank, lora_scaled_on_rank, lora_two_gemms, one_gemm_side
 from testkit.lora_gemm import forward_and_grads, operands, sum_of_products_bound
 
 
@@ -28,6 +29,25 @@ def lora_layer(dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> torc
     targets = ["up_proj", "down_proj", "k_proj"]
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets)
     model = peft.get_peft_model(model.to(dtype), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return model.base_model.model.model.layers[0]
+
+
+def qlora_layer() -> torch.nn.Module:
+    """The same layer in bf16 with its linears in bitsandbytes nf4 (double-quantized, bf16 compute), as QLoRA loads
+    them: PEFT wraps them in its 4-bit LoRA class."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from testkit.moe4bit_models import load_in_4bit_like
+
+    model = tiny_model("llama", vocab_size=64, hidden=64, layers=1).to(torch.bfloat16)
+    load_in_4bit_like(model, compute_dtype=torch.bfloat16, double_quant=True)
+    torch.manual_seed(1)
+    targets = ["up_proj", "down_proj", "k_proj"]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -55,17 +75,22 @@ def assert_within(result: torch.Tensor, reference: torch.Tensor, pairs, what: st
 
 @pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize(("name", "side"), [("up", "out"), ("down", "in"), ("k", "in")])
-def test_one_gemm_is_peft_within_one_rounding(name, side, traced):
-    module = projection(lora_layer(), name)
+@pytest.mark.parametrize("quantized", [False, True])
+def test_one_gemm_is_peft_within_one_rounding(quantized, name, side, traced):
+    """Plain LoRA (against the two-GEMM rank-side form, PEFT's bits) and QLoRA (against PEFT's own 4-bit forward:
+    the base weight dequantized as bitsandbytes' 4-bit matmul does)."""
+    module = projection(qlora_layer() if quantized else lora_layer(), name)
+    reference = type(module).forward if quantized else two_gemms
+    assert type(module).__name__ == ("Linear4bit" if quantized else "Linear")
     torch.manual_seed(4)
     x = torch.randn(2, 24, module.in_features).to(torch.bfloat16)
     grad = torch.randn(2, 24, module.out_features)
     with torch.autocast("cpu", torch.bfloat16):
         assert one_gemm_side(module, x) == side
-    forward = lora_scaled_on_rank
+    forward = lora4bit_scaled_on_rank if quantized else lora_scaled_on_rank
     if traced:
-        forward = torch.compile(lora_scaled_on_rank, backend="aot_eager", fullgraph=True)
-    peft_out, peft_dx, peft_da, peft_db = forward_and_grads(module, two_gemms, x, grad, "cpu")
+        forward = torch.compile(forward, backend="aot_eager", fullgraph=True)
+    peft_out, peft_dx, peft_da, peft_db = forward_and_grads(module, reference, x, grad, "cpu")
     out, dx, da, db = forward_and_grads(module, forward, x, grad, "cpu")
     assert torch.equal(da, peft_da) and torch.equal(db, peft_db), "the adapter gradients are PEFT's ops"
     ops = operands(module, x, grad)

@@ -104,9 +104,18 @@ def lora_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kw
     side = one_gemm_side(self, x)
     if side is None:
         return lora_two_gemms(self, x, name)
+    return one_gemm(self, x, name, side)
+
+
+def one_gemm(self: torch.nn.Module, x: torch.Tensor, name: Any, side: str) -> torch.Tensor:
+    """``OneGemmLora`` on a LoRA linear's base weight (plain, or bitsandbytes 4-bit with its quant state)."""
     x_a = self.lora_dropout[name](x)
-    weight, lora_a, lora_b = self.base_layer.weight, self.lora_A[name].weight, self.lora_B[name].weight
-    return OneGemmLora.apply(x, None if x_a is x else x_a, weight, lora_a, lora_b, self.scaling[name], side)
+    weight = self.base_layer.weight
+    quant_state = getattr(weight, "quant_state", None)
+    lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
+    return OneGemmLora.apply(
+        x, None if x_a is x else x_a, weight, quant_state, lora_a, lora_b, self.scaling[name], side
+    )
 
 
 def lora_two_gemms(self: torch.nn.Module, x: torch.Tensor, name: Any) -> torch.Tensor:
@@ -128,7 +137,9 @@ def one_gemm_side(module: torch.nn.Module, x: torch.Tensor) -> str | None:
     compute (where the two GEMMs keep PEFT's bits exactly; the memory this saves matters in 16-bit training), and
     16-bit layers with fp32 adapters outside autocast (PEFT computes those adapters in fp32)."""
     base = module.base_layer
-    if type(base) is not torch.nn.Linear or base.bias is not None or base.weight.requires_grad:
+    if type(base) is not torch.nn.Linear and not is_4bit_linear(base):
+        return None
+    if base.bias is not None or base.weight.requires_grad:
         return None
     if base._forward_hooks or base._forward_pre_hooks or base.in_features == base.out_features:
         return None
@@ -140,7 +151,25 @@ def one_gemm_side(module: torch.nn.Module, x: torch.Tensor) -> str | None:
         dtype = x.dtype if len(dtypes) == 1 else None
     if dtype not in HALF:
         return None
+    # bitsandbytes computes in its compute dtype (else the input's) and dequantizes to the weight's own dtype
+    if is_4bit_linear(base) and not (base.compute_dtype or x.dtype) == base.weight.quant_state.dtype == dtype:
+        return None
     return "out" if base.out_features > base.in_features else "in"
+
+
+def is_4bit_linear(module: torch.nn.Module) -> bool:
+    """bitsandbytes' ``Linear4bit`` (by name: bitsandbytes is not imported here) with its weight's quant state."""
+    return type(module).__name__ == "Linear4bit" and getattr(module.weight, "quant_state", None) is not None
+
+
+def dense_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The base weight in ``dtype``: dequantized from 4 bits when ``quant_state`` is given (bitsandbytes' own
+    dequantize, as its 4-bit matmul's backward does)."""
+    if quant_state is None:
+        return weight.to(dtype)
+    import bitsandbytes.functional as bnb_functional
+
+    return bnb_functional.dequantize_4bit(weight, quant_state).to(dtype)
 
 
 class OneGemmLora(torch.autograd.Function):
@@ -158,19 +187,19 @@ class OneGemmLora(torch.autograd.Function):
     then cast); the base weight is frozen (``one_gemm_side`` checks)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, x_a: torch.Tensor | None, weight: torch.Tensor, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scale: float, side: str) -> torch.Tensor:  # fmt: skip
+    def forward(ctx: Any, x: torch.Tensor, x_a: torch.Tensor | None, weight: torch.Tensor, quant_state: Any,
+                lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, side: str) -> torch.Tensor:  # fmt: skip
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x16 = x.to(dtype)
         x_a16 = x16 if x_a is None else x_a.to(dtype)
-        w, a, b = weight.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
+        w, a, b = dense_weight(weight, quant_state, dtype), lora_a.to(dtype), lora_b.to(dtype)
         scaled = torch.nn.functional.linear(x_a16, a) * scale
         if side == "out":
             out = torch.nn.functional.linear(torch.cat([x16, scaled], -1), torch.cat([w, b], -1))
         else:
             out = torch.nn.functional.linear(x16, w) + torch.nn.functional.linear(scaled, b)
         ctx.save_for_backward(x_a16, scaled, weight, lora_a, lora_b)
-        ctx.scale, ctx.side, ctx.shared = scale, side, x_a is None
+        ctx.scale, ctx.side, ctx.shared, ctx.quant_state = scale, side, x_a is None, quant_state
         ctx.x_dtype, ctx.x_a_dtype = x.dtype, None if x_a is None else x_a.dtype
         return out
 
@@ -179,7 +208,7 @@ class OneGemmLora(torch.autograd.Function):
         x_a16, scaled, weight, lora_a, lora_b = ctx.saved_tensors
         dtype = scaled.dtype
         grad = grad.to(dtype)
-        w, a, b = weight.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
+        w, a, b = dense_weight(weight, ctx.quant_state, dtype), lora_a.to(dtype), lora_b.to(dtype)
         grad_scaled = grad @ b
         grad_a_out = grad_scaled * ctx.scale
         rows = grad.reshape(-1, grad.shape[-1])
@@ -188,13 +217,13 @@ class OneGemmLora(torch.autograd.Function):
         grad_a = grad_a.to(lora_a.dtype)
         if ctx.side == "in" and ctx.shared:
             grad_x = (torch.cat([grad, grad_a_out], -1) @ torch.cat([w, a], 0)).to(ctx.x_dtype)
-            return grad_x, None, None, grad_a, grad_b, None, None
+            return grad_x, None, None, None, grad_a, grad_b, None, None
         # each input gradient in its input's dtype before they add up, as autograd sums the two paths'
         grad_x = (grad @ w).to(ctx.x_dtype)
         grad_x_a = (grad_a_out @ a).to(ctx.x_dtype if ctx.shared else ctx.x_a_dtype)
         if ctx.shared:
-            return grad_x + grad_x_a, None, None, grad_a, grad_b, None, None
-        return grad_x, grad_x_a, None, grad_a, grad_b, None, None
+            return grad_x + grad_x_a, None, None, None, grad_a, grad_b, None, None
+        return grad_x, grad_x_a, None, None, grad_a, grad_b, None, None
 
 
 def lora4bit_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -204,6 +233,9 @@ def lora4bit_scaled_on_rank(self: torch.nn.Module, x: torch.Tensor, *args: Any, 
     name = rank_side_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
+    side = one_gemm_side(self, x)
+    if side is not None:
+        return one_gemm(self, x, name, side)
     result = self.base_layer(x).clone()  # as PEFT: backprop through a view of the 4-bit output can fail
     lora_A = self.lora_A[name]
     convert = not torch.is_autocast_enabled()
