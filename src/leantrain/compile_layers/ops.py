@@ -122,7 +122,11 @@ def lora_two_gemms(self: torch.nn.Module, x: torch.Tensor, name: Any) -> torch.T
     """The rank-side forward as PEFT computes it: the base and the adapter as two GEMMs, summed (PEFT's bits)."""
     result = self.base_layer(x)
     lora_A = self.lora_A[name]
-    x = self._cast_input_dtype(x, lora_A.weight.dtype)
+    # PEFT casts x to the adapter's dtype, which autocast's linear casts straight back: a 16-bit x in its autocast
+    # dtype is then used as is (the same bits both ways), so every projection reading x saves x itself, not a copy
+    device = x.device.type
+    if not (torch.is_autocast_enabled(device) and x.dtype == torch.get_autocast_dtype(device)):
+        x = self._cast_input_dtype(x, lora_A.weight.dtype)
     scaled = lora_A(self.lora_dropout[name](x)) * self.scaling[name]
     return (result + self.lora_B[name](scaled)).to(result.dtype)
 
@@ -208,7 +212,10 @@ class OneGemmLora(torch.autograd.Function):
         x_a16, scaled, weight, lora_a, lora_b = ctx.saved_tensors
         dtype = scaled.dtype
         grad = grad.to(dtype)
-        w, a, b = dense_weight(weight, ctx.quant_state, dtype), lora_a.to(dtype), lora_b.to(dtype)
+        # a 4-bit weight is dequantized again (through a view, so the traced graph cannot merge this with the
+        # forward's dequantize and keep that 16-bit copy for the backward instead)
+        packed = weight if ctx.quant_state is None else weight.view(weight.shape)
+        w, a, b = dense_weight(packed, ctx.quant_state, dtype), lora_a.to(dtype), lora_b.to(dtype)
         grad_scaled = grad @ b
         grad_a_out = grad_scaled * ctx.scale
         rows = grad.reshape(-1, grad.shape[-1])
