@@ -212,9 +212,10 @@ class OneGemmLora(torch.autograd.Function):
         x_a16, scaled, weight, lora_a, lora_b = ctx.saved_tensors
         dtype = scaled.dtype
         grad = grad.to(dtype)
-        # a 4-bit weight is dequantized again (through a view, so the traced graph cannot merge this with the
-        # forward's dequantize and keep that 16-bit copy for the backward instead)
-        packed = weight if ctx.quant_state is None else weight.view(weight.shape)
+        # a 4-bit weight is dequantized again, from a flat view of its packed bytes: a different graph node from the
+        # forward's dequantize, so common-subexpression elimination cannot merge the two into one 16-bit weight kept
+        # for the backward (inductor's partitioner may still keep it: compile_layers.md gives the measured saves)
+        packed = weight if ctx.quant_state is None else weight.view(-1)
         w, a, b = dense_weight(packed, ctx.quant_state, dtype), lora_a.to(dtype), lora_b.to(dtype)
         grad_scaled = grad @ b
         grad_a_out = grad_scaled * ctx.scale
