@@ -1,8 +1,10 @@
 """What one LoRA decoder layer keeps for its backward, and what its forward + backward costs, for each way of running
 it: stock (PEFT on transformers' eager layer), compiled with PEFT's own LoRA forward (``compiled_peft``), compiled as
-``compile_layers`` compiles it (the LoRA scaling on the rank-r side, each wide LoRA projection as one GEMM), that with
-PEFT's two GEMMs per LoRA projection (``compiled_two_gemm``: a full-width adapter product beside the base one), and
-with ``compile_layers_recompute="elementwise"`` (the partition recomputes norms, activations and casts in the
+``compile_layers`` compiles it (``compiled``: the LoRA scaling on the rank-r side, each wide LoRA projection as one
+GEMM, a gated LoRA MLP as one function whose backward runs in row chunks), that with each MLP projection on its own
+(``compiled_projections``: autograd's backward through the three), that with PEFT's two GEMMs per LoRA projection
+(``compiled_two_gemm``: a full-width adapter product beside the base one), and with
+``compile_layers_recompute="elementwise"`` (the partition recomputes norms, activations and casts in the
 backward).
 
 Under activation checkpointing the backward of each layer first recomputes its forward, so what the layer saves is
@@ -51,7 +53,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  family="llama"),
 }  # fmt: skip
-VARIANTS = ("stock", "compiled_peft", "compiled_two_gemm", "compiled", "compiled_elementwise")
+VARIANTS = ("stock", "compiled_peft", "compiled_two_gemm", "compiled_projections", "compiled", "compiled_elementwise")
 GIB = 1024**3
 
 
@@ -82,7 +84,7 @@ def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[.
     """The layer's forward as the variant runs it (the compiled ones as compile_layers builds its backend)."""
     if variant == "stock":
         return layer.forward
-    from leantrain.compile_layers.ops import recomputing_elementwise, scaling_folds
+    from leantrain.compile_layers.ops import gated_lora_mlp, is_gated_lora_mlp, recomputing_elementwise, scaling_folds
     from leantrain.compile_layers.patch import RANK_SIDE
 
     if variant != "compiled_peft":  # as compile_layers binds it: the LoRA scaling on the rank-r side
@@ -92,6 +94,8 @@ def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[.
                 forward = two_gemm_forward
             if forward is not None and scaling_folds(module, "default"):
                 module.forward = types.MethodType(forward, module)
+    if variant in ("compiled", "compiled_elementwise") and is_gated_lora_mlp(layer.mlp):
+        layer.mlp.forward = types.MethodType(gated_lora_mlp, layer.mlp)
     compile_backend = torch._dynamo.lookup_backend(backend)
     if variant == "compiled_elementwise":
         compile_backend = recomputing_elementwise(compile_backend)

@@ -32,12 +32,17 @@ class CompileLayers(Optimization):
     def apply(self, trainer: Any, plan: CompilePlan, ctx: PatchContext) -> Applied:
         from .patch import install
 
-        targets, taken, folded = install(plan, ctx.undo, ctx.fallback, trainer)
+        targets, taken, folded, mlps = install(plan, ctx.undo, ctx.fallback, trainer)
         detail = describe(plan)
         if folded:
             detail += (
                 f"; LoRA scaling applied to the rank-r activations in {folded} linears (a power of two: the same "
                 "bits, without the backward's scaled full-width gradient copies)"
+            )
+        if mlps:
+            detail += (
+                f"; {mlps} gated LoRA MLPs run their backward in row chunks (fewer full-width buffers at the "
+                "MLP's backward peak; the same forward bits)"
             )
         if taken:
             detail += (

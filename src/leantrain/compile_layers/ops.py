@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from . import _triton
+
 
 @dataclass(frozen=True)
 class Payback:
@@ -273,3 +275,173 @@ def scaling_folds(module: torch.nn.Module, name: Any) -> bool:
         and module.lora_B[name].bias is None
         and power_of_two(module.scaling[name])
     )
+
+
+# the stock gated MLPs: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with a SiLU ``act_fn``
+GATED_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+SILU = frozenset({"SiLU", "SiLUActivation"})
+MLP_CHUNKS = 4  # the backward's row chunks: its full-width temporaries are this many times smaller
+MLP_MIN_ROWS = 1024  # ... each of at least this many rows (fewer GEMM launches where the buffers are small anyway)
+
+
+def is_gated_lora_mlp(module: torch.nn.Module) -> bool:
+    """A stock SiLU-gated MLP whose three projections are PEFT LoRA linears on plain ``nn.Linear`` bases."""
+    if type(module).__name__ not in GATED_MLPS or type(getattr(module, "act_fn", None)).__name__ not in SILU:
+        return False
+    projections = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return all(type(p).__name__ == "Linear" and type(getattr(p, "base_layer", None)) is torch.nn.Linear
+               for p in projections)  # fmt: skip
+
+
+def gated_lora_mlp(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's forward as ``GatedLoraMlp`` where its three LoRA projections take the one-GEMM path (one active
+    vanilla adapter of power-of-two scaling without dropout on each; gate and up wide at the output, down at the
+    input; no hooks on the projections or the activation), else the stock forward (whose projections run
+    ``lora_scaled_on_rank``)."""
+    gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+    names = {rank_side_adapter(p, (), {}) for p in (gate, up, down)}
+    name = names.pop() if len(names) == 1 else None
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (gate, up, down, self.act_fn))
+    if name is None or hooked or not all(type(p.lora_dropout[name]) is torch.nn.Identity for p in (gate, up, down)):
+        return type(self).forward(self, x)
+    if (one_gemm_side(gate, x), one_gemm_side(up, x), one_gemm_side(down, x)) != ("out", "out", "in"):
+        return type(self).forward(self, x)
+    projections = (gate, up, down)
+    weights = [t for p in projections for t in (p.base_layer.weight, p.lora_A[name].weight, p.lora_B[name].weight)]
+    scales = [float(p.scaling[name]) for p in (gate, up, down)]
+    return GatedLoraMlp.apply(x, scales, *weights)
+
+
+class GatedLoraMlp(torch.autograd.Function):
+    """``down(silu(gate(x)) * up(x))`` with the three projections as ``OneGemmLora`` computes them (the forward's
+    very ops: the same bits), and a backward that runs over row chunks (``lora_mlp_backward``).
+
+    Autograd's backward of the three projections holds four tokens x intermediate buffers at once: the saved gate
+    and up outputs, the gradient of their product and one of the gradients of gate or up. Unsloth's fused LoRA MLP
+    holds three (its kernel overwrites the saved outputs). Here the saved outputs are kept and the rest is built a
+    chunk of rows at a time: two such buffers plus two chunk-sized ones. The input gradient's rows are computed as
+    autograd computes them, up to the order of the rounded additions; the adapters' gradients (sums over rows) are
+    summed over the chunks in fp32, each chunk's GEMM rounded to the compute dtype (one chunk: autograd's ops)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scales: list[float], *weights: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x16 = x.to(dtype)
+        w_g, a_g, b_g, w_u, a_u, b_u, w_d, a_d, b_d = (t.to(dtype) for t in weights)
+        s_g, s_u, s_d = scales
+        scaled_g = torch.nn.functional.linear(x16, a_g) * s_g
+        gate = torch.nn.functional.linear(torch.cat([x16, scaled_g], -1), torch.cat([w_g, b_g], -1))
+        scaled_u = torch.nn.functional.linear(x16, a_u) * s_u
+        up = torch.nn.functional.linear(torch.cat([x16, scaled_u], -1), torch.cat([w_u, b_u], -1))
+        h = torch.nn.functional.silu(gate) * up
+        scaled_d = torch.nn.functional.linear(h, a_d) * s_d
+        out = torch.nn.functional.linear(h, w_d) + torch.nn.functional.linear(scaled_d, b_d)
+        ctx.save_for_backward(x16, gate, up, scaled_g, scaled_u, scaled_d, *weights)
+        ctx.scales, ctx.x_dtype = scales, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x16, gate, up, scaled_g, scaled_u, scaled_d, *weights = ctx.saved_tensors
+        dtype = gate.dtype
+        grads = lora_mlp_backward(
+            grad.to(dtype), x16, gate, up, scaled_g, scaled_u, scaled_d, [t.to(dtype) for t in weights], ctx.scales,
+            MLP_MIN_ROWS,
+        )  # fmt: skip
+        grad_x, adapter_grads = grads[0], grads[1:]
+        adapters = [t for i, t in enumerate(weights) if i % 3]  # A and B of gate, up, down (the W are frozen)
+        a_g, b_g, a_u, b_u, a_d, b_d = (g.to(a.dtype) for g, a in zip(adapter_grads, adapters, strict=True))
+        return grad_x.to(ctx.x_dtype), None, None, a_g, b_g, None, a_u, b_u, None, a_d, b_d
+
+
+@torch.library.custom_op("leantrain::lora_mlp_backward", mutates_args=())
+def lora_mlp_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    scaled_g: torch.Tensor,
+    scaled_u: torch.Tensor,
+    scaled_d: torch.Tensor,
+    weights: list[torch.Tensor],
+    scales: list[float],
+    min_rows: int,
+) -> list[torch.Tensor]:
+    """The gradients of ``GatedLoraMlp`` (16-bit operands; ``weights``: W, A, B of gate, up and down): the input's
+    (in the compute dtype) and the six adapter weights' (fp32), a chunk of rows at a time (``MLP_CHUNKS`` chunks of
+    at least ``min_rows`` rows). An op of its own so that inductor runs it as one call: traced, its chunks would be
+    scheduled (and fused) together, and their buffers alive together."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    chunk = max(min_rows, -(-n // MLP_CHUNKS), 1)
+    flat = [t.reshape(n, t.shape[-1]) for t in (grad, gate, up, scaled_g, scaled_u, scaled_d)]
+    grad_x = torch.empty_like(rows)
+    sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for i, t in enumerate(weights) if i % 3]
+    for start in range(0, n, chunk):
+        part = slice(start, start + chunk)
+        chunk_grads = mlp_rows_backward(rows[part], *(t[part] for t in flat), weights, scales, grad_x[part])
+        for total, partial in zip(sums, chunk_grads, strict=True):
+            total.add_(partial)
+    return [grad_x.reshape(x.shape), *sums]
+
+
+@lora_mlp_backward.register_fake
+def _lora_mlp_backward_fake(grad, x, gate, up, scaled_g, scaled_u, scaled_d, weights, scales, min_rows):
+    adapters = [t.new_empty(t.shape, dtype=torch.float32) for i, t in enumerate(weights) if i % 3]
+    return [torch.empty_like(x), *adapters]
+
+
+def mlp_rows_backward(
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    scaled_g: torch.Tensor,
+    scaled_u: torch.Tensor,
+    scaled_d: torch.Tensor,
+    weights: list[torch.Tensor],
+    scales: list[float],
+    grad_x: torch.Tensor,
+) -> list[torch.Tensor]:
+    """One chunk of rows of ``lora_mlp_backward``: its input gradient written into ``grad_x`` (a row slice), the
+    six adapter gradients' partial sums returned (each GEMM rounded to the compute dtype, as autograd's)."""
+    w_g, a_g, b_g, w_u, a_u, b_u, w_d, a_d, b_d = weights
+    s_g, s_u, s_d = scales
+    # down: wide at the input
+    grad_scaled_d = (grad @ b_d) * s_d
+    grad_b_d = grad.t() @ scaled_d
+    h = silu_mul(gate, up)
+    grad_a_d = grad_scaled_d.t() @ h
+    del h
+    grad_h = torch.addmm(grad @ w_d, grad_scaled_d, a_d)
+    # the activation: grad_h becomes the gate's gradient, up's is new
+    grad_u = silu_mul_backward_(grad_h, gate, up)
+    grad_g = grad_h
+    # gate and up: wide at the output; their input gradients summed into grad_x
+    grad_scaled_g = (grad_g @ b_g) * s_g
+    grad_scaled_u = (grad_u @ b_u) * s_u
+    grads = [
+        grad_scaled_g.t() @ x, grad_g.t() @ scaled_g, grad_scaled_u.t() @ x, grad_u.t() @ scaled_u, grad_a_d, grad_b_d
+    ]  # fmt: skip
+    torch.mm(grad_g, w_g, out=grad_x)
+    grad_x.addmm_(grad_u, w_u)
+    grad_x.addmm_(torch.cat([grad_scaled_g, grad_scaled_u], -1), torch.cat([a_g, a_u], 0))
+    return grads
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` computed in fp32, rounded once (Triton on CUDA, torch ops elsewhere)."""
+    if g.is_cuda and _triton.triton is not None:
+        return _triton.silu_mul(g, u)
+    return (torch.nn.functional.silu(g.float()) * u.float()).to(g.dtype)
+
+
+def silu_mul_backward_(grad_h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The gradients of ``silu(g) * u``: ``u``'s returned, ``g``'s written over ``grad_h`` (fp32 compute)."""
+    if g.is_cuda and _triton.triton is not None:
+        return _triton.silu_mul_backward_(grad_h, g, u)
+    g32, dh = g.float(), grad_h.float()
+    sig = torch.sigmoid(g32)
+    grad_u = (dh * (g32 * sig)).to(grad_h.dtype)
+    grad_h.copy_(dh * u.float() * (sig * (1 + g32 * (1 - sig))))
+    return grad_u

@@ -23,6 +23,8 @@ from ..fallback import EAGER_CHECK_ATTR, TRACEABLE_ATTR, RuntimeFallback, recomp
 from ..undo import Undo
 from .ops import (
     checkpointing_inner,
+    gated_lora_mlp,
+    is_gated_lora_mlp,
     lora4bit_scaled_on_rank,
     lora_scaled_on_rank,
     recomputing_elementwise,
@@ -66,10 +68,10 @@ class CompileStats(CountingBackend):
 
 def install(
     plan: CompilePlan, undo: Undo, fallback: RuntimeFallback, trainer: Any
-) -> tuple[tuple[str, ...], int, int]:
+) -> tuple[tuple[str, ...], int, int, int]:
     """Bind the compiled forward on every planned layer (each recorded on ``undo``); the qualified names, how many
-    kernel forwards bound inside the layers it took over, and on how many LoRA linears the scaling moved to the rank-r
-    side (``ops.lora_scaled_on_rank``).
+    kernel forwards bound inside the layers it took over, on how many LoRA linears the scaling moved to the rank-r
+    side (``ops.lora_scaled_on_rank``), and how many gated LoRA MLPs run as one function (``ops.gated_lora_mlp``).
 
     The compiled region is the layer's own forward; where transformers checkpoints inside ``forward``
     (``forward_with_checkpointing``), each instance gets a copy of that wrapper calling the compiled forward, so the
@@ -99,8 +101,11 @@ def install(
     folded = lora_linears(plan)
     for module, forward in folded:
         undo.set_attr(module, "forward", types.MethodType(forward, module))
+    mlps = gated_mlps(plan, {id(module) for module, _ in folded})
+    for module in mlps:
+        undo.set_attr(module, "forward", types.MethodType(gated_lora_mlp, module))
     undo.set_attr(trainer, STATS_ATTR, stats)
-    return tuple(name for name, _ in plan.layers), len(taken), len(folded)
+    return tuple(name for name, _ in plan.layers), len(taken), len(folded), len(mlps)
 
 
 class TraceableCapture:
@@ -181,6 +186,19 @@ def lora_linears(plan: CompilePlan) -> list[tuple[torch.nn.Module, Callable[...,
             adapters = list(getattr(module, "lora_A", {}))
             if len(adapters) == 1 and hasattr(module, "_cast_input_dtype") and scaling_folds(module, adapters[0]):
                 found.append((module, forward))
+    return found
+
+
+def gated_mlps(plan: CompilePlan, folded: set[int]) -> list[torch.nn.Module]:
+    """The stock SiLU-gated MLPs inside the layers whose three projections got the rank-side forward (``folded``:
+    their ids) and whose own forward is the class's."""
+    found = []
+    for _, layer in plan.layers:
+        for module in layer.modules():
+            if "forward" in vars(module) or not is_gated_lora_mlp(module):
+                continue
+            if all(id(getattr(module, name)) in folded for name in ("gate_proj", "up_proj", "down_proj")):
+                found.append(module)
     return found
 
 

@@ -1,0 +1,157 @@
+"""compile_layers' gated LoRA MLP on CUDA (``GatedLoraMlp``: the backward a chunk of rows at a time, its elementwise
+steps in Triton) against autograd through the three one-GEMM projections, in bf16 autocast, eager and compiled by
+inductor: every gradient within the rounding bound of ``testkit.lora_mlp`` of the exact one and at most twice the
+stock path's error (in norm); the Triton kernels within one bf16 rounding of the exact values; and the memory it is
+for: a compiled LoRA MLP's forward + backward peaks at least one tokens x intermediate buffer lower."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from leantrain.cli.tiny import tiny_model
+from leantrain.compile_layers import _triton, ops
+from leantrain.compile_layers.ops import gated_lora_mlp, lora_scaled_on_rank
+from testkit.lora_mlp import mlp_bounds
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
+BF16 = torch.bfloat16
+NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_mlp(device: torch.device, hidden: int = 64, intermediate: int = 256) -> torch.nn.Module:
+    """A tiny Llama's MLP in bf16 with LoRA r8 (scaling 2, fp32 adapters) on its projections, B not zero, each
+    projection on the rank-side forward as compile_layers binds it."""
+    import peft
+
+    model = tiny_model("llama", vocab_size=64, hidden=hidden, layers=1)
+    model.config.intermediate_size = intermediate
+    layer = model.model.layers[0]
+    layer.mlp = type(layer.mlp)(model.config)
+    model = model.to(device, BF16)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(NAMES)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    mlp = model.base_model.model.model.layers[0].mlp
+    for name in NAMES:
+        projection = getattr(mlp, name)
+        projection.forward = types.MethodType(lora_scaled_on_rank, projection)
+    return mlp
+
+
+def stock(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(mlp).forward(mlp, x)
+
+
+def run(mlp, forward, x, grad, compiled: bool) -> dict[str, torch.Tensor]:
+    mlp.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    call = torch.compile(lambda t: forward(mlp, t), backend="inductor") if compiled else (lambda t: forward(mlp, t))
+    with torch.autocast("cuda", BF16):
+        out = call(x)
+    out.backward(grad.to(out.dtype))
+    grads = {"out": out, "x": x.grad}
+    for short, name in zip("gud", NAMES, strict=True):
+        projection = getattr(mlp, name)
+        grads[f"a_{short}"] = projection.lora_A["default"].weight.grad
+        grads[f"b_{short}"] = projection.lora_B["default"].weight.grad
+    return grads
+
+
+def operands(mlp, x, grad) -> dict[str, torch.Tensor]:
+    """The 16-bit operands of the backward, captured from the eager gated path (its forward is the projections')."""
+    seen = {}
+    real = ops.lora_mlp_backward
+
+    def capture(*args):
+        seen["args"] = args
+        return real(*args)
+
+    ops.lora_mlp_backward = capture
+    try:
+        run(mlp, gated_lora_mlp, x, grad, compiled=False)
+    finally:
+        ops.lora_mlp_backward = real
+    g, x16, gate, up, scaled_g, scaled_u, scaled_d, weights, _, _ = seen["args"]
+    rows = {"grad": g, "x": x16, "gate": gate, "up": up, "scaled_g": scaled_g, "scaled_u": scaled_u,
+            "scaled_d": scaled_d}  # fmt: skip
+    keys = [f"{w}_{p}" for p in "gud" for w in "wab"]
+    return {**{k: v.reshape(-1, v.shape[-1]) for k, v in rows.items()}, **dict(zip(keys, weights, strict=True))}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_chunked_backward_is_as_close_to_exact_as_autograds(compiled, cuda, monkeypatch):
+    monkeypatch.setattr(ops, "MLP_MIN_ROWS", 1)  # four chunks of 150 rows
+    mlp = lora_mlp(cuda)
+    torch.manual_seed(2)
+    x = torch.randn(2, 300, 64, device=cuda, dtype=BF16)
+    grad = torch.randn(2, 300, 64, device=cuda)
+    reference = run(mlp, stock, x, grad, compiled)
+    result = run(mlp, gated_lora_mlp, x, grad, compiled)
+    if not compiled:
+        assert torch.equal(result["out"], reference["out"])  # the projections' very ops
+    exact, bounds = mlp_bounds(operands(mlp, x, grad), [2.0, 2.0, 2.0], BF16)
+    for key, value in exact.items():
+        for name, grads in (("leantrain", result), ("autograd", reference)):
+            error = (grads[key].double().reshape(value.shape) - value).abs()
+            assert (error <= bounds[key]).all(), f"{name} {key}: {(error / bounds[key]).max():.2f} of the bound"
+        ours = (result[key].double().reshape(value.shape) - value).norm()
+        theirs = (reference[key].double().reshape(value.shape) - value).norm()
+        assert ours <= 2 * theirs + 1e-12 * value.norm(), f"{key}: error {ours:.3g} vs autograd's {theirs:.3g}"
+
+
+def test_the_triton_kernels_round_once(cuda):
+    torch.manual_seed(0)
+    n = 5 * _triton.BLOCK + 3
+    g = (torch.randn(n, device=cuda) * 4).to(BF16)
+    u, dh = torch.randn(n, device=cuda).to(BF16), torch.randn(n, device=cuda).to(BF16)
+    g64, u64, dh64 = g.double(), u.double(), dh.double()
+    sig = torch.sigmoid(g64)
+    dg = dh.clone()
+    du = _triton.silu_mul_backward_(dg, g, u)
+    pairs = [
+        (_triton.silu_mul(g, u), g64 * sig * u64),
+        (du, dh64 * g64 * sig),
+        (dg, dh64 * u64 * sig * (1 + g64 * (1 - sig))),
+    ]
+    for result, exact in pairs:
+        bound = (2.0**-8 + 16 * 2.0**-24) * exact.abs() + 2.0**-133
+        assert ((result.double() - exact).abs() <= bound).all()
+
+
+def peak(mlp: torch.nn.Module, forward, x: torch.Tensor) -> int:
+    """Peak bytes above the start of one compiled forward + backward."""
+    torch._dynamo.reset()
+    call = torch.compile(lambda t: forward(mlp, t), backend="inductor")
+
+    def step() -> None:
+        with torch.autocast("cuda", BF16):
+            out = call(x)
+        out.backward(torch.ones_like(out))
+        mlp.zero_grad(set_to_none=True)
+        x.grad = None
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def test_the_chunked_backward_holds_fewer_wide_buffers(cuda):
+    """8192 tokens through a compiled LoRA MLP (256 -> 2048): autograd's backward holds the saved gate and up
+    outputs, the gradient of their product and one of theirs (four tokens x intermediate buffers); the chunked one
+    the two saved outputs and two quarter-size chunks. At least one buffer lower (1.5 expected)."""
+    mlp = lora_mlp(cuda, hidden=256, intermediate=2048)
+    x = torch.randn(1, 8192, 256, device=cuda, dtype=BF16, requires_grad=True)
+    wide = 8192 * 2048 * 2
+    autograd_peak, chunked_peak = peak(mlp, stock, x), peak(mlp, gated_lora_mlp, x)
+    assert chunked_peak <= autograd_peak - wide, (chunked_peak / wide, autograd_peak / wide)

@@ -1,0 +1,250 @@
+"""compile_layers' gated LoRA MLP (``GatedLoraMlp``: the three one-GEMM projections as one function, its backward a
+chunk of rows at a time in the ``leantrain::lora_mlp_backward`` op) against autograd through the three projections
+(``lora_scaled_on_rank`` each), on CPU in bf16 autocast, eager and traced by ``aot_eager``.
+
+The forward runs the projections' very ops: the same bits. The backward's results are each held to the rounding
+bound of ``testkit.lora_mlp`` against the exact (fp64) gradients of the same 16-bit operands, and to at most twice
+the stock path's own error there (in norm): a dropped term or a 1% error in one adapter's gradient fails that."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from leantrain.cli.tiny import tiny_model
+from leantrain.compile_layers import ops
+from leantrain.compile_layers.ops import GatedLoraMlp, gated_lora_mlp, lora_scaled_on_rank
+from testkit.lora_mlp import mlp_bounds
+
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+BF16 = torch.bfloat16
+NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_mlp(dropout: float = 0.0, targets: tuple[str, ...] = NAMES, family: str = "llama") -> torch.nn.Module:
+    """A tiny model's MLP (bf16 base, fp32 adapters: PEFT's default) with LoRA r=4, alpha 8 (scaling 2) on
+    ``targets``, B not zero, each projection on the rank-side forward as compile_layers binds it."""
+    peft = pytest.importorskip("peft")
+    model = tiny_model(family, vocab_size=64, hidden=64, layers=1).to(BF16)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(targets))
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    mlp = model.base_model.model.model.layers[0].mlp
+    for name in targets:
+        projection = getattr(mlp, name)
+        projection.forward = types.MethodType(lora_scaled_on_rank, projection)
+    return mlp
+
+
+def stock(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(mlp).forward(mlp, x)
+
+
+def adapters(mlp: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for short, name in zip("gud", NAMES, strict=True):
+        projection = getattr(mlp, name)
+        out[f"a_{short}"] = projection.lora_A["default"].weight
+        out[f"b_{short}"] = projection.lora_B["default"].weight
+    return out
+
+
+def gradients(mlp, forward, x, grad, compiled: bool = False) -> dict[str, torch.Tensor]:
+    """The output, the input gradient and the six adapter gradients of one call in bf16 autocast."""
+    mlp.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    call = (lambda t: forward(mlp, t)) if not compiled else torch.compile(
+        lambda t: forward(mlp, t), backend="aot_eager", fullgraph=True
+    )  # fmt: skip
+    with torch.autocast("cpu", BF16):
+        out = call(x)
+    out.backward(grad.to(out.dtype))
+    return {"out": out, "x": x.grad, **{k: w.grad for k, w in adapters(mlp).items()}}
+
+
+def operands(mlp: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The 16-bit operands both backwards multiply: the MLP's input and output gradient, the gate and up outputs
+    the forward saved, the saved rank-r activations, the weights (flattened to rows)."""
+    seen = {}
+
+    def capture(*args):
+        seen["args"] = args
+        return real(*args)
+
+    real = ops.lora_mlp_backward
+    ops.lora_mlp_backward = capture
+    try:
+        gradients(mlp, gated_lora_mlp, x, grad)
+    finally:
+        ops.lora_mlp_backward = real
+    g, x16, gate, up, scaled_g, scaled_u, scaled_d, weights, _, _ = seen["args"]
+    rows = {"grad": g, "x": x16, "gate": gate, "up": up, "scaled_g": scaled_g, "scaled_u": scaled_u}
+    rows = {k: v.reshape(-1, v.shape[-1]) for k, v in {**rows, "scaled_d": scaled_d}.items()}
+    keys = [f"{w}_{p}" for p in "gud" for w in "wab"]
+    return {**rows, **dict(zip(keys, weights, strict=True))}
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("min_rows", [1, 10_000])  # four uneven chunks of rows; one chunk
+def test_the_chunked_backward_is_as_close_to_exact_as_autograds(traced, min_rows, monkeypatch):
+    monkeypatch.setattr(ops, "MLP_MIN_ROWS", min_rows)
+    mlp = lora_mlp()
+    torch.manual_seed(2)
+    x, grad = torch.randn(2, 37, 64), torch.randn(2, 37, 64)  # 74 rows: chunks of 19, 19, 19, 17
+    reference = gradients(mlp, stock, x, grad)
+    result = gradients(mlp, gated_lora_mlp, x, grad, compiled=traced)
+    assert torch.equal(result["out"], reference["out"])  # the projections' very ops
+    scales = [2.0, 2.0, 2.0]
+    exact, bounds = mlp_bounds(operands(mlp, x, grad), scales, BF16)
+    for key, value in exact.items():
+        shape = value.shape
+        for name, run in (("leantrain", result), ("autograd", reference)):
+            error = (run[key].double().reshape(shape) - value).abs()
+            assert (error <= bounds[key]).all(), f"{name} {key}: {(error / bounds[key]).max():.2f} of the bound"
+        ours = (result[key].double().reshape(shape) - value).norm()
+        theirs = (reference[key].double().reshape(shape) - value).norm()
+        assert ours <= 2 * theirs + 1e-12 * value.norm(), f"{key}: error {ours:.3g} vs autograd's {theirs:.3g}"
+
+
+def test_one_percent_off_in_an_adapter_gradient_fails_the_comparison(monkeypatch):
+    """The comparison above resolves a small mistake: each adapter gradient 1% off fails it."""
+    monkeypatch.setattr(ops, "MLP_MIN_ROWS", 1)
+    mlp = lora_mlp()
+    torch.manual_seed(2)
+    x, grad = torch.randn(2, 37, 64), torch.randn(2, 37, 64)
+    reference = gradients(mlp, stock, x, grad)
+    result = gradients(mlp, gated_lora_mlp, x, grad)
+    exact, _ = mlp_bounds(operands(mlp, x, grad), [2.0, 2.0, 2.0], BF16)
+    for key, value in exact.items():
+        off = (result[key].double().reshape(value.shape) * 1.01 - value).norm()
+        theirs = (reference[key].double().reshape(value.shape) - value).norm()
+        assert off > 2 * theirs, key
+
+
+def spy_calls(monkeypatch) -> list:
+    calls = []
+    real = GatedLoraMlp.apply
+    monkeypatch.setattr(GatedLoraMlp, "apply", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("case", "taken"), [("bf16", True), ("fp32", False), ("dropout", False), ("hooked", False), ("disabled", False)]
+)
+def test_where_the_gated_mlp_applies(case, taken, monkeypatch):
+    """16-bit compute with one vanilla adapter on each projection, no dropout, no hooks: else the stock forward
+    (each projection still on its rank-side forward), with the stock forward's result."""
+    mlp = lora_mlp(dropout=0.1 if case == "dropout" else 0.0).eval()  # dropout's module decides, not its draw
+    if case == "fp32":
+        mlp.float()
+    if case == "hooked":
+        mlp.up_proj.register_forward_hook(lambda module, args, out: None)
+    if case == "disabled":
+        for name in NAMES:
+            getattr(mlp, name)._disable_adapters = True  # PEFT's per-layer switch
+    calls = spy_calls(monkeypatch)
+    x = torch.randn(1, 5, 64)
+    with torch.autocast("cpu", BF16, enabled=case != "fp32"):
+        out = gated_lora_mlp(mlp, x)
+        expected = stock(mlp, x)
+    assert bool(calls) is taken, case
+    assert torch.equal(out, expected)
+
+
+def test_only_stock_gated_silu_mlps_with_three_lora_projections_qualify():
+    assert ops.is_gated_lora_mlp(lora_mlp())
+    assert ops.is_gated_lora_mlp(lora_mlp(family="qwen2"))
+    assert not ops.is_gated_lora_mlp(lora_mlp(targets=("gate_proj", "up_proj")))
+    assert not ops.is_gated_lora_mlp(lora_mlp(family="gemma2"))  # a GELU gate
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_bf16_lora_run_trains_through_the_gated_mlps(reentrant, tmp_path, monkeypatch):
+    """``patch_trainer`` binds it on every layer's MLP (a 16-bit LoRA run with checkpointing): the compiled layers
+    run its backward, the losses follow stock's within bf16 rounding, and unpatching restores the
+    class's forwards."""
+    peft = pytest.importorskip("peft")
+    from transformers import Trainer, TrainingArguments
+
+    import leantrain
+    from testkit.batches import pad_right, random_rows
+    from testkit.optimizations import only
+
+    def run(patch: bool):
+        model = tiny_model("llama", vocab_size=256, hidden=64, layers=2).train().to(BF16)
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+        model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)  # bf16 adapters: 16-bit compute
+        args = TrainingArguments(
+            output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3, bf16=True,
+            per_device_train_batch_size=2, max_steps=2, logging_steps=1, disable_tqdm=True, seed=0,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=random_rows(4, (40,), 256), data_collator=pad_right)
+        if patch:
+            leantrain.patch_trainer(trainer, **{**only("compile_layers"), "compile_layers": True,
+                                                "compile_layers_backend": "aot_eager"})  # fmt: skip
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+    stock_losses, _ = run(False)
+    chunks = []  # the op's eager body runs at run time (Dynamo traces ``GatedLoraMlp.apply`` itself, not a spy)
+    real = ops.mlp_rows_backward
+    monkeypatch.setattr(ops, "mlp_rows_backward", lambda *args: chunks.append(1) or real(*args))
+    losses, trainer = run(True)
+    assert "2 gated LoRA MLPs" in trainer.leantrain_report["compile_layers"].detail
+    assert len(chunks) == 2 * 2  # two layers' backwards, two steps, one chunk each (80 rows)
+    for ours, theirs in zip(losses, stock_losses, strict=True):
+        assert abs(ours - theirs) <= 8 * 2.0**-8 * abs(theirs)  # bf16's rounding of a few steps' updates
+    mlps = [layer.mlp for layer in trainer.model.base_model.model.model.layers]
+    leantrain.unpatch_trainer(trainer)
+    assert all("forward" not in vars(mlp) for mlp in mlps)
+
+
+_TRITON_SCRIPT = """
+import torch
+from leantrain.compile_layers import _triton, ops
+torch.manual_seed(0)
+n = 3 * _triton.BLOCK + 17  # a partial last block
+g = (torch.randn(n) * 4).to(torch.bfloat16)
+u, dh = torch.randn(n).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+exact_h = torch.nn.functional.silu(g.double()) * u.double()
+sig = torch.sigmoid(g.double())
+exact_du = dh.double() * g.double() * sig
+exact_dg = dh.double() * u.double() * sig * (1 + g.double() * (1 - sig))
+h = _triton.silu_mul(g, u)
+dg = dh.clone()
+du = _triton.silu_mul_backward_(dg, g, u)
+torch_dg = dh.clone()
+torch_du = ops.silu_mul_backward_(torch_dg, g, u)  # CPU tensors: the torch ops
+worst = 0.0
+for got, ref, exact in ((h, ops.silu_mul(g, u), exact_h), (du, torch_du, exact_du), (dg, torch_dg, exact_dg)):
+    bound = (2.0**-8 + 16 * 2.0**-24) * exact.abs() + 2.0**-133  # one bf16 rounding of an fp32 result
+    # the interpreter casts fp32 to bf16 by truncation (up to one bf16 ulp: twice the rounding's bound)
+    for result, ulps in ((got, 2), (ref, 1)):
+        worst = max(worst, ((result.double() - exact).abs() / (ulps * bound)).max().item())
+print("WORST", worst)
+"""
+
+
+def test_the_triton_elementwise_kernels_round_once_as_the_torch_ops():
+    """The two Triton kernels (CPU interpreter) and the torch ops of the CPU path: each result within one bf16
+    rounding of the exact value (fp32 compute; the interpreter truncates where the GPU rounds, so one bf16 ulp for
+    the kernels here: the CUDA test holds them to the rounding)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worst = float(proc.stdout.split("WORST")[-1])
+    assert worst <= 1, worst
