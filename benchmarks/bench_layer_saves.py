@@ -55,6 +55,7 @@ SHAPES = {
 }  # fmt: skip
 VARIANTS = ("stock", "compiled_peft", "compiled_two_gemm", "compiled_projections", "compiled", "compiled_elementwise")
 GIB = 1024**3
+MLP_CHUNKS = 4  # --mlp-chunks: compile_layers_mlp_chunks
 
 
 def build_layer(shape: str, device: torch.device, quant: bool = False) -> tuple[torch.nn.Module, torch.nn.Module, int]:
@@ -95,7 +96,7 @@ def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[.
             if forward is not None and scaling_folds(module, "default"):
                 module.forward = types.MethodType(forward, module)
     if variant in ("compiled", "compiled_elementwise") and is_gated_lora_mlp(layer.mlp):
-        layer.mlp.forward = types.MethodType(gated_lora_mlp, layer.mlp)
+        layer.mlp.forward = types.MethodType(lambda mlp, x: gated_lora_mlp(mlp, x, MLP_CHUNKS), layer.mlp)
     compile_backend = torch._dynamo.lookup_backend(backend)
     if variant == "compiled_elementwise":
         compile_backend = recomputing_elementwise(compile_backend)
@@ -276,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", action="store_true", help="CUDA: what is alive at one forward + backward's peak")
     parser.add_argument("--quant", action="store_true", help="the layers' linears in nf4 (QLoRA; needs bitsandbytes)")
     parser.add_argument("--config", nargs="*", default=[], help="inductor.NAME=VALUE / functorch.NAME=VALUE")
+    parser.add_argument("--mlp-chunks", type=int, default=MLP_CHUNKS, help="compiled: the gated MLP's row chunks")
     args = parser.parse_args(argv)
+    globals()["MLP_CHUNKS"] = args.mlp_chunks
     settings = set_compile_config(args.config)
     shapes = ["tiny"] if args.smoke else args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES] + [v for v in args.variants.split(",") if v not in VARIANTS]

@@ -78,7 +78,7 @@ def operands(mlp, x, grad) -> dict[str, torch.Tensor]:
         run(mlp, gated_lora_mlp, x, grad, compiled=False)
     finally:
         ops.lora_mlp_backward = real
-    g, x16, gate, up, scaled_g, scaled_u, scaled_d, weights, _, _ = seen["args"]
+    g, x16, gate, up, scaled_g, scaled_u, scaled_d, weights, *_ = seen["args"]
     rows = {"grad": g, "x": x16, "gate": gate, "up": up, "scaled_g": scaled_g, "scaled_u": scaled_u,
             "scaled_d": scaled_d}  # fmt: skip
     keys = [f"{w}_{p}" for p in "gud" for w in "wab"]

@@ -84,7 +84,7 @@ def operands(mlp: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[
         gradients(mlp, gated_lora_mlp, x, grad)
     finally:
         ops.lora_mlp_backward = real
-    g, x16, gate, up, scaled_g, scaled_u, scaled_d, weights, _, _ = seen["args"]
+    g, x16, gate, up, scaled_g, scaled_u, scaled_d, weights, *_ = seen["args"]
     rows = {"grad": g, "x": x16, "gate": gate, "up": up, "scaled_g": scaled_g, "scaled_u": scaled_u}
     rows = {k: v.reshape(-1, v.shape[-1]) for k, v in {**rows, "scaled_d": scaled_d}.items()}
     keys = [f"{w}_{p}" for p in "gud" for w in "wab"]
@@ -196,8 +196,8 @@ def test_a_bf16_lora_run_trains_through_the_gated_mlps(reentrant, tmp_path, monk
 
     stock_losses, _ = run(False)
     chunks = []  # the op's eager body runs at run time (Dynamo traces ``GatedLoraMlp.apply`` itself, not a spy)
-    real = ops.mlp_rows_backward
-    monkeypatch.setattr(ops, "mlp_rows_backward", lambda *args: chunks.append(1) or real(*args))
+    real = ops.silu_mul  # once per chunk
+    monkeypatch.setattr(ops, "silu_mul", lambda *args: chunks.append(1) or real(*args))
     losses, trainer = run(True)
     assert "2 gated LoRA MLPs" in trainer.leantrain_report["compile_layers"].detail
     assert len(chunks) == 2 * 2  # two layers' backwards, two steps, one chunk each (80 rows)
@@ -248,3 +248,30 @@ def test_the_triton_elementwise_kernels_round_once_as_the_torch_ops():
     assert proc.returncode == 0, proc.stderr[-3000:]
     worst = float(proc.stdout.split("WORST")[-1])
     assert worst <= 1, worst
+
+
+def test_mlp_chunks_zero_keeps_autograds_backward_and_bad_values_raise(tmp_path):
+    """``compile_layers_mlp_chunks=0`` binds no MLP (the projections' rank-side forwards stay); a value out of
+    range is a clear error at ``patch_trainer`` time."""
+    peft = pytest.importorskip("peft")
+    from transformers import Trainer, TrainingArguments
+
+    import leantrain
+    from testkit.batches import pad_right, random_rows
+    from testkit.optimizations import only
+
+    def trainer():
+        model = tiny_model("llama", vocab_size=256, hidden=64, layers=2).train()
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1)
+        return Trainer(model=model, args=args, train_dataset=random_rows(2, (8,), 256), data_collator=pad_right)
+
+    options = {**only("compile_layers"), "compile_layers": True, "compile_layers_backend": "aot_eager"}
+    patched = trainer()
+    leantrain.patch_trainer(patched, **options, compile_layers_mlp_chunks=0)
+    layers = patched.model.base_model.model.model.layers
+    assert all("forward" not in vars(layer.mlp) for layer in layers)
+    assert all("forward" in vars(layer.mlp.up_proj) for layer in layers)
+    assert "gated LoRA MLPs" not in patched.leantrain_report["compile_layers"].detail
+    with pytest.raises(ValueError, match="compile_layers_mlp_chunks"):
+        leantrain.patch_trainer(trainer(), **options, compile_layers_mlp_chunks=65)

@@ -280,8 +280,7 @@ def scaling_folds(module: torch.nn.Module, name: Any) -> bool:
 # the stock gated MLPs: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with a SiLU ``act_fn``
 GATED_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 SILU = frozenset({"SiLU", "SiLUActivation"})
-MLP_CHUNKS = 4  # the backward's row chunks: its full-width temporaries are this many times smaller
-MLP_MIN_ROWS = 1024  # ... each of at least this many rows (fewer GEMM launches where the buffers are small anyway)
+MLP_MIN_ROWS = 1024  # rows per chunk at least: fewer launches where the full-width buffers are small anyway
 
 
 def is_gated_lora_mlp(module: torch.nn.Module) -> bool:
@@ -293,11 +292,11 @@ def is_gated_lora_mlp(module: torch.nn.Module) -> bool:
                for p in projections)  # fmt: skip
 
 
-def gated_lora_mlp(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's forward as ``GatedLoraMlp`` where its three LoRA projections take the one-GEMM path (one active
-    vanilla adapter of power-of-two scaling without dropout on each; gate and up wide at the output, down at the
-    input; no hooks on the projections or the activation), else the stock forward (whose projections run
-    ``lora_scaled_on_rank``)."""
+def gated_lora_mlp(self: torch.nn.Module, x: torch.Tensor, chunks: int = 4) -> torch.Tensor:
+    """The MLP's forward as ``GatedLoraMlp`` (its backward in ``chunks`` row chunks) where its three LoRA projections
+    take the one-GEMM path (one active vanilla adapter of power-of-two scaling without dropout on each; gate and up
+    wide at the output, down at the input; no hooks on the projections or the activation), else the stock forward
+    (whose projections run ``lora_scaled_on_rank``)."""
     gate, up, down = self.gate_proj, self.up_proj, self.down_proj
     names = {rank_side_adapter(p, (), {}) for p in (gate, up, down)}
     name = names.pop() if len(names) == 1 else None
@@ -308,8 +307,8 @@ def gated_lora_mlp(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return type(self).forward(self, x)
     projections = (gate, up, down)
     weights = [t for p in projections for t in (p.base_layer.weight, p.lora_A[name].weight, p.lora_B[name].weight)]
-    scales = [float(p.scaling[name]) for p in (gate, up, down)]
-    return GatedLoraMlp.apply(x, scales, *weights)
+    scales = [float(p.scaling[name]) for p in projections]
+    return GatedLoraMlp.apply(x, scales, chunks, *weights)
 
 
 class GatedLoraMlp(torch.autograd.Function):
@@ -317,14 +316,15 @@ class GatedLoraMlp(torch.autograd.Function):
     very ops: the same bits), and a backward that runs over row chunks (``lora_mlp_backward``).
 
     Autograd's backward of the three projections holds four tokens x intermediate buffers at once: the saved gate
-    and up outputs, the gradient of their product and one of the gradients of gate or up. Unsloth's fused LoRA MLP
-    holds three (its kernel overwrites the saved outputs). Here the saved outputs are kept and the rest is built a
-    chunk of rows at a time: two such buffers plus two chunk-sized ones. The input gradient's rows are computed as
-    autograd computes them, up to the order of the rounded additions; the adapters' gradients (sums over rows) are
-    summed over the chunks in fp32, each chunk's GEMM rounded to the compute dtype (one chunk: autograd's ops)."""
+    and up outputs, the gradient of their product and one of the gradients of gate or up; and the forward saves the
+    product itself for down's adapter. Unsloth's fused LoRA MLP holds three (its kernel overwrites the saved
+    outputs). Here the forward saves gate and up only, and the backward builds the rest a chunk of rows at a time:
+    two full-width buffers plus two chunk-sized ones. The input gradient's rows are computed as autograd computes
+    them, up to the order of the rounded additions; the adapters' gradients that sum over full-width rows are summed
+    over the chunks in fp32, each chunk's GEMM rounded to the compute dtype (one chunk: autograd's ops)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scales: list[float], *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, scales: list[float], chunks: int, *weights: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x16 = x.to(dtype)
         w_g, a_g, b_g, w_u, a_u, b_u, w_d, a_d, b_d = (t.to(dtype) for t in weights)
@@ -337,7 +337,7 @@ class GatedLoraMlp(torch.autograd.Function):
         scaled_d = torch.nn.functional.linear(h, a_d) * s_d
         out = torch.nn.functional.linear(h, w_d) + torch.nn.functional.linear(scaled_d, b_d)
         ctx.save_for_backward(x16, gate, up, scaled_g, scaled_u, scaled_d, *weights)
-        ctx.scales, ctx.x_dtype = scales, x.dtype
+        ctx.scales, ctx.chunks, ctx.x_dtype = scales, chunks, x.dtype
         return out
 
     @staticmethod
@@ -346,12 +346,12 @@ class GatedLoraMlp(torch.autograd.Function):
         dtype = gate.dtype
         grads = lora_mlp_backward(
             grad.to(dtype), x16, gate, up, scaled_g, scaled_u, scaled_d, [t.to(dtype) for t in weights], ctx.scales,
-            MLP_MIN_ROWS,
+            ctx.chunks, MLP_MIN_ROWS,
         )  # fmt: skip
         grad_x, adapter_grads = grads[0], grads[1:]
         adapters = [t for i, t in enumerate(weights) if i % 3]  # A and B of gate, up, down (the W are frozen)
         a_g, b_g, a_u, b_u, a_d, b_d = (g.to(a.dtype) for g, a in zip(adapter_grads, adapters, strict=True))
-        return grad_x.to(ctx.x_dtype), None, None, a_g, b_g, None, a_u, b_u, None, a_d, b_d
+        return grad_x.to(ctx.x_dtype), None, None, None, a_g, b_g, None, a_u, b_u, None, a_d, b_d
 
 
 @torch.library.custom_op("leantrain::lora_mlp_backward", mutates_args=())
@@ -365,68 +365,52 @@ def lora_mlp_backward(
     scaled_d: torch.Tensor,
     weights: list[torch.Tensor],
     scales: list[float],
+    chunks: int,
     min_rows: int,
 ) -> list[torch.Tensor]:
     """The gradients of ``GatedLoraMlp`` (16-bit operands; ``weights``: W, A, B of gate, up and down): the input's
-    (in the compute dtype) and the six adapter weights' (fp32), a chunk of rows at a time (``MLP_CHUNKS`` chunks of
-    at least ``min_rows`` rows). An op of its own so that inductor runs it as one call: traced, its chunks would be
-    scheduled (and fused) together, and their buffers alive together."""
+    (in the compute dtype) and the six adapter weights' (fp32 where summed over chunks). What is full width
+    (tokens x intermediate) is built ``chunks`` chunks of at least ``min_rows`` rows at a time; what is hidden or
+    rank wide, over all rows at once. An op of its own so that inductor runs it as one call: traced, its chunks
+    would be scheduled (and fused) together, and their buffers alive together."""
+    w_g, a_g, b_g, w_u, a_u, b_u, w_d, a_d, b_d = weights
+    s_g, s_u, s_d = scales
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    chunk = max(min_rows, -(-n // MLP_CHUNKS), 1)
-    flat = [t.reshape(n, t.shape[-1]) for t in (grad, gate, up, scaled_g, scaled_u, scaled_d)]
+    grad, gate, up, scaled_g, scaled_u = (t.reshape(n, t.shape[-1]) for t in (grad, gate, up, scaled_g, scaled_u))
+    # B * s is exact (s a power of two), so (g @ (B s)) is (g @ B) * s bit for bit, in one launch
+    b_g, b_u = b_g * s_g, b_u * s_u
+    grad_scaled_d = grad @ (b_d * s_d)
+    grad_b_d = grad.t() @ scaled_d.reshape(n, -1)
+    grad_scaled_g, grad_scaled_u = grad.new_empty(n, b_g.shape[1]), grad.new_empty(n, b_u.shape[1])
+    sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (a_d, b_g, b_u)]
     grad_x = torch.empty_like(rows)
-    sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for i, t in enumerate(weights) if i % 3]
-    for start in range(0, n, chunk):
-        part = slice(start, start + chunk)
-        chunk_grads = mlp_rows_backward(rows[part], *(t[part] for t in flat), weights, scales, grad_x[part])
-        for total, partial in zip(sums, chunk_grads, strict=True):
-            total.add_(partial)
-    return [grad_x.reshape(x.shape), *sums]
+    step = max(min_rows, -(-n // max(chunks, 1)), 1)
+    for start in range(0, n, step):
+        part = slice(start, start + step)
+        g, u = gate[part], up[part]
+        h = silu_mul(g, u)
+        sums[0].add_(grad_scaled_d[part].t() @ h)  # down's A
+        del h
+        grad_g = torch.mm(grad[part], w_d).addmm_(grad_scaled_d[part], a_d)  # d(silu(g) u), then gate's gradient
+        grad_u = silu_mul_backward_(grad_g, g, u)
+        torch.mm(grad_g, b_g, out=grad_scaled_g[part])
+        torch.mm(grad_u, b_u, out=grad_scaled_u[part])
+        sums[1].add_(grad_g.t() @ scaled_g[part])  # gate's B
+        sums[2].add_(grad_u.t() @ scaled_u[part])  # up's B
+        torch.mm(grad_g, w_g, out=grad_x[part]).addmm_(grad_u, w_u)
+    grad_x.addmm_(torch.cat([grad_scaled_g, grad_scaled_u], -1), torch.cat([a_g, a_u], 0))
+    grad_a_g, grad_a_u = grad_scaled_g.t() @ rows, grad_scaled_u.t() @ rows
+    return [grad_x.reshape(x.shape), grad_a_g, sums[1], grad_a_u, sums[2], sums[0], grad_b_d]
 
 
 @lora_mlp_backward.register_fake
-def _lora_mlp_backward_fake(grad, x, gate, up, scaled_g, scaled_u, scaled_d, weights, scales, min_rows):
-    adapters = [t.new_empty(t.shape, dtype=torch.float32) for i, t in enumerate(weights) if i % 3]
-    return [torch.empty_like(x), *adapters]
-
-
-def mlp_rows_backward(
-    x: torch.Tensor,
-    grad: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    scaled_g: torch.Tensor,
-    scaled_u: torch.Tensor,
-    scaled_d: torch.Tensor,
-    weights: list[torch.Tensor],
-    scales: list[float],
-    grad_x: torch.Tensor,
-) -> list[torch.Tensor]:
-    """One chunk of rows of ``lora_mlp_backward``: its input gradient written into ``grad_x`` (a row slice), the
-    six adapter gradients' partial sums returned (each GEMM rounded to the compute dtype, as autograd's)."""
+def _lora_mlp_backward_fake(grad, x, gate, up, scaled_g, scaled_u, scaled_d, weights, scales, chunks, min_rows):
     w_g, a_g, b_g, w_u, a_u, b_u, w_d, a_d, b_d = weights
-    s_g, s_u, s_d = scales
-    # down: wide at the input
-    grad_scaled_d = (grad @ b_d) * s_d
-    grad_b_d = grad.t() @ scaled_d
-    h = silu_mul(gate, up)
-    grad_a_d = grad_scaled_d.t() @ h
-    del h
-    grad_h = torch.addmm(grad @ w_d, grad_scaled_d, a_d)
-    # the activation: grad_h becomes the gate's gradient, up's is new
-    grad_u = silu_mul_backward_(grad_h, gate, up)
-    grad_g = grad_h
-    # gate and up: wide at the output; their input gradients summed into grad_x
-    grad_scaled_g = (grad_g @ b_g) * s_g
-    grad_scaled_u = (grad_u @ b_u) * s_u
-    grads = [
-        grad_scaled_g.t() @ x, grad_g.t() @ scaled_g, grad_scaled_u.t() @ x, grad_u.t() @ scaled_u, grad_a_d, grad_b_d
-    ]  # fmt: skip
-    torch.mm(grad_g, w_g, out=grad_x)
-    grad_x.addmm_(grad_u, w_u)
-    grad_x.addmm_(torch.cat([grad_scaled_g, grad_scaled_u], -1), torch.cat([a_g, a_u], 0))
-    return grads
+    fp32 = torch.float32
+    return [torch.empty_like(x), a_g.new_empty(a_g.shape), b_g.new_empty(b_g.shape, dtype=fp32),
+            a_u.new_empty(a_u.shape), b_u.new_empty(b_u.shape, dtype=fp32), a_d.new_empty(a_d.shape, dtype=fp32),
+            b_d.new_empty(b_d.shape)]  # fmt: skip
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

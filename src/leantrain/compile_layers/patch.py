@@ -101,9 +101,9 @@ def install(
     folded = lora_linears(plan)
     for module, forward in folded:
         undo.set_attr(module, "forward", types.MethodType(forward, module))
-    mlps = gated_mlps(plan, {id(module) for module, _ in folded})
+    mlps = gated_mlps(plan, {id(module) for module, _ in folded}) if plan.mlp_chunks else []
     for module in mlps:
-        undo.set_attr(module, "forward", types.MethodType(gated_lora_mlp, module))
+        undo.set_attr(module, "forward", types.MethodType(chunked_mlp(plan.mlp_chunks), module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken), len(folded), len(mlps)
 
@@ -187,6 +187,15 @@ def lora_linears(plan: CompilePlan) -> list[tuple[torch.nn.Module, Callable[...,
             if len(adapters) == 1 and hasattr(module, "_cast_input_dtype") and scaling_folds(module, adapters[0]):
                 found.append((module, forward))
     return found
+
+
+def chunked_mlp(chunks: int) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """``ops.gated_lora_mlp`` with its backward in ``chunks`` row chunks, as a forward to bind."""
+
+    def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return gated_lora_mlp(self, x, chunks)
+
+    return forward
 
 
 def gated_mlps(plan: CompilePlan, folded: set[int]) -> list[torch.nn.Module]:

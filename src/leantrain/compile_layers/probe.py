@@ -36,6 +36,7 @@ class CompilePlan:
     backend: str
     dynamic: str  # "auto" or "always" (config.COMPILE_DYNAMIC)
     recompute: str  # "default" or "elementwise" (config.COMPILE_RECOMPUTE): what the compiled backward recomputes
+    mlp_chunks: int  # row chunks of a gated LoRA MLP's backward (ops.gated_lora_mlp); 0: autograd's per projection
     max_recompiles: int
     cache: str  # where inductor's FX-graph and AOTAutograd caches live, and whether they are on
     why: str
@@ -68,6 +69,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         backend=cfg.compile_layers_backend,
         dynamic=cfg.compile_layers_dynamic,
         recompute=cfg.compile_layers_recompute,
+        mlp_chunks=cfg.compile_layers_mlp_chunks,
         max_recompiles=cfg.compile_layers_max_recompiles,
         cache=cache_description(cfg.compile_layers_backend),
         why="",
