@@ -386,19 +386,20 @@ def lora_mlp_backward(
     sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (a_d, b_g, b_u)]
     grad_x = torch.empty_like(rows)
     step = max(min_rows, -(-n // max(chunks, 1)), 1)
-    for start in range(0, n, step):
-        part = slice(start, start + step)
-        g, u = gate[part], up[part]
+    # each tensor split once (views): the loop's host work is per chunk, and the GPU waits on it where chunks are short
+    parts = zip(*(t.split(step) for t in (gate, up, grad, grad_scaled_d, grad_scaled_g, grad_scaled_u, scaled_g,
+                                          scaled_u, grad_x)), strict=True)  # fmt: skip
+    for g, u, dy, dy_scaled, out_scaled_g, out_scaled_u, s_g_rows, s_u_rows, out_x in parts:
         h = silu_mul(g, u)
-        sums[0].add_(grad_scaled_d[part].t() @ h)  # down's A
+        sums[0].add_(dy_scaled.t() @ h)  # down's A
         del h
-        grad_g = torch.mm(grad[part], w_d).addmm_(grad_scaled_d[part], a_d)  # d(silu(g) u), then gate's gradient
+        grad_g = torch.mm(dy, w_d).addmm_(dy_scaled, a_d)  # d(silu(g) u), then gate's gradient
         grad_u = silu_mul_backward_(grad_g, g, u)
-        torch.mm(grad_g, b_g, out=grad_scaled_g[part])
-        torch.mm(grad_u, b_u, out=grad_scaled_u[part])
-        sums[1].add_(grad_g.t() @ scaled_g[part])  # gate's B
-        sums[2].add_(grad_u.t() @ scaled_u[part])  # up's B
-        torch.mm(grad_g, w_g, out=grad_x[part]).addmm_(grad_u, w_u)
+        torch.mm(grad_g, b_g, out=out_scaled_g)
+        torch.mm(grad_u, b_u, out=out_scaled_u)
+        sums[1].add_(grad_g.t() @ s_g_rows)  # gate's B
+        sums[2].add_(grad_u.t() @ s_u_rows)  # up's B
+        torch.mm(grad_g, w_g, out=out_x).addmm_(grad_u, w_u)
     grad_x.addmm_(torch.cat([grad_scaled_g, grad_scaled_u], -1), torch.cat([a_g, a_u], 0))
     grad_a_g, grad_a_u = grad_scaled_g.t() @ rows, grad_scaled_u.t() @ rows
     return [grad_x.reshape(x.shape), grad_a_g, sums[1], grad_a_u, sums[2], sums[0], grad_b_d]
