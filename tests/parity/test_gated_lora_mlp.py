@@ -189,8 +189,8 @@ def test_a_bf16_lora_run_trains_through_the_gated_mlps(reentrant, tmp_path, monk
         )  # fmt: skip
         trainer = Trainer(model=model, args=args, train_dataset=random_rows(4, (40,), 256), data_collator=pad_right)
         if patch:
-            leantrain.patch_trainer(trainer, **{**only("compile_layers"), "compile_layers": True,
-                                                "compile_layers_backend": "aot_eager"})  # fmt: skip
+            options = {"compile_layers": True, "compile_layers_backend": "aot_eager", "compile_layers_mlp_chunks": 4}
+            leantrain.patch_trainer(trainer, **{**only("compile_layers"), **options})
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
@@ -250,9 +250,15 @@ def test_the_triton_elementwise_kernels_round_once_as_the_torch_ops():
     assert worst <= 1, worst
 
 
-def test_mlp_chunks_zero_keeps_autograds_backward_and_bad_values_raise(tmp_path):
-    """``compile_layers_mlp_chunks=0`` binds no MLP (the projections' rank-side forwards stay); a value out of
-    range is a clear error at ``patch_trainer`` time."""
+def test_mlp_chunks_auto_chunks_runs_set_for_memory_only():
+    assert [ops.mlp_chunks(-1, offload) for offload in (True, None, False)] == [4, 0, 0]
+    assert [ops.mlp_chunks(n, True) for n in (0, 2)] == [0, 2]
+
+
+@pytest.mark.parametrize("chunks", [0, -1])
+def test_mlp_chunks_zero_or_auto_keep_autograds_backward_and_bad_values_raise(chunks, tmp_path):
+    """``compile_layers_mlp_chunks=0`` (and auto, without offload_checkpoints=True) binds no MLP (the projections'
+    rank-side forwards stay); a value out of range is a clear error at ``patch_trainer`` time."""
     peft = pytest.importorskip("peft")
     from transformers import Trainer, TrainingArguments
 
@@ -268,7 +274,7 @@ def test_mlp_chunks_zero_keeps_autograds_backward_and_bad_values_raise(tmp_path)
 
     options = {**only("compile_layers"), "compile_layers": True, "compile_layers_backend": "aot_eager"}
     patched = trainer()
-    leantrain.patch_trainer(patched, **options, compile_layers_mlp_chunks=0)
+    leantrain.patch_trainer(patched, **options, compile_layers_mlp_chunks=chunks)
     layers = patched.model.base_model.model.model.layers
     assert all("forward" not in vars(layer.mlp) for layer in layers)
     assert all("forward" in vars(layer.mlp.up_proj) for layer in layers)

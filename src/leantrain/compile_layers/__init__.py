@@ -41,8 +41,8 @@ class CompileLayers(Optimization):
             )
         if mlps:
             detail += (
-                f"; {mlps} gated LoRA MLPs run their backward in row chunks (fewer full-width buffers at the "
-                "MLP's backward peak; the same forward bits)"
+                f"; {mlps} gated LoRA MLPs run their backward in {plan.mlp_chunks} row chunks (a lower layer peak for "
+                "more host work; the same forward bits)"
             )
         if taken:
             detail += (
