@@ -1,8 +1,9 @@
 """What one LoRA decoder layer keeps for its backward, and what its forward + backward costs, for each way of running
 it: stock (PEFT on transformers' eager layer), compiled with PEFT's own LoRA forward (``compiled_peft``), compiled as
-``compile_layers`` compiles it (``compiled``: the LoRA scaling on the rank-r side, each wide LoRA projection as one
-GEMM, a gated LoRA MLP as one function whose backward runs in row chunks), that with each MLP projection on its own
-(``compiled_projections``: autograd's backward through the three), that with PEFT's two GEMMs per LoRA projection
+``compile_layers`` compiles it by default (``compiled``: the LoRA scaling on the rank-r side, each wide LoRA
+projection as one GEMM), that with the gated LoRA MLP as one function whose backward runs in row chunks
+(``compiled_chunked_mlp``: ``compile_layers_mlp_chunks``, ``--mlp-chunks``, 4 by default: what a run with
+``offload_checkpoints=True`` gets), that with PEFT's two GEMMs per LoRA projection
 (``compiled_two_gemm``: a full-width adapter product beside the base one), and with
 ``compile_layers_recompute="elementwise"`` (the partition recomputes norms, activations and casts in the
 backward).
@@ -53,9 +54,9 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  family="llama"),
 }  # fmt: skip
-VARIANTS = ("stock", "compiled_peft", "compiled_two_gemm", "compiled_projections", "compiled", "compiled_elementwise")
+VARIANTS = ("stock", "compiled_peft", "compiled_two_gemm", "compiled", "compiled_chunked_mlp", "compiled_elementwise")
 GIB = 1024**3
-MLP_CHUNKS = 4  # --mlp-chunks: compile_layers_mlp_chunks
+MLP_CHUNKS = 4  # --mlp-chunks: compile_layers_mlp_chunks of the compiled_chunked_mlp variant
 
 
 def build_layer(shape: str, device: torch.device, quant: bool = False) -> tuple[torch.nn.Module, torch.nn.Module, int]:
@@ -95,7 +96,7 @@ def layer_call(layer: torch.nn.Module, variant: str, backend: str) -> Callable[.
                 forward = two_gemm_forward
             if forward is not None and scaling_folds(module, "default"):
                 module.forward = types.MethodType(forward, module)
-    if variant in ("compiled", "compiled_elementwise") and is_gated_lora_mlp(layer.mlp):
+    if variant == "compiled_chunked_mlp" and is_gated_lora_mlp(layer.mlp):
         layer.mlp.forward = types.MethodType(lambda mlp, x: gated_lora_mlp(mlp, x, MLP_CHUNKS), layer.mlp)
     compile_backend = torch._dynamo.lookup_backend(backend)
     if variant == "compiled_elementwise":
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", action="store_true", help="CUDA: what is alive at one forward + backward's peak")
     parser.add_argument("--quant", action="store_true", help="the layers' linears in nf4 (QLoRA; needs bitsandbytes)")
     parser.add_argument("--config", nargs="*", default=[], help="inductor.NAME=VALUE / functorch.NAME=VALUE")
-    parser.add_argument("--mlp-chunks", type=int, default=MLP_CHUNKS, help="compiled: the gated MLP's row chunks")
+    parser.add_argument("--mlp-chunks", type=int, default=MLP_CHUNKS, help="compiled_chunked_mlp's row chunks")
     args = parser.parse_args(argv)
     globals()["MLP_CHUNKS"] = args.mlp_chunks
     settings = set_compile_config(args.config)

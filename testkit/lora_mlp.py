@@ -55,3 +55,55 @@ def mlp_bounds(operands: dict[str, torch.Tensor], scales: list[float], dtype: to
     u = UNIT_ROUNDOFF[dtype]
     bounds = {k: (ROUNDINGS * u + 2 * inner * FP32_ROUNDOFF) * m for k, m in magnitude.items()}
     return exact, bounds
+
+
+NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def rank_side_lora_mlp(model: torch.nn.Module, rank: int, targets: tuple[str, ...] = NAMES, dropout: float = 0.0):
+    """The first layer's MLP of ``model`` with PEFT LoRA (``rank``, alpha ``2 * rank``: scaling 2; PEFT's fp32
+    adapters) on ``targets``, B drawn (not zero), each projection on the rank-side forward as compile_layers binds
+    it."""
+    import types
+
+    import peft
+
+    from leantrain.compile_layers.ops import lora_scaled_on_rank
+
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=list(targets))
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    mlp = model.base_model.model.model.layers[0].mlp
+    for name in targets:
+        projection = getattr(mlp, name)
+        projection.forward = types.MethodType(lora_scaled_on_rank, projection)
+    return mlp
+
+
+def captured_operands(run) -> dict[str, torch.Tensor]:
+    """The 16-bit operands ``lora_mlp_backward`` multiplies in one call of ``run()`` (the gated path's backward):
+    the output gradient, the input, gate and up outputs, the saved rank-r activations (flattened to rows) and the
+    weights ``w_*``, ``a_*``, ``b_*`` of gate (g), up (u), down (d)."""
+    from leantrain.compile_layers import ops
+
+    seen = {}
+    real = ops.lora_mlp_backward
+
+    def capture(*args):
+        seen["args"] = args
+        return real(*args)
+
+    ops.lora_mlp_backward = capture
+    try:
+        run()
+    finally:
+        ops.lora_mlp_backward = real
+    grad, x, gate, up, scaled_g, scaled_u, scaled_d, weights, *_ = seen["args"]
+    rows = {"grad": grad, "x": x, "gate": gate, "up": up, "scaled_g": scaled_g, "scaled_u": scaled_u,
+            "scaled_d": scaled_d}  # fmt: skip
+    keys = [f"{w}_{p}" for p in "gud" for w in "wab"]
+    return {**{k: v.reshape(-1, v.shape[-1]) for k, v in rows.items()}, **dict(zip(keys, weights, strict=True))}

@@ -6,43 +6,26 @@ for: a compiled LoRA MLP's forward + backward peaks at least one tokens x interm
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from leantrain.cli.tiny import tiny_model
 from leantrain.compile_layers import _triton, ops
-from leantrain.compile_layers.ops import gated_lora_mlp, lora_scaled_on_rank
-from testkit.lora_mlp import mlp_bounds
+from leantrain.compile_layers.ops import gated_lora_mlp
+from testkit.lora_mlp import NAMES, captured_operands, mlp_bounds, rank_side_lora_mlp
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 BF16 = torch.bfloat16
-NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def lora_mlp(device: torch.device, hidden: int = 64, intermediate: int = 256) -> torch.nn.Module:
-    """A tiny Llama's MLP in bf16 with LoRA r8 (scaling 2, fp32 adapters) on its projections, B not zero, each
-    projection on the rank-side forward as compile_layers binds it."""
-    import peft
-
+    """A tiny Llama's MLP in bf16 (``hidden`` -> ``intermediate``) with LoRA r8 (scaling 2) on its projections."""
     model = tiny_model("llama", vocab_size=64, hidden=hidden, layers=1)
     model.config.intermediate_size = intermediate
     layer = model.model.layers[0]
     layer.mlp = type(layer.mlp)(model.config)
-    model = model.to(device, BF16)
-    torch.manual_seed(1)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(NAMES)))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    mlp = model.base_model.model.model.layers[0].mlp
-    for name in NAMES:
-        projection = getattr(mlp, name)
-        projection.forward = types.MethodType(lora_scaled_on_rank, projection)
-    return mlp
+    return rank_side_lora_mlp(model.to(device, BF16), rank=8)
 
 
 def stock(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -66,23 +49,7 @@ def run(mlp, forward, x, grad, compiled: bool) -> dict[str, torch.Tensor]:
 
 def operands(mlp, x, grad) -> dict[str, torch.Tensor]:
     """The 16-bit operands of the backward, captured from the eager gated path (its forward is the projections')."""
-    seen = {}
-    real = ops.lora_mlp_backward
-
-    def capture(*args):
-        seen["args"] = args
-        return real(*args)
-
-    ops.lora_mlp_backward = capture
-    try:
-        run(mlp, gated_lora_mlp, x, grad, compiled=False)
-    finally:
-        ops.lora_mlp_backward = real
-    g, x16, gate, up, scaled_g, scaled_u, scaled_d, weights, *_ = seen["args"]
-    rows = {"grad": g, "x": x16, "gate": gate, "up": up, "scaled_g": scaled_g, "scaled_u": scaled_u,
-            "scaled_d": scaled_d}  # fmt: skip
-    keys = [f"{w}_{p}" for p in "gud" for w in "wab"]
-    return {**{k: v.reshape(-1, v.shape[-1]) for k, v in rows.items()}, **dict(zip(keys, weights, strict=True))}
+    return captured_operands(lambda: run(mlp, gated_lora_mlp, x, grad, compiled=False))
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -8,39 +8,24 @@ the stock path's own error there (in norm): a dropped term or a 1% error in one 
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from leantrain.cli.tiny import tiny_model
 from leantrain.compile_layers import ops
-from leantrain.compile_layers.ops import GatedLoraMlp, gated_lora_mlp, lora_scaled_on_rank
-from testkit.lora_mlp import mlp_bounds
+from leantrain.compile_layers.ops import GatedLoraMlp, gated_lora_mlp
+from testkit.lora_mlp import NAMES, captured_operands, mlp_bounds, rank_side_lora_mlp
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 BF16 = torch.bfloat16
-NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def lora_mlp(dropout: float = 0.0, targets: tuple[str, ...] = NAMES, family: str = "llama") -> torch.nn.Module:
-    """A tiny model's MLP (bf16 base, fp32 adapters: PEFT's default) with LoRA r=4, alpha 8 (scaling 2) on
-    ``targets``, B not zero, each projection on the rank-side forward as compile_layers binds it."""
-    peft = pytest.importorskip("peft")
+    """A tiny model's MLP (bf16 base) with LoRA r=4 (scaling 2) on ``targets`` (``testkit.lora_mlp``)."""
+    pytest.importorskip("peft")
     model = tiny_model(family, vocab_size=64, hidden=64, layers=1).to(BF16)
-    torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(targets))
-    model = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    mlp = model.base_model.model.model.layers[0].mlp
-    for name in targets:
-        projection = getattr(mlp, name)
-        projection.forward = types.MethodType(lora_scaled_on_rank, projection)
-    return mlp
+    return rank_side_lora_mlp(model, rank=4, targets=targets, dropout=dropout)
 
 
 def stock(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -70,25 +55,7 @@ def gradients(mlp, forward, x, grad, compiled: bool = False) -> dict[str, torch.
 
 
 def operands(mlp: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The 16-bit operands both backwards multiply: the MLP's input and output gradient, the gate and up outputs
-    the forward saved, the saved rank-r activations, the weights (flattened to rows)."""
-    seen = {}
-
-    def capture(*args):
-        seen["args"] = args
-        return real(*args)
-
-    real = ops.lora_mlp_backward
-    ops.lora_mlp_backward = capture
-    try:
-        gradients(mlp, gated_lora_mlp, x, grad)
-    finally:
-        ops.lora_mlp_backward = real
-    g, x16, gate, up, scaled_g, scaled_u, scaled_d, weights, *_ = seen["args"]
-    rows = {"grad": g, "x": x16, "gate": gate, "up": up, "scaled_g": scaled_g, "scaled_u": scaled_u}
-    rows = {k: v.reshape(-1, v.shape[-1]) for k, v in {**rows, "scaled_d": scaled_d}.items()}
-    keys = [f"{w}_{p}" for p in "gud" for w in "wab"]
-    return {**rows, **dict(zip(keys, weights, strict=True))}
+    return captured_operands(lambda: gradients(mlp, gated_lora_mlp, x, grad))
 
 
 @pytest.mark.parametrize("traced", [False, True])

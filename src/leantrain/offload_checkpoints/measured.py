@@ -25,18 +25,19 @@ class Case:
 
 # Median step of leantrain_offload against leantrain, and the drop in peak allocated memory, per case (LoRA r16 on
 # the 7 projections, 4 x 2048 tokens, bf16, activation checkpointing; the trainer told a 1000-step run; the layers
-# compiled, QLoRA's included). The offload rows: two runs each, beside Unsloth's; the leantrain rows come from
-# earlier calls (Llama and Qwen one run, QLoRA two), and the shared GPU moves a step by up to 15% between calls
-# (within one call the offload cost -3.4% on Llama and +6.2% on Qwen).
+# compiled, QLoRA's included; with the offload, Llama's and Qwen's gated MLPs run their backward in 4 row chunks).
+# Qwen: one run each in one call (leantrain then chunked its MLPs too); Llama: the offload run beside Unsloth's, the
+# leantrain run from an earlier call; QLoRA: two runs each, leantrain from an earlier call. The shared GPU moves a
+# step by up to 15% between calls and within one (the call of Qwen's rows had Unsloth at 339 ms, 251 the day before).
 MEASURED = {
-    "llama-3.2-1b": Case(cost=0.0306, saved_gib=0.43),
+    "llama-3.2-1b": Case(cost=0.0830, saved_gib=0.53),
     "llama-3.2-1b-qlora": Case(cost=0.0654, saved_gib=0.50),
-    "qwen2.5-1.5b": Case(cost=0.1495, saved_gib=0.55),
+    "qwen2.5-1.5b": Case(cost=0.1979, saved_gib=0.52),
 }
 EVIDENCE = Evidence(
     "not within 3%",
     "H200",
-    "2026-11-29",
+    "2026-11-29/30",
     "LoRA / QLoRA, 4 x 2048 tokens: "
     + ", ".join(f"{name} {c.saved_gib:.2f} GiB less at {c.cost:+.1%} a step" for name, c in MEASURED.items())
     + " (benchmarks/results/offload_checkpoints.md)",
