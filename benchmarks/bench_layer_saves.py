@@ -116,7 +116,8 @@ def two_gemm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def measure(
-    shape: str, variant: str, tokens: int, backend: str, reps: int, trace: bool = False, quant: bool = False
+    shape: str, variant: str, tokens: int, backend: str, reps: int, trace: bool = False, quant: bool = False,
+    profile: bool = False,
 ) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.reset()
@@ -168,6 +169,9 @@ def measure(
             end_event.synchronize()
             times.append(start_event.elapsed_time(end_event))
         result["ms"] = statistics.median(times)
+        result["host_ms"] = host_ms(step, reps)
+        if profile:
+            result["profile"] = profiled(step)
         if trace:
             result["trace"] = traced(step)
     return result
@@ -186,6 +190,29 @@ def forward_peak(
     peak = (torch.cuda.max_memory_allocated() - base) / GIB
     del out
     return peak
+
+
+def host_ms(step: Callable[[], None], reps: int) -> float:
+    """The host's time to issue one forward + backward from an idle GPU (median of ``reps``): where it nears the
+    GPU's time (``ms``), a training step on this layer is bound by Python and launches, not by the GPU."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1000)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def profiled(step: Callable[[], None], top: int = 25) -> str:
+    """torch.profiler's table of the ops with the most host time over three steps."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
 def traced(step: Callable[[], None]) -> dict[str, Any]:
@@ -223,7 +250,8 @@ def set_compile_config(items: list[str]) -> dict[str, Any]:
 def rows_of(shape: str, variant: str, tokens: int, backend: str, result: dict[str, Any]) -> list[Row]:
     config = {"tokens": tokens, "backend": backend if variant != "stock" else "eager", "first_s": result["first_s"],
               "tensors": result["tensors"], "saved_gib_at_tokens": result["saved_gib"],
-              "settings": result.get("settings", {}), "trace": result.get("trace")}  # fmt: skip
+              "settings": result.get("settings", {}), "trace": result.get("trace"),
+              "host_ms": result.get("host_ms"), "profile": result.get("profile")}  # fmt: skip
     rows = [Row(NAME, variant, "saved", "memory", "GiB", "shape", shape, result["saved_gib_8192"], config=config)]
     if "peak_gib" in result:
         peak, ms = result["peak_gib"], result["ms"]
@@ -247,10 +275,15 @@ def table(rows: list[Row]) -> str:
             forward = by.get((shape, variant, "fwd peak"))
             lines.append([shape, variant, f"{saved.p50:.3f}", f"{saved.p50 / stock.p50:.2f}x" if stock else "-",
                           f"{forward.p50:.3f}" if forward else "-", f"{peak.p50:.3f}" if peak else "-",
-                          f"{ms.p50:.2f}" if ms else "-"])  # fmt: skip
+                          f"{ms.p50:.2f}" if ms else "-", host_column(ms)])  # fmt: skip
     header = ["layer", "variant", "saved for backward, GiB per 8192 tokens", "vs stock", "fwd peak GiB",
-              "fwd+bwd peak GiB", "ms"]  # fmt: skip
+              "fwd+bwd peak GiB", "ms", "host ms to issue"]  # fmt: skip
     return markdown_table(header, lines)
+
+
+def host_column(row: Row | None) -> str:
+    host = row.config.get("host_ms") if row else None
+    return f"{host:.2f}" if host is not None else "-"
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -278,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", action="store_true", help="CUDA: what is alive at one forward + backward's peak")
     parser.add_argument("--quant", action="store_true", help="the layers' linears in nf4 (QLoRA; needs bitsandbytes)")
     parser.add_argument("--config", nargs="*", default=[], help="inductor.NAME=VALUE / functorch.NAME=VALUE")
+    parser.add_argument("--profile", action="store_true", help="CUDA: print the ops with the most host time")
     parser.add_argument("--mlp-chunks", type=int, default=MLP_CHUNKS, help="compiled_chunked_mlp's row chunks")
     args = parser.parse_args(argv)
     globals()["MLP_CHUNKS"] = args.mlp_chunks
@@ -292,11 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for shape in shapes:
         for variant in args.variants.split(","):
-            result = measure(shape, variant, tokens, backend, args.reps, trace=args.trace, quant=args.quant)
+            result = measure(shape, variant, tokens, backend, args.reps, args.trace, args.quant, args.profile)
             result["settings"] = settings if variant != "stock" else {}
             print(f"{shape} {variant}: saved {result['saved_gib_8192']:.3f} GiB per 8192 tokens "
                   f"({result['tensors']} tensors)" + (f", peak {result['peak_gib']:.3f} GiB, {result['ms']:.2f} ms"
                                                        if "ms" in result else ""), flush=True)  # fmt: skip
+            if "host_ms" in result:
+                print(f"    host {result['host_ms']:.2f} ms to issue it", flush=True)
+            if "profile" in result:
+                print(result["profile"], flush=True)
             for group in result.get("trace", {}).get("groups", []):
                 print(f"    {group['gib']:.4f} GiB {group['blocks']:4d}  {group['where']}")
             rows += rows_of(f"{shape}-qlora" if args.quant else shape, variant, tokens, backend, result)

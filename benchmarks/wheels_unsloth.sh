@@ -20,28 +20,7 @@ rm -f "$DIR"/*.whl
 # multiprocess ships one wheel per Python: the image's (3.12)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$DIR" multiprocess==0.70.18
 "$PY" -m pip download -q --no-deps -d "$tmp" unsloth==2026.10.9
-"$PY" - "$tmp"/unsloth-2026.10.9-py3-none-any.whl "$DIR"/unsloth-2026.10.9-py3-none-any.whl <<'PYEOF'
-"""Copy a wheel without studio/ (and without it in top_level.txt), with a RECORD that matches what is left."""
-import base64, csv, hashlib, io, sys, zipfile
-
-src, dst = sys.argv[1], sys.argv[2]
-zin = zipfile.ZipFile(src)
-record = next(n for n in zin.namelist() if n.endswith(".dist-info/RECORD"))
-rows = []
-with zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
-    for info in zin.infolist():
-        if info.filename.startswith("studio/") or info.filename == record:
-            continue
-        data = zin.read(info)
-        if info.filename.endswith(".dist-info/top_level.txt"):
-            data = b"".join(line for line in data.splitlines(keepends=True) if line.strip() != b"studio")
-        zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        rows.append((info.filename, f"sha256={digest}", str(len(data))))
-    rows.append((record, "", ""))
-    text = io.StringIO()
-    csv.writer(text, lineterminator="\n").writerows(rows)
-    zout.writestr(record, text.getvalue())
-PYEOF
+"$PY" "$(dirname "$0")/slim_wheel.py" "$tmp"/unsloth-2026.10.9-py3-none-any.whl \
+  "$DIR"/unsloth-2026.10.9-py3-none-any.whl --drop 'studio/*'
 ls -la "$DIR"
 du -sh "$DIR"
