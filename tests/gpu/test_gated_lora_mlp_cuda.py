@@ -74,22 +74,29 @@ def test_the_chunked_backward_is_as_close_to_exact_as_autograds(compiled, cuda, 
 
 
 def test_the_triton_kernels_round_once(cuda):
+    """Each result within one bf16 rounding of the exact value, written as the op writes them: ``dg`` and ``h``
+    (then ``du``) side by side in one buffer's rows; the columns past them untouched."""
     torch.manual_seed(0)
-    n = 5 * _triton.BLOCK + 3
-    g = (torch.randn(n, device=cuda) * 4).to(BF16)
-    u, dh = torch.randn(n, device=cuda).to(BF16), torch.randn(n, device=cuda).to(BF16)
+    rows, cols = 5, _triton.BLOCK + 3
+    g = (torch.randn(rows, cols, device=cuda) * 4).to(BF16)
+    u, dh = torch.randn(rows, cols, device=cuda).to(BF16), torch.randn(rows, cols, device=cuda).to(BF16)
     g64, u64, dh64 = g.double(), u.double(), dh.double()
     sig = torch.sigmoid(g64)
-    dg = dh.clone()
-    du = _triton.silu_mul_backward_(dg, g, u)
+    pair = torch.full((rows, 2 * cols + 5), 7.0, device=cuda, dtype=BF16)
+    dg, h_then_du = pair[:, :cols], pair[:, cols : 2 * cols]
+    _triton.silu_mul(g, u, h_then_du)
+    h = h_then_du.clone()
+    dg.copy_(dh)
+    _triton.silu_mul_backward_(dg, g, u, h_then_du)
     pairs = [
-        (_triton.silu_mul(g, u), g64 * sig * u64),
-        (du, dh64 * g64 * sig),
+        (h, g64 * sig * u64),
+        (h_then_du, dh64 * g64 * sig),
         (dg, dh64 * u64 * sig * (1 + g64 * (1 - sig))),
     ]
     for result, exact in pairs:
         bound = (2.0**-8 + 16 * 2.0**-24) * exact.abs() + 2.0**-133
         assert ((result.double() - exact).abs() <= bound).all()
+    assert (pair[:, 2 * cols :] == 7).all()
 
 
 def peak(mlp: torch.nn.Module, forward, x: torch.Tensor) -> int:

@@ -183,20 +183,31 @@ _TRITON_SCRIPT = """
 import torch
 from leantrain.compile_layers import _triton, ops
 torch.manual_seed(0)
-n = 3 * _triton.BLOCK + 17  # a partial last block
-g = (torch.randn(n) * 4).to(torch.bfloat16)
-u, dh = torch.randn(n).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+rows, cols = 3, _triton.BLOCK + 7  # blocks across rows, a partial last block
+g = (torch.randn(rows, cols) * 4).to(torch.bfloat16)
+u, dh = torch.randn(rows, cols).to(torch.bfloat16), torch.randn(rows, cols).to(torch.bfloat16)
 exact_h = torch.nn.functional.silu(g.double()) * u.double()
 sig = torch.sigmoid(g.double())
 exact_du = dh.double() * g.double() * sig
 exact_dg = dh.double() * u.double() * sig * (1 + g.double() * (1 - sig))
-h = _triton.silu_mul(g, u)
-dg = dh.clone()
-du = _triton.silu_mul_backward_(dg, g, u)
-torch_dg = dh.clone()
-torch_du = ops.silu_mul_backward_(torch_dg, g, u)  # CPU tensors: the torch ops
+
+
+def run(silu_mul, silu_mul_backward_):
+    # the op's layout: [dg | h, then du] rows side by side in one buffer; the guard columns stay untouched
+    pair = torch.full((rows, 2 * cols + 5), 7.0, dtype=torch.bfloat16)
+    left, right = pair[:, :cols], pair[:, cols : 2 * cols]
+    silu_mul(g, u, right)
+    h = right.clone()
+    left.copy_(dh)
+    silu_mul_backward_(left, g, u, right)
+    assert (pair[:, 2 * cols :] == 7).all()
+    return h, right.clone(), left.clone()
+
+
 worst = 0.0
-for got, ref, exact in ((h, ops.silu_mul(g, u), exact_h), (du, torch_du, exact_du), (dg, torch_dg, exact_dg)):
+kernel = run(_triton.silu_mul, _triton.silu_mul_backward_)
+torch_ops = run(ops.silu_mul, ops.silu_mul_backward_)  # CPU tensors: the torch ops
+for got, ref, exact in zip(kernel, torch_ops, (exact_h, exact_du, exact_dg)):
     bound = (2.0**-8 + 16 * 2.0**-24) * exact.abs() + 2.0**-133  # one bf16 rounding of an fp32 result
     # the interpreter casts fp32 to bf16 by truncation (up to one bf16 ulp: twice the rounding's bound)
     for result, ulps in ((got, 2), (ref, 1)):
@@ -206,9 +217,9 @@ print("WORST", worst)
 
 
 def test_the_triton_elementwise_kernels_round_once_as_the_torch_ops():
-    """The two Triton kernels (CPU interpreter) and the torch ops of the CPU path: each result within one bf16
-    rounding of the exact value (fp32 compute; the interpreter truncates where the GPU rounds, so one bf16 ulp for
-    the kernels here: the CUDA test holds them to the rounding)."""
+    """The two Triton kernels (CPU interpreter) and the torch ops of the CPU path, writing into column slices of one
+    buffer as the op does: each result within one bf16 rounding of the exact value (fp32 compute; the interpreter
+    truncates where the GPU rounds, so one bf16 ulp for the kernels here: the CUDA test holds them to the rounding)."""
     import os
     import subprocess
     import sys

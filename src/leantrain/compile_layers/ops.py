@@ -384,37 +384,51 @@ def lora_mlp_backward(
     (in the compute dtype) and the six adapter weights' (fp32 where summed over chunks). What is full width
     (tokens x intermediate) is built ``chunks`` chunks of at least ``min_rows`` rows at a time; what is hidden or
     rank wide, over all rows at once. An op of its own so that inductor runs it as one call: traced, its chunks
-    would be scheduled (and fused) together, and their buffers alive together."""
+    would be scheduled (and fused) together, and their buffers alive together.
+
+    The loop is the op's host cost (the layer's backward is issued about as fast as the GPU runs it), so each chunk
+    is nine launches: one buffer of [gate gradient | up gradient] rows (the second half first holds ``silu(g) u``)
+    lets one GEMM take both rank-side products and one the gradients of both B; each chunk's product that sums over
+    rows goes to its own slot, summed over the slots in fp32 once."""
     w_g, a_g, b_g, w_u, a_u, b_u, w_d, a_d, b_d = weights
     s_g, s_u, s_d = scales
     rows = x.reshape(-1, x.shape[-1])
-    n = rows.shape[0]
-    grad, gate, up, scaled_g, scaled_u = (t.reshape(n, t.shape[-1]) for t in (grad, gate, up, scaled_g, scaled_u))
-    # B * s is exact (s a power of two), so (g @ (B s)) is (g @ B) * s bit for bit, in one launch
-    b_g, b_u = b_g * s_g, b_u * s_u
+    n, width, r_g = rows.shape[0], gate.shape[-1], b_g.shape[1]
+    grad, gate, up = (t.reshape(n, t.shape[-1]).contiguous() for t in (grad, gate, up))
+    scaled_gu = torch.cat([scaled_g.reshape(n, -1), scaled_u.reshape(n, -1)], -1)
+    # B * s is exact (s a power of two), so (g @ (B s)) is (g @ B) * s bit for bit, in one launch; gate's and up's
+    # on the diagonal of one matrix (the zeros add exact zeros)
+    b_gu = grad.new_zeros(2 * width, scaled_gu.shape[1])
+    torch.mul(b_g, s_g, out=b_gu[:width, :r_g])
+    torch.mul(b_u, s_u, out=b_gu[width:, r_g:])
     grad_scaled_d = grad @ (b_d * s_d)
     grad_b_d = grad.t() @ scaled_d.reshape(n, -1)
-    grad_scaled_g, grad_scaled_u = grad.new_empty(n, b_g.shape[1]), grad.new_empty(n, b_u.shape[1])
-    sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (a_d, b_g, b_u)]
+    grad_scaled_gu = torch.empty_like(scaled_gu)
     grad_x = torch.empty_like(rows)
     step = max(min_rows, -(-n // max(chunks, 1)), 1)
-    # each tensor split once (views): the loop's host work is per chunk, and the GPU waits on it where chunks are short
-    parts = zip(*(t.split(step) for t in (gate, up, grad, grad_scaled_d, grad_scaled_g, grad_scaled_u, scaled_g,
-                                          scaled_u, grad_x)), strict=True)  # fmt: skip
-    for g, u, dy, dy_scaled, out_scaled_g, out_scaled_u, s_g_rows, s_u_rows, out_x in parts:
-        h = silu_mul(g, u)
-        sums[0].add_(dy_scaled.t() @ h)  # down's A
-        del h
-        grad_g = torch.mm(dy, w_d).addmm_(dy_scaled, a_d)  # d(silu(g) u), then gate's gradient
-        grad_u = silu_mul_backward_(grad_g, g, u)
-        torch.mm(grad_g, b_g, out=out_scaled_g)
-        torch.mm(grad_u, b_u, out=out_scaled_u)
-        sums[1].add_(grad_g.t() @ s_g_rows)  # gate's B
-        sums[2].add_(grad_u.t() @ s_u_rows)  # up's B
-        torch.mm(grad_g, w_g, out=out_x).addmm_(grad_u, w_u)
-    grad_x.addmm_(torch.cat([grad_scaled_g, grad_scaled_u], -1), torch.cat([a_g, a_u], 0))
-    grad_a_g, grad_a_u = grad_scaled_g.t() @ rows, grad_scaled_u.t() @ rows
-    return [grad_x.reshape(x.shape), grad_a_g, sums[1], grad_a_u, sums[2], sums[0], grad_b_d]
+    slots = -(-n // step)
+    down_a = grad.new_empty(slots, a_d.shape[0], width)
+    gate_up_b = grad.new_empty(slots, 2 * width, scaled_gu.shape[1])
+    pair = grad.new_empty(min(step, n), 2 * width)
+    for slot, start in enumerate(range(0, n, step)):
+        stop = min(start + step, n)
+        both = pair[: stop - start]
+        grad_g, h_then_grad_u = both[:, :width], both[:, width:]
+        g, u, dy, dy_scaled = gate[start:stop], up[start:stop], grad[start:stop], grad_scaled_d[start:stop]
+        silu_mul(g, u, h_then_grad_u)
+        torch.mm(dy_scaled.t(), h_then_grad_u, out=down_a[slot])  # down's A
+        torch.mm(dy, w_d, out=grad_g).addmm_(dy_scaled, a_d)  # d(silu(g) u), then gate's gradient
+        silu_mul_backward_(grad_g, g, u, h_then_grad_u)
+        torch.mm(both, b_gu, out=grad_scaled_gu[start:stop])
+        torch.mm(both.t(), scaled_gu[start:stop], out=gate_up_b[slot])  # gate's and up's B on the diagonal
+        torch.mm(grad_g, w_g, out=grad_x[start:stop]).addmm_(h_then_grad_u, w_u)
+    grad_x.addmm_(grad_scaled_gu, torch.cat([a_g, a_u], 0))
+    grad_a_g, grad_a_u = grad_scaled_gu[:, :r_g].t() @ rows, grad_scaled_gu[:, r_g:].t() @ rows
+    fp32 = torch.float32
+    grad_b_g = torch.sum(gate_up_b[:, :width, :r_g], 0, dtype=fp32)
+    grad_b_u = torch.sum(gate_up_b[:, width:, r_g:], 0, dtype=fp32)
+    grad_a_d = torch.sum(down_a, 0, dtype=fp32)
+    return [grad_x.reshape(x.shape), grad_a_g, grad_b_g, grad_a_u, grad_b_u, grad_a_d, grad_b_d]
 
 
 @lora_mlp_backward.register_fake
@@ -426,19 +440,22 @@ def _lora_mlp_backward_fake(grad, x, gate, up, scaled_g, scaled_u, scaled_d, wei
             b_d.new_empty(b_d.shape)]  # fmt: skip
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` computed in fp32, rounded once (Triton on CUDA, torch ops elsewhere)."""
+def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = silu(g) * u`` computed in fp32, rounded once (Triton on CUDA, torch ops elsewhere). ``g`` and ``u``
+    contiguous rows; ``out``'s rows may be strided (a column slice of a wider buffer)."""
     if g.is_cuda and _triton.triton is not None:
-        return _triton.silu_mul(g, u)
-    return (torch.nn.functional.silu(g.float()) * u.float()).to(g.dtype)
+        _triton.silu_mul(g, u, out)
+        return
+    out.copy_(torch.nn.functional.silu(g.float()) * u.float())
 
 
-def silu_mul_backward_(grad_h: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The gradients of ``silu(g) * u``: ``u``'s returned, ``g``'s written over ``grad_h`` (fp32 compute)."""
+def silu_mul_backward_(grad_h: torch.Tensor, g: torch.Tensor, u: torch.Tensor, grad_u: torch.Tensor) -> None:
+    """The gradients of ``silu(g) * u`` (fp32 compute): ``u``'s into ``grad_u``, ``g``'s written over ``grad_h``.
+    ``g`` and ``u`` contiguous rows; ``grad_h`` and ``grad_u`` rows of the same stride (may be strided)."""
     if g.is_cuda and _triton.triton is not None:
-        return _triton.silu_mul_backward_(grad_h, g, u)
+        _triton.silu_mul_backward_(grad_h, g, u, grad_u)
+        return
     g32, dh = g.float(), grad_h.float()
     sig = torch.sigmoid(g32)
-    grad_u = (dh * (g32 * sig)).to(grad_h.dtype)
+    grad_u.copy_(dh * (g32 * sig))
     grad_h.copy_(dh * u.float() * (sig * (1 + g32 * (1 - sig))))
-    return grad_u
