@@ -1,7 +1,8 @@
 """leantrain against Unsloth on the same TRL ``SFTTrainer`` runs: each (case, provider) in its own Python process.
 
 Providers: ``stock`` (TRL + PEFT as installed), ``leantrain`` (``patch_trainer(trainer)``), ``leantrain_compiled``
-(``patch_trainer(trainer, compile_layers=True)``; recorded as skipped when the installed leantrain has no such option)
+(``patch_trainer(trainer, compile_layers=True)``; recorded as skipped when the installed leantrain has no such option),
+``leantrain_offload`` (``patch_trainer(trainer, offload_checkpoints=True)``; only when named in ``--providers``)
 and ``unsloth`` (``FastLanguageModel.from_pretrained`` of the same random-init weights saved to a local directory,
 ``FastLanguageModel.get_peft_model`` with its own gradient checkpointing, then TRL's ``SFTTrainer``, which Unsloth
 patches). Unsloth patches transformers, TRL and PEFT for the whole process, so every provider runs in a fresh
@@ -64,6 +65,7 @@ STARTED = time.perf_counter()  # a worker's cold start is measured from here (in
 HERE = Path(__file__).resolve().parent
 NAME = "vs_unsloth"
 PROVIDERS = ("stock", "leantrain", "leantrain_compiled", "unsloth")
+OPT_IN = ("leantrain_offload",)  # run when named in --providers: patch_trainer(trainer, offload_checkpoints=True)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = LORA_TARGETS[:4]
 STOCK_EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -274,6 +276,8 @@ def patch(trainer: Any, provider: str) -> tuple[Any, str | None]:
 
     if provider == "leantrain":
         return leantrain.patch_trainer(trainer), None
+    if provider == "leantrain_offload":
+        return leantrain.patch_trainer(trainer, offload_checkpoints=True), None
     if provider == "leantrain_compiled":
         try:
             return leantrain.patch_trainer(trainer, compile_layers=True), None
@@ -546,7 +550,7 @@ def table(rows: list[Any], order: list[str]) -> str:
     from _harness import markdown_table
 
     by = {(r.mode, r.provider, r.metric): r for r in rows}
-    providers = [p for p in PROVIDERS if any(r.provider == p for r in rows)]
+    providers = [p for p in PROVIDERS + OPT_IN if any(r.provider == p for r in rows)]
     lines = []
     for case in order:
         cells = []
@@ -685,9 +689,9 @@ def main(argv: list[str] | None = None) -> None:
     known = cases(args.smoke)
     wanted = [c for c in args.cases.split(",") if c] or [c for c in DEFAULT_CASES if c in known] or list(known)
     providers = [p for p in args.providers.split(",") if p]
-    unknown = [c for c in wanted if c not in known] + [p for p in providers if p not in PROVIDERS]
+    unknown = [c for c in wanted if c not in known] + [p for p in providers if p not in PROVIDERS + OPT_IN]
     if unknown:
-        raise SystemExit(f"unknown {unknown}: cases {list(known)}, providers {list(PROVIDERS)}")
+        raise SystemExit(f"unknown {unknown}: cases {list(known)}, providers {list(PROVIDERS + OPT_IN)}")
     recs: list[dict] = []
     weights = Weights(args)
     try:
