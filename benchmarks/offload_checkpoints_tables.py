@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import math
 import statistics
 import textwrap
@@ -145,7 +146,14 @@ def latest(rows: list[Any]) -> list[Any]:
     newest: dict[tuple[str, str], str] = {}
     for r in rows:
         newest[(r.mode, r.provider)] = max(newest.get((r.mode, r.provider), ""), r.date)
-    return [r for r in rows if r.date == newest[(r.mode, r.provider)]]
+    seen: set[str] = set()  # a run found in several merged files is kept once
+    kept = []
+    for r in rows:
+        key = json.dumps(dataclasses.asdict(r), sort_keys=True, default=str)
+        if r.date == newest[(r.mode, r.provider)] and key not in seen:
+            seen.add(key)
+            kept.append(r)
+    return kept
 
 
 # -- tables and plot -------------------------------------------------------------------------------------------------

@@ -327,6 +327,10 @@ def test_merge_joins_runs_and_keeps_each_cases_latest(tmp_path, monkeypatch):
     assert rows_of.index(merged)[("llama-3.2-1b", "stock", "speed")].p50 == 1.0  # the later run of stock
     assert rows_of.index(merged)[("llama-3.2-1b", "leantrain", "speed")].p50 == 100.0
     assert (joined / "offload_checkpoints.md").read_text().count("| llama-3.2-1b |") == 5
+    # a run found in several files (a device call's output holds the committed rows it started from) is kept once
+    again = tmp_path / "again"
+    assert bench.main([*argv, str(joined / "offload_checkpoints.json"), "--out", str(again)]) == 0
+    assert len(_harness.read_rows(again / "offload_checkpoints.json")) == len(rows)
 
 
 def test_the_committed_results_give_the_cases_in_measured_py():
