@@ -166,6 +166,37 @@ def test_save_pretrained_and_reload(tmp_path):
     leantrain.unpatch_trainer(trainer)
 
 
+def test_auto_mode_serves_lora_on_4bit_stacks_where_peft_cannot(tmp_path):
+    """On CPU the measured table keeps the stock experts at these shapes, but PEFT's own forward cannot train LoRA on
+    quantized stacks (``_adapters.stock_forward`` says why): auto mode applies the grouped path there, says why, and
+    trains as PEFT does on the plain stacks, step after step."""
+    quantized, plain = stacked_pair("qwen3_moe")
+    trainer = make_trainer(quantized, tmp_path)
+    report = leantrain.patch_trainer(trainer, **ONLY_MOE)
+    outcome = report["moe4bit"]
+    assert outcome.status is Status.APPLIED, outcome.reasons
+    assert "PEFT's own forward cannot train LoRA on these 4-bit expert stacks" in outcome.detail
+    eps = torch.finfo(torch.float32).eps
+    for _ in range(2):  # a second forward is where PEFT's own path fails
+        ref_loss, ref_grads = step(plain)
+        loss, grads = step(quantized)
+        assert close(loss, ref_loss, eps, 64)[0], (loss, ref_loss)
+        for name, grad in grads.items():
+            assert close(grad, ref_grads[name], eps, 4096)[0], name
+    leantrain.unpatch_trainer(trainer)
+
+
+def test_auto_mode_keeps_the_measured_rule_without_lora_on_the_stacks(tmp_path):
+    """Without PEFT wrappers on the 4-bit stacks the stock experts serve, and the measured table decides."""
+    model = base_model("qwen3_moe")
+    leantrain.quantize_experts_4bit(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    report = leantrain.patch_trainer(make_trainer(model, tmp_path), **ONLY_MOE)
+    reasons = " ".join(report["moe4bit"].reasons)
+    assert report["moe4bit"].status is Status.SKIPPED
+    assert "on cpu" in reasons and "the stock experts" in reasons
+
+
 @pytest.mark.expect_fallback
 def test_fallback_serves_correct_lora(tmp_path, monkeypatch):
     """A run-time failure falls back to the per-expert stock forward with the adapters folded in (PEFT's own

@@ -124,3 +124,21 @@ def test_table_lists_trainer_settings_unlike_stock_per_case():
         r["trainable"] = 100 if r["provider"] == "unsloth" and r["case"] == "tiny-llama" else 64
     line = vs.table(vs.rows_of(recs, vs.cases(smoke=True)), ["tiny-llama", "tiny-llama-varlen"]).splitlines()[-1]
     assert line.split("|")[2:4] == [" none ", " padding_free=True; trainable parameters=100 (tiny-llama) "]
+
+
+@pytest.mark.slow
+def test_smoke_moe_qlora_trains_with_leantrain(tmp_path):
+    """The MoE QLoRA case on CPU (experts quantized by ``quantize_experts_4bit``, LoRA on their stacks): leantrain's
+    auto mode serves the stacks, where PEFT's own forward fails by the second step."""
+    for name in ("trl", "peft", "datasets", "bitsandbytes"):
+        pytest.importorskip(name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_vs_unsloth.py"), "--smoke", "--out", str(tmp_path),
+               "--cases", "tiny-moe-qlora", "--providers", "leantrain"]  # fmt: skip
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    row = speed(json.loads((tmp_path / "vs_unsloth.json").read_text()), "tiny-moe-qlora", "leantrain")
+    assert all(math.isfinite(x) for x in row["config"]["losses"])
+    (moe4bit,) = [o for o in row["config"]["report"]["outcomes"] if o["name"] == "moe4bit"]
+    assert moe4bit["status"] == "applied"

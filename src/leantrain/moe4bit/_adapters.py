@@ -78,6 +78,14 @@ def param_wrappers(wrapped: dict[int, nn.Module], experts: nn.Module) -> list[nn
     return chain[::-1]
 
 
+def stock_lora_breaks(model: nn.Module, experts: list[nn.Module]) -> bool:
+    """Whether PEFT's own LoRA forward cannot serve one of ``experts``: a parametrized (4-bit) stack under PEFT
+    ``ParamWrapper``s, where the nested wrappers drop the inner adapter and leave their proxy registered, so the
+    next forward fails (``stock_forward`` says how; peft 0.21.2)."""
+    wrapped = wrapped_map(model)
+    return any(torch.nn.utils.parametrize.is_parametrized(e) and param_wrappers(wrapped, e) for e in experts)
+
+
 def forward_owner(wrapped: dict[int, nn.Module], experts: nn.Module) -> nn.Module:
     """The module whose forward the MoE block calls: the outermost ParamWrapper around the experts, or the experts."""
     chain = param_wrappers(wrapped, experts)

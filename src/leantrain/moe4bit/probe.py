@@ -209,6 +209,8 @@ def auto_rule(trainer: Any, kind: str) -> tuple[str | None, str]:
     device = _device(found, trainer)
     if device == "cuda":
         return None, ""
+    if _adapters.stock_lora_breaks(model, [f.module for f in found]):
+        return None, STOCK_LORA_BREAKS
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None)
@@ -216,6 +218,13 @@ def auto_rule(trainer: Any, kind: str) -> tuple[str | None, str]:
     verdicts = [measured.choose(device, kind, experts, hidden) for experts in counts]
     slower = [why for faster, why in verdicts if not faster]
     return (slower[0], "") if slower else (None, "; ".join(why for _, why in verdicts))
+
+
+STOCK_LORA_BREAKS = (
+    "applies where not measured faster: PEFT's own forward cannot train LoRA on these 4-bit expert stacks (its "
+    "nested wrappers drop the inner stack's adapter, then fail on the next forward), so the grouped path, which "
+    "applies the adapters itself, serves them"
+)
 
 
 def _device(found: list[Found], trainer: Any) -> str:
