@@ -195,6 +195,22 @@ def previous_rows(name: str, out_dir: Path, smoke: bool) -> list[Row]:
     return []
 
 
+def latest_runs(rows: Sequence[Row]) -> list[Row]:
+    """The rows of each (mode, provider) from its latest run (the rows of one run share its date), each row once (a
+    run found in several merged files, as a device call's output holds the committed rows it started from)."""
+    newest: dict[tuple[str, str], str] = {}
+    for r in rows:
+        newest[(r.mode, r.provider)] = max(newest.get((r.mode, r.provider), ""), r.date)
+    seen: set[str] = set()
+    kept = []
+    for r in rows:
+        key = json.dumps(asdict(r), sort_keys=True, default=str)
+        if r.date == newest[(r.mode, r.provider)] and key not in seen:
+            seen.add(key)
+            kept.append(r)
+    return kept
+
+
 def read_rows(path: Path) -> list[Row]:
     """Rows of a ``<name>.json`` written by :func:`write_results` (empty when the file does not exist)."""
     path = Path(path)

@@ -623,18 +623,10 @@ def plot(rows: list[Any], order: list[str], path: Path) -> None:
 
 
 def latest(rows: list[Any]) -> list[Any]:
-    """The rows of each (case, provider) from its latest run (the rows of one run share its date), each row once."""
-    newest: dict[tuple[str, str], str] = {}
-    for r in rows:
-        newest[(r.mode, r.provider)] = max(newest.get((r.mode, r.provider), ""), r.date)
-    seen: set[str] = set()  # a run found in several merged files is kept once
-    kept = []
-    for r in rows:
-        key = json.dumps(dataclasses.asdict(r), sort_keys=True, default=str)
-        if r.date == newest[(r.mode, r.provider)] and key not in seen:
-            seen.add(key)
-            kept.append(r)
-    return kept
+    """The rows of each (case, provider) from its latest run, each row once (``_harness.latest_runs``)."""
+    from _harness import latest_runs
+
+    return latest_runs(rows)
 
 
 def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()) -> Path:

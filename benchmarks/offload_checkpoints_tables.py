@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import math
 import statistics
 import textwrap
@@ -142,18 +141,10 @@ def longest_rows(results: dict[tuple[str, str], dict]) -> list[Any]:
 
 
 def latest(rows: list[Any]) -> list[Any]:
-    """The rows of each (case, variant) from its latest run (the rows of one run of it share a date)."""
-    newest: dict[tuple[str, str], str] = {}
-    for r in rows:
-        newest[(r.mode, r.provider)] = max(newest.get((r.mode, r.provider), ""), r.date)
-    seen: set[str] = set()  # a run found in several merged files is kept once
-    kept = []
-    for r in rows:
-        key = json.dumps(dataclasses.asdict(r), sort_keys=True, default=str)
-        if r.date == newest[(r.mode, r.provider)] and key not in seen:
-            seen.add(key)
-            kept.append(r)
-    return kept
+    """The rows of each (case, provider) from its latest run, each row once (``_harness.latest_runs``)."""
+    from _harness import latest_runs
+
+    return latest_runs(rows)
 
 
 # -- tables and plot -------------------------------------------------------------------------------------------------

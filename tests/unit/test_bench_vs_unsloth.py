@@ -72,13 +72,18 @@ def smoke(tmp_path_factory) -> tuple[Path, list[dict]]:
     for name in ("trl", "peft", "matplotlib", "datasets"):
         pytest.importorskip(name)
     out = tmp_path_factory.mktemp("vs_unsloth")
+    return out, run_smoke(out, "tiny-llama,tiny-llama-varlen", "stock,leantrain,unsloth")
+
+
+def run_smoke(out: Path, cases: str, providers: str) -> list[dict]:
+    """``bench_vs_unsloth.py --smoke`` in its own process (no LEANTRAIN_ settings): the rows it wrote to ``out``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_vs_unsloth.py"), "--smoke", "--out", str(out),
-               "--cases", "tiny-llama,tiny-llama-varlen", "--providers", "stock,leantrain,unsloth"]  # fmt: skip
+               "--cases", cases, "--providers", providers]  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return out, json.loads((out / "vs_unsloth.json").read_text())
+    return json.loads((out / "vs_unsloth.json").read_text())
 
 
 def speed(rows: list[dict], case: str, provider: str) -> dict:
@@ -132,13 +137,7 @@ def test_smoke_moe_qlora_trains_with_leantrain(tmp_path):
     auto mode serves the stacks, where PEFT's own forward fails by the second step."""
     for name in ("trl", "peft", "datasets", "bitsandbytes"):
         pytest.importorskip(name)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_vs_unsloth.py"), "--smoke", "--out", str(tmp_path),
-               "--cases", "tiny-moe-qlora", "--providers", "leantrain"]  # fmt: skip
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    row = speed(json.loads((tmp_path / "vs_unsloth.json").read_text()), "tiny-moe-qlora", "leantrain")
+    row = speed(run_smoke(tmp_path, "tiny-moe-qlora", "leantrain"), "tiny-moe-qlora", "leantrain")
     assert all(math.isfinite(x) for x in row["config"]["losses"])
     (moe4bit,) = [o for o in row["config"]["report"]["outcomes"] if o["name"] == "moe4bit"]
     assert moe4bit["status"] == "applied"
