@@ -649,6 +649,44 @@ def test_a_failed_launch_names_the_rank_error_above_the_launcher_report(tmp_path
     assert runs._tail(str(log)) == "step 1\nValueError: bad batch\n"
 
 
+_MEASURED_THEN_ABORT = """
+import json, sys
+from leantrain.cli._measure import Measurement, MeasureSpec
+spec = MeasureSpec.load(sys.argv[1])
+with open(spec.out, "w") as handle:
+    json.dump(Measurement(label=spec.label, steps=[1, 2], step_ms=[10.0, 11.0]).to_json(), handle)
+print("terminate called without an active exception", flush=True)
+sys.exit(134)
+"""
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_run_exiting_with_an_error_after_its_steps_were_measured_is_kept_with_the_cause(
+    measured, tmp_path, monkeypatch
+):
+    """A rank aborting in a library's teardown once training is over (DeepSpeed on CPU has): the measurement is
+    complete, so compare keeps it and says how the process ended; without a measurement the run failed."""
+    import io
+
+    script = _MEASURED_THEN_ABORT if measured else "import sys; print('ValueError: bad batch'); sys.exit(1)"
+    command = lambda req, mode, spec_path: [sys.executable, "-c", script, spec_path]  # noqa: E731
+    monkeypatch.setattr(spawn, "_child_command", command)
+    req = compare.parse(["--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png"), TARGET], environ={})
+    workdir = tmp_path / "runs"
+    workdir.mkdir()
+    stream = io.StringIO()
+    call = lambda: spawn.run_one(req, 0, "stock", str(workdir), spawn.Progress(stream), dict(os.environ))  # noqa: E731
+    if not measured:
+        with pytest.raises(spawn.RunFailed, match="ValueError: bad batch"):
+            call()
+        return
+    result, _ = call()
+    assert result.step_ms == [10.0, 11.0]
+    assert result.exit_note.startswith("exited 134 after its steps were measured (terminate called without")
+    assert (tmp_path / "run1-stock.log").exists()  # kept beside the JSON
+    assert "exited 134 after its steps were measured" in stream.getvalue()
+
+
 # --- the runs' temporary folder: removed however compare ends -------------------------------------------------------
 
 

@@ -92,6 +92,7 @@ class Measurement:
     requested_steps: int = 0
     max_steps: int = 0  # what the script asked for (-1: epochs)
     completions: str | None = None  # "record" / "replay" when completions were recorded / replayed
+    exit_note: str = ""  # set by compare where the process exited with an error after its steps were measured
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -220,6 +220,7 @@ def summary(req: CompareRequest, runs: Sequence[Measurement], walls: Sequence[fl
             "metrics": [r.metrics for r in by_mode[m]],
             "report": by_mode[m][0].report,
             "applied": by_mode[m][0].applied,
+            "exit_notes": [r.exit_note for r in by_mode[m]],  # a run that exited with an error once measured
         }
         for m in MODES
     }

@@ -79,15 +79,24 @@ _LAUNCHER = ("torch/distributed/elastic", "torch/distributed/run.py", "ChildFail
 def _tail(path: str, lines: int = 25) -> str:
     """The log's last lines; when a rank's error line sits above them (the launcher's report fills the tail), that
     line first, so the cause is in the message."""
+    every = _lines(path)
+    tail = every[-lines:]
+    cause = _cause(every[: max(0, len(every) - lines)])
+    return (f"first error above these lines: {cause}\n" if cause else "") + "".join(tail)
+
+
+def _lines(path: str) -> list[str]:
     try:
         with open(path, encoding="utf-8", errors="replace") as handle:
-            every = handle.readlines()
+            return handle.readlines()
     except OSError:
-        return ""
-    tail = every[-lines:]
-    above = every[: max(0, len(every) - lines)]
-    causes = [line for line in above if _CAUSE.search(line) and not any(m in line for m in _LAUNCHER)]
-    return (f"first error above these lines: {causes[-1].strip()}\n" if causes else "") + "".join(tail)
+        return []
+
+
+def _cause(lines: list[str]) -> str:
+    """The last line of ``lines`` that names a rank's own error (not the launcher's report), or ""."""
+    causes = [line for line in lines if _CAUSE.search(line) and not any(m in line for m in _LAUNCHER)]
+    return causes[-1].strip() if causes else ""
 
 
 class RunFailed(Exception):
@@ -161,13 +170,18 @@ def run_one(
         finally:  # Ctrl-C or any error here: the run goes with compare
             _stop(child)
     wall = time.perf_counter() - start
-    if child.returncode != 0:
+    measured = os.path.exists(spec.out)  # written once every step was measured, before training is stopped
+    if child.returncode != 0 and not measured:
         progress.done(f"{head}: failed (exit {child.returncode})")
         raise RunFailed(
             f"the {label} run failed (exit {child.returncode}); {_kept_log(log_path, req)}; last lines:\n"
             + _tail(log_path)
         )
-    if not os.path.exists(spec.out):
+    exit_note = ""
+    if child.returncode != 0:  # e.g. a rank aborting in a library's teardown: the steps were measured, keep them
+        cause = _cause(_lines(log_path)) or "no cause printed"
+        exit_note = f"exited {child.returncode} after its steps were measured ({cause}); {_kept_log(log_path, req)}"
+    if not measured:
         progress.done(f"{head}: no trainer was measured")
         raise RunFailed(
             f"the {label} run finished without training in a process leantrain compare follows: the target must "
@@ -175,10 +189,14 @@ def run_one(
             f"launch`; {_kept_log(log_path, req)}"
         )
     result = Measurement.load(spec.out)
+    result.exit_note = exit_note
     cut = steady_state(result.step_ms, req.warmup).cut  # this run's own steady state, as the verdict times it
     timed = result.step_ms[cut:]
     middle = median(timed) if timed else float("nan")
-    progress.done(f"{head}: {len(result.step_ms)} steps, median {middle:.1f} ms from step {cut + 1} on ({wall:.0f} s)")
+    note = f"; {exit_note}" if exit_note else ""
+    progress.done(
+        f"{head}: {len(result.step_ms)} steps, median {middle:.1f} ms from step {cut + 1} on ({wall:.0f} s){note}"
+    )
     return result, wall
 
 
