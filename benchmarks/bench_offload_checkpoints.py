@@ -107,7 +107,6 @@ LONGEST_VARIANTS = ("stock", "leantrain", "leantrain_offload", "unsloth")
 STEP_CASES = ("llama-3.2-1b", "llama-3.2-1b-qlora", "qwen2.5-1.5b")
 LONGEST_CASES = ("llama-3.2-1b", "llama-3.2-1b-qlora")
 HF_OFFLOAD = {"use_reentrant": False, "offload": True}  # stock's kwargs (transformers' default) plus the offload
-RUN_STEPS = 1000  # the run length every trainer is told (timing stops after warm-up + timed steps)
 # Smoke: big enough that a layer input (2 x 1024 x 512 x 2 bytes = 2 MiB) passes the offload's 1 MiB floor.
 TINY = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=8192)  # fmt: skip
@@ -336,7 +335,7 @@ def train_one(
     with tempfile.TemporaryDirectory() as out:
         build = unsloth_trainer if variant == "unsloth" else hf_trainer
         trainer = build(case, variant, model_dir, out)
-        tell_run_length(trainer, sum(case.steps))
+        peer.tell_run_length(trainer, sum(case.steps))
         report = patch(trainer, variant, rec.get("options", {}))
         if report is not None:
             print(report, flush=True)
@@ -363,21 +362,6 @@ def train_one(
     rec["first_step_s"] = rec["steps"][0]["total_ms"] / 1e3
     if fell:  # the steps ran partly on the stock path: not what the variant is named for
         rec.update(status="fell back", reason="; ".join(f"{k}: {' '.join(v)}" for k, v in fell.items()))
-
-
-def tell_run_length(trainer: Any, steps: int) -> None:
-    """Tell the trainer a user's run length (RUN_STEPS: auto mode decides as it would for a user, e.g. compiling the
-    layers) and stop it after ``steps``; every variant alike, so the learning-rate schedule is the same for all."""
-    from transformers import TrainerCallback
-
-    class StopAfter(TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            if state.global_step >= steps:
-                control.should_training_stop = True
-            return control
-
-    trainer.args.max_steps = max(RUN_STEPS, steps)
-    trainer.add_callback(StopAfter())
 
 
 def skip_reason(case: peer.Case, variant: str) -> str | None:

@@ -21,6 +21,10 @@ bf16, activation checkpointing, AdamW, lr 2e-4, logging every step):
   nf4, LoRA on attention and on the experts (stock: PEFT ``target_parameters`` on bf16 experts; leantrain: experts
   in 4-bit by ``quantize_experts_4bit``; Unsloth: its own MoE path), median of 8 after 3.
 
+Every trainer is told a user's run length (``--run-steps``, 1000 by default: auto mode decides as it would for a
+user's run, e.g. compiling the layers where the run pays the compile back) and stopped after its warm-up and timed
+steps; the learning-rate schedule is the same for every provider.
+
 Recorded per provider: median step (p20/p80), peak allocated GiB over training (weights included), the first step
 and the cold start (process start to the end of the first step: imports, load, LoRA, compile), the loss of every
 step (agreement with stock), the collator's padding mode, the dynamo graph counts. A provider that fails is a row
@@ -65,6 +69,7 @@ STARTED = time.perf_counter()  # a worker's cold start is measured from here (in
 HERE = Path(__file__).resolve().parent
 NAME = "vs_unsloth"
 PROVIDERS = ("stock", "leantrain", "leantrain_compiled", "unsloth")
+RUN_STEPS = 1000  # the run length every trainer is told (timing stops after warm-up + timed steps)
 OPT_IN = ("leantrain_offload",)  # run when named in --providers: patch_trainer(trainer, offload_checkpoints=True)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = LORA_TARGETS[:4]
@@ -199,6 +204,21 @@ def sft_args(case: Case, out: str, cuda: bool) -> Any:
         learning_rate=LR, per_device_train_batch_size=case.batch, max_length=case.seq, **checkpointing(cuda),
         **defaults,
     )  # fmt: skip
+
+
+def tell_run_length(trainer: Any, steps: int, run_steps: int = RUN_STEPS) -> None:
+    """Tell the trainer a user's run length (auto mode decides as it would for a user, e.g. compiling the layers) and
+    stop it after ``steps``; every provider alike, so the learning-rate schedule is the same for all."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if state.global_step >= steps:
+                control.should_training_stop = True
+            return control
+
+    trainer.args.max_steps = max(run_steps, steps)
+    trainer.add_callback(StopAfter())
 
 
 def trainer_settings(trainer: Any) -> dict[str, str]:
@@ -341,7 +361,7 @@ def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
     return clock
 
 
-def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool) -> dict[str, Any]:
+def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool, run_steps: int = RUN_STEPS) -> dict[str, Any]:
     rec: dict[str, Any] = {"case": case.name, "provider": provider, "status": "ok", "reason": ""}
     t0 = time.perf_counter()
     if provider == "unsloth":
@@ -360,6 +380,8 @@ def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool) -> dict[s
         else:
             trainer, extra = hf_trainer(case, provider, model_dir, out, cuda)
         rec["build_s"] = time.perf_counter() - t1
+        tell_run_length(trainer, sum(case.steps), run_steps)
+        rec["told_steps"] = trainer.args.max_steps
         t2 = time.perf_counter()
         report, skip = patch(trainer, provider)
         rec["patch_s"] = time.perf_counter() - t2
@@ -420,7 +442,7 @@ def worker_main(args: argparse.Namespace) -> None:
         if args.worker == "prepare":
             rec = prepare(case, Path(args.model_dir), cuda)
         else:
-            rec = run_worker(case, args.worker, Path(args.model_dir), cuda)
+            rec = run_worker(case, args.worker, Path(args.model_dir), cuda, args.run_steps)
     except Exception as error:  # the row records it (Unsloth on some families, an OOM): the run goes on
         traceback.print_exc()
         kind = "oom" if "out of memory" in str(error).lower() else "failed"
@@ -446,8 +468,21 @@ def spawn(case: Case, who: str, model_dir: Path, args: argparse.Namespace) -> di
         paths.append(os.environ["UNSLOTH_SITE"])
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     out = work / "record.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", who, "--case", case.name,
-               "--model-dir", str(model_dir), "--json", str(out)] + (["--smoke"] if args.smoke else [])  # fmt: skip
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        who,
+        "--case",
+        case.name,
+        "--model-dir",
+        str(model_dir),
+        "--json",
+        str(out),
+        "--run-steps",
+        str(args.run_steps),
+    ]
+    command += ["--smoke"] if args.smoke else []  # fmt: skip
     print(f"=== {case.name} / {who}", flush=True)
     started = time.perf_counter()
     try:
@@ -664,6 +699,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", default="", help=f"comma-separated (default: {','.join(DEFAULT_CASES)})")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--timeout", type=int, default=300, help="seconds per provider process")
+    parser.add_argument(
+        "--run-steps", type=int, default=RUN_STEPS, help="the run length every trainer is told (timing stops earlier)"
+    )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     parser.add_argument("--log-chars", type=int, default=4000, help="tail of each worker's log to print")
     parser.add_argument(

@@ -1,0 +1,178 @@
+"""One trainer in one process, its training step stock and patched in alternating segments (stock, leantrain, stock,
+leantrain, ...): a shared GPU drifts by up to 15% between processes and over minutes, which a comparison of separate
+processes (``bench_vs_unsloth.py``) cannot tell from a real difference of a few percent. Each segment is a
+``trainer.train()`` of ``--steps`` steps whose first step is dropped (optimizer creation, caches); ``patch_trainer``
+before each leantrain segment, ``unpatch_trainer`` after it, so both variants train the same model on the same data.
+
+The case is one of ``bench_vs_unsloth.py``'s (its shapes, data, LoRA and trainer settings); ``--opt name=value``
+passes options to ``patch_trainer`` (e.g. ``--opt compile_layers=False`` for what a short run gets). ``--profile``
+adds one profiled segment per variant and writes its kernels by GPU time (``step_ab_<case>_<variant>_profile.txt``).
+
+    python benchmarks/bench_step_ab.py --case qwen2.5-1.5b --opt compile_layers=False --profile   # CUDA, ~2 min
+    python benchmarks/bench_step_ab.py --smoke                                                      # CPU, seconds
+
+Rows (median step of each variant over all its segments, each segment's median, the ratio to stock) go to
+``step_ab.json`` / ``.md`` in ``$BENCH_RESULTS`` or ``benchmarks/results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_vs_unsloth as vs
+import torch
+from _harness import Row, markdown_table, write_results
+from transformers import TrainerCallback
+
+import leantrain
+
+
+NAME = "step_ab"
+VARIANTS = ("stock", "leantrain")
+
+
+class StepTimes(TrainerCallback):
+    """CUDA-synchronized wall time of every optimizer step, appended to ``ms``."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.ms, self.start = cuda, [], 0.0
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.start = self._now()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.ms.append((self._now() - self.start) * 1e3)
+
+
+def parse_opts(pairs: list[str]) -> dict[str, Any]:
+    """``name=value`` pairs as ``patch_trainer`` keywords (values as Python literals, else strings)."""
+    opts = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--opt takes name=value, got {pair!r}")
+        try:
+            opts[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            opts[name] = value
+    return opts
+
+
+def segment(trainer: Any, clock: StepTimes, steps: int) -> list[float]:
+    """One ``train()`` of ``steps`` steps: the step times after the first."""
+    clock.ms = []
+    trainer.args.max_steps = steps
+    trainer.train()
+    return clock.ms[1:]
+
+
+def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path) -> None:
+    """One segment under torch.profiler: its kernels and ops by GPU time (CPU time on a CPU run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        segment(trainer, clock, steps)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    print(f"profile: {path}", flush=True)
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    cuda = not args.smoke
+    case = vs.cases(args.smoke)[args.case or ("tiny-llama" if args.smoke else "qwen2.5-1.5b")]
+    opts = parse_opts(args.opt)
+    out_dir = Path(args.out) if args.out else None
+    times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        vs.prepare(case, model_dir, cuda)
+        trainer, _ = vs.hf_trainer(case, "stock", model_dir, str(Path(tmp) / "run"), cuda)
+        clock = StepTimes(cuda)
+        trainer.add_callback(clock)
+        for k in range(2 * args.pairs + (2 if args.profile else 0)):
+            variant = VARIANTS[k % 2]
+            if variant == "leantrain":
+                report = leantrain.patch_trainer(trainer, **opts)
+                if k == 1:
+                    print(report, flush=True)
+            if k >= 2 * args.pairs:
+                path = (out_dir or Path(tmp)) / f"{NAME}_{case.name}_{variant}_profile.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                profiled(trainer, clock, args.steps, path)
+            else:
+                times[variant].append(segment(trainer, clock, args.steps))
+                print(f"segment {k + 1}: {variant} {statistics.median(times[variant][-1]):.1f} ms", flush=True)
+            if variant == "leantrain":
+                leantrain.unpatch_trainer(trainer)
+    return rows_of(case.name, opts, times)
+
+
+def rows_of(case: str, opts: dict[str, Any], times: dict[str, list[list[float]]]) -> list[Row]:
+    rows = []
+    for variant, segments in times.items():
+        flat = [ms for seg in segments for ms in seg]
+        qs = statistics.quantiles(flat, n=10) if len(flat) >= 2 else flat * 9
+        per_segment = [round(statistics.median(seg), 2) for seg in segments]
+        config = {"segment_medians_ms": per_segment, "patch_trainer": {k: repr(v) for k, v in opts.items()}}
+        rows.append(
+            Row(NAME, variant, "step", "speed", "ms", "case", case, statistics.median(flat), qs[1], qs[7], config)
+        )
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    stock = {r.x_value: r.p50 for r in rows if r.provider == "stock"}
+    lines = [
+        (r.x_value, r.provider, f"{r.p50:.1f}", f"{r.p20:.1f}-{r.p80:.1f}",
+         ", ".join(f"{m:.1f}" for m in r.config["segment_medians_ms"]), f"{stock[r.x_value] / r.p50:.3f}x")
+        for r in rows
+    ]  # fmt: skip
+    head = ["case", "variant", "median step ms", "p20-p80", "segment medians (in run order)", "speed-up vs stock"]
+    opts = rows[-1].config["patch_trainer"] if rows else {}
+    note = ", ".join(f"{k}={v}" for k, v in opts.items()) or "defaults"
+    return (
+        markdown_table(head, lines) + "\n\nOne trainer in one process, segments alternating stock / leantrain "
+        f"(patch_trainer options: {note}); each segment's first step dropped.\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny case on the CPU")
+    parser.add_argument("--case", default="", help="a bench_vs_unsloth.py case (default: qwen2.5-1.5b)")
+    parser.add_argument("--opt", action="append", default=[], help="name=value for patch_trainer (repeatable)")
+    parser.add_argument("--pairs", type=int, default=3, help="stock / leantrain segment pairs")
+    parser.add_argument("--steps", type=int, default=6, help="steps a segment (the first is dropped)")
+    parser.add_argument("--profile", action="store_true", help="a profiled segment per variant")
+    parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.pairs < 1:
+        raise SystemExit("--steps must be at least 2 (the first is dropped) and --pairs at least 1")
+    known = vs.cases(args.smoke)
+    if args.case and args.case not in known:
+        raise SystemExit(f"unknown case {args.case!r}: {list(known)}")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("needs CUDA (or --smoke)")
+    if args.smoke:
+        torch.set_num_threads(2)
+    rows = run(args)
+    text = table(rows)
+    write_results(NAME, rows, text, Path(args.out) if args.out else None)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
