@@ -3,12 +3,17 @@ leantrain, ...): a shared GPU drifts by up to 15% between processes and over min
 processes (``bench_vs_unsloth.py``) cannot tell from a real difference of a few percent. Each segment is a
 ``trainer.train()`` of ``--steps`` steps whose first step is dropped (optimizer creation, caches); ``patch_trainer``
 before each leantrain segment, ``unpatch_trainer`` after it, so both variants train the same model on the same data.
+With ``--base-opt``, the first variant is ``patch_trainer`` with those options instead of stock (e.g. leantrain
+without and with an option).
 
 The case is one of ``bench_vs_unsloth.py``'s (its shapes, data, LoRA and trainer settings); ``--opt name=value``
 passes options to ``patch_trainer`` (e.g. ``--opt compile_layers=False`` for what a short run gets). ``--profile``
-adds one profiled segment per variant and writes its kernels by GPU time (``step_ab_<case>_<variant>_profile.txt``).
+adds one profiled segment per variant and writes its kernels by GPU time and how busy the GPU was over the
+segment's steps (``step_ab_<case>_<variant>_profile.txt``): a step whose GPU idles waits on the host.
 
     python benchmarks/bench_step_ab.py --case qwen2.5-1.5b --opt compile_layers=False --profile   # CUDA, ~2 min
+    python benchmarks/bench_step_ab.py --case llama-3.2-1b --base-opt compile_layers=True \\
+        --opt compile_layers=True --opt offload_checkpoints=True --profile          # what the offload costs a step
     python benchmarks/bench_step_ab.py --smoke                                                      # CPU, seconds
 
 Rows (median step of each variant over all its segments, each segment's median, the ratio to stock) go to
@@ -34,14 +39,14 @@ import leantrain
 
 
 NAME = "step_ab"
-VARIANTS = ("stock", "leantrain")
+VARIANTS = ("stock", "leantrain")  # "stock" is "base" with --base-opt
 
 
 class StepTimes(TrainerCallback):
     """CUDA-synchronized wall time of every optimizer step, appended to ``ms``."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda, self.ms, self.start = cuda, [], 0.0
+        self.cuda, self.ms, self.all_ms, self.start = cuda, [], [], 0.0
 
     def _now(self) -> float:
         if self.cuda:
@@ -74,6 +79,7 @@ def segment(trainer: Any, clock: StepTimes, steps: int) -> list[float]:
     clock.ms = []
     trainer.args.max_steps = steps
     trainer.train()
+    clock.all_ms = list(clock.ms)
     return clock.ms[1:]
 
 
@@ -84,16 +90,22 @@ def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path) -> None:
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        segment(trainer, clock, steps)
+        ms = segment(trainer, clock, steps)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    events = prof.key_averages()
+    head = f"steps after the first: {', '.join(f'{m:.1f}' for m in ms)} ms\n"
+    if cuda:  # kernel time of every step (the first included) over the wall time of the whole segment
+        busy_ms = sum(e.self_device_time_total for e in events) / 1e3
+        wall_ms = sum(clock.all_ms)
+        head += f"GPU busy {busy_ms:.1f} ms of {wall_ms:.1f} ms in steps ({busy_ms / wall_ms:.0%})\n"
+    path.write_text(head + events.table(sort_by=key, row_limit=40, max_name_column_width=70))
     print(f"profile: {path}", flush=True)
 
 
 def run(args: argparse.Namespace) -> list[Row]:
     cuda = not args.smoke
     case = vs.cases(args.smoke)[args.case or ("tiny-llama" if args.smoke else "qwen2.5-1.5b")]
-    opts = parse_opts(args.opt)
+    opts, base = parse_opts(args.opt), parse_opts(args.base_opt)
     out_dir = Path(args.out) if args.out else None
     times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,9 +116,10 @@ def run(args: argparse.Namespace) -> list[Row]:
         trainer.add_callback(clock)
         for k in range(2 * args.pairs + (2 if args.profile else 0)):
             variant = VARIANTS[k % 2]
-            if variant == "leantrain":
-                report = leantrain.patch_trainer(trainer, **opts)
-                if k == 1:
+            patched = variant == "leantrain" or bool(base)
+            if patched:
+                report = leantrain.patch_trainer(trainer, **(opts if variant == "leantrain" else base))
+                if k < 2:
                     print(report, flush=True)
             if k >= 2 * args.pairs:
                 path = (out_dir or Path(tmp)) / f"{NAME}_{case.name}_{variant}_profile.txt"
@@ -115,37 +128,47 @@ def run(args: argparse.Namespace) -> list[Row]:
             else:
                 times[variant].append(segment(trainer, clock, args.steps))
                 print(f"segment {k + 1}: {variant} {statistics.median(times[variant][-1]):.1f} ms", flush=True)
-            if variant == "leantrain":
+            if patched:
                 leantrain.unpatch_trainer(trainer)
-    return rows_of(case.name, opts, times)
+    return rows_of(case.name, opts, base, times)
 
 
-def rows_of(case: str, opts: dict[str, Any], times: dict[str, list[list[float]]]) -> list[Row]:
+def rows_of(case: str, opts: dict[str, Any], base: dict[str, Any], times: dict[str, list[list[float]]]) -> list[Row]:
     rows = []
     for variant, segments in times.items():
+        options = opts if variant == "leantrain" else base
         flat = [ms for seg in segments for ms in seg]
         qs = statistics.quantiles(flat, n=10) if len(flat) >= 2 else flat * 9
-        per_segment = [round(statistics.median(seg), 2) for seg in segments]
-        config = {"segment_medians_ms": per_segment, "patch_trainer": {k: repr(v) for k, v in opts.items()}}
+        config = {
+            "segment_medians_ms": [round(statistics.median(seg), 2) for seg in segments],
+            "patch_trainer": {k: repr(v) for k, v in options.items()},
+            "patched": variant == "leantrain" or bool(base),
+        }
+        name = "base" if variant == "stock" and base else variant
         rows.append(
-            Row(NAME, variant, "step", "speed", "ms", "case", case, statistics.median(flat), qs[1], qs[7], config)
+            Row(NAME, name, "step", "speed", "ms", "case", case, statistics.median(flat), qs[1], qs[7], config)
         )
     return rows
 
 
+def options_text(row: Row) -> str:
+    if not row.config["patched"]:
+        return "stock (not patched)"
+    return "patch_trainer(" + ", ".join(f"{k}={v}" for k, v in row.config["patch_trainer"].items()) + ")"
+
+
 def table(rows: list[Row]) -> str:
-    stock = {r.x_value: r.p50 for r in rows if r.provider == "stock"}
+    first = {r.x_value: r.p50 for r in rows[::-1]}  # the first variant of each case (stock, or base)
     lines = [
-        (r.x_value, r.provider, f"{r.p50:.1f}", f"{r.p20:.1f}-{r.p80:.1f}",
-         ", ".join(f"{m:.1f}" for m in r.config["segment_medians_ms"]), f"{stock[r.x_value] / r.p50:.3f}x")
+        (r.x_value, r.provider, options_text(r), f"{r.p50:.1f}", f"{r.p20:.1f}-{r.p80:.1f}",
+         ", ".join(f"{m:.1f}" for m in r.config["segment_medians_ms"]), f"{first[r.x_value] / r.p50:.3f}x")
         for r in rows
     ]  # fmt: skip
-    head = ["case", "variant", "median step ms", "p20-p80", "segment medians (in run order)", "speed-up vs stock"]
-    opts = rows[-1].config["patch_trainer"] if rows else {}
-    note = ", ".join(f"{k}={v}" for k, v in opts.items()) or "defaults"
+    head = ["case", "variant", "what runs", "median step ms", "p20-p80", "segment medians (in run order)",
+            f"speed-up vs {rows[0].provider if rows else 'stock'}"]  # fmt: skip
     return (
-        markdown_table(head, lines) + "\n\nOne trainer in one process, segments alternating stock / leantrain "
-        f"(patch_trainer options: {note}); each segment's first step dropped.\n"
+        markdown_table(head, lines) + "\n\nOne trainer in one process, the two variants in alternating segments; each "
+        "segment's first step dropped.\n"
     )
 
 
@@ -154,6 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny case on the CPU")
     parser.add_argument("--case", default="", help="a bench_vs_unsloth.py case (default: qwen2.5-1.5b)")
     parser.add_argument("--opt", action="append", default=[], help="name=value for patch_trainer (repeatable)")
+    parser.add_argument(
+        "--base-opt",
+        action="append",
+        default=[],
+        help="name=value: the first variant is patched with these (repeatable)",
+    )
     parser.add_argument("--pairs", type=int, default=3, help="stock / leantrain segment pairs")
     parser.add_argument("--steps", type=int, default=6, help="steps a segment (the first is dropped)")
     parser.add_argument("--profile", action="store_true", help="a profiled segment per variant")

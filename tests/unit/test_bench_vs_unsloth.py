@@ -101,6 +101,9 @@ def test_smoke_stock_and_leantrain_ran_and_agree_unsloth_skipped(smoke):
         # fp32 on the CPU, the same data and LoRA init in both processes; leantrain's CPU defaults keep the stock
         # math or an fp32 reordering of it: 2e-5 relative is ~100 ulps (eps 1.2e-7) of a loss ~6
         assert mine["losses"] == pytest.approx(stock["losses"], rel=2e-5)
+        # every trainer is told a user's run length and stopped after the case's steps (auto mode decides as for
+        # a user; the two losses above are its 2 steps)
+        assert stock["args"]["max_steps"] == mine["args"]["max_steps"] == str(vs.RUN_STEPS)
         (unsloth,) = [r for r in rows if r["mode"] == case and r["provider"] == "unsloth"]
         assert unsloth["metric"] == "status" and unsloth["config"]["reason"] == "Unsloth needs CUDA"
     for name in ("vs_unsloth.md", "vs_unsloth.png"):

@@ -1,0 +1,49 @@
+"""benchmarks/bench_step_ab.py: option parsing, and the CPU smoke run of one trainer's step stock and patched in
+alternating segments (the rows, the table, the profile and that the trainer is left unpatched)."""
+
+from __future__ import annotations
+
+import json
+
+import bench_step_ab as ab  # noqa: E402
+import pytest
+
+
+def test_options_parse_as_python_literals_else_strings_and_bad_pairs_stop():
+    opts = ab.parse_opts(["compile_layers=False", "compile_layers_mlp_chunks=2", "recompute=elementwise"])
+    assert opts == {"compile_layers": False, "compile_layers_mlp_chunks": 2, "recompute": "elementwise"}
+    for bad in ("compile_layers", "=True"):
+        with pytest.raises(SystemExit, match="name=value"):
+            ab.parse_opts([bad])
+
+
+def test_bad_arguments_stop_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match="at least 2"):
+        ab.main(["--smoke", "--steps", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown case"):
+        ab.main(["--smoke", "--case", "nope", "--out", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_smoke_alternates_variants_and_writes_rows_table_and_profiles(tmp_path, monkeypatch):
+    for name in ("trl", "peft", "datasets"):
+        pytest.importorskip(name)
+    import leantrain
+
+    unpatched = []
+    real_unpatch = leantrain.unpatch_trainer
+    monkeypatch.setattr(leantrain, "unpatch_trainer", lambda t: (real_unpatch(t), unpatched.append(t))[0])
+    ab.main(["--smoke", "--pairs", "2", "--steps", "3", "--profile", "--base-opt", "compile_layers=False",
+             "--opt", "compile_layers=False", "--opt", "fused_ce=False", "--out", str(tmp_path)])  # fmt: skip
+    rows = {r["provider"]: r for r in json.loads((tmp_path / "step_ab.json").read_text())}
+    assert set(rows) == {"base", "leantrain"}
+    for row in rows.values():
+        assert len(row["config"]["segment_medians_ms"]) == 2 and row["p50"] > 0 and row["config"]["patched"]
+    assert rows["leantrain"]["config"]["patch_trainer"] == {"compile_layers": "False", "fused_ce": "False"}
+    # both variants patched, each of its 3 segments (2 timed, 1 profiled) unpatched after it
+    assert len(unpatched) == 6 and "leantrain_report" not in unpatched[-1].__dict__
+    text = (tmp_path / "step_ab.md").read_text()
+    assert "patch_trainer(compile_layers=False, fused_ce=False)" in text and "speed-up vs base" in text
+    for variant in ("stock", "leantrain"):  # the profile files are named by the segment's role
+        profile = (tmp_path / f"step_ab_tiny-llama_{variant}_profile.txt").read_text()
+        assert profile.startswith("steps after the first:") and "aten::mm" in profile
