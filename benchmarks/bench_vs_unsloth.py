@@ -42,7 +42,9 @@ call; four calls, then join their JSON:
     bash benchmarks/gpu_vs_unsloth.sh --cases qwen2.5-1.5b,gemma-2-2b --timeout 200              # ~9 min
     bash benchmarks/gpu_vs_unsloth.sh --cases qwen3-8b --timeout 240                             # ~6 min (estimate)
     python benchmarks/bench_vs_unsloth.py --merge call1/vs_unsloth.json call2/vs_unsloth.json ... --out DIR
-A subset: ``--cases llama-3.2-1b --providers stock,unsloth``. Results go to ``$OUT`` (JSON, markdown, PNG, log).
+Rounds in alternating order: run twice, ``--providers`` reversed, ``--out r1`` / ``r2``, then ``--rounds
+r1/vs_unsloth.json r2/vs_unsloth.json --cases CASE`` (``vs_unsloth_rounds_CASE``). A subset: ``--cases llama-3.2-1b
+--providers stock,unsloth``. Results go to ``$OUT`` (JSON, markdown, PNG, log).
 CPU smoke (tiny shapes, no Unsloth: it needs CUDA):
     python benchmarks/bench_vs_unsloth.py --smoke --providers stock,leantrain
 """
@@ -664,6 +666,17 @@ def latest(rows: list[Any]) -> list[Any]:
     return latest_runs(rows)
 
 
+def told(rows: list[Any], order: list[str]) -> str:
+    """The run length each case's trainers were told (auto mode's compile decision rests on it): rows of older runs
+    were told only their warm-up and timed steps."""
+    steps: dict[str, list[str]] = {}
+    for case in order:
+        told = {(r.config.get("args") or {}).get("max_steps") for r in rows if r.mode == case and r.metric == "speed"}
+        steps.setdefault(" / ".join(sorted(str(t) for t in told)), []).append(case)
+    parts = [f"{n} steps ({', '.join(cases)})" for n, cases in steps.items()]
+    return f"The run length the trainers were told: {'; '.join(parts)}.\n\n" if parts else ""
+
+
 def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()) -> Path:
     """Rows of ``recs`` (and ``extra_rows``: rows of earlier runs, e.g. other device calls) over those already in
     the results directory, each (case, provider) from its latest run; then the table and the plot."""
@@ -681,6 +694,7 @@ def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()
               "peak allocated GiB over training (weights included), first step (cold start: from the process's "
               "first import to the end of the first step, loading and compiling included). Full records (per-step "
               "losses, leantrain's report, timings) in the JSON.\n\n")  # fmt: skip
+    header += told(rows, order)
     unsloth = next((r.versions for r in rows if "unsloth" in r.versions), None)
     if unsloth:
         header += f"Unsloth {unsloth['unsloth']}, unsloth_zoo {unsloth.get('unsloth_zoo', '?')}.\n\n"
@@ -689,6 +703,38 @@ def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()
         plot(rows, order, out / f"{NAME}.png")
     except Exception as error:  # the rows and table are the result; a plot failure must not lose them
         print(f"plot failed: {error}")
+    print(text)
+    return out
+
+
+def write_rounds(paths: list[str], case: str, args: argparse.Namespace) -> Path:
+    """``<name>_rounds_<case>``: the case's rows from several runs (e.g. the same providers in alternating order, each
+    run a round), a line per (round, provider) in run order; the rows keep their round in ``config``."""
+    from _harness import markdown_table, read_rows, write_results
+
+    rows, lines = [], []
+    for k, path in enumerate(paths, 1):
+        mine = [r for r in latest(read_rows(Path(path))) if r.mode == case]
+        if not mine:
+            raise SystemExit(f"{path} has no rows of {case}")
+        mine.sort(key=lambda r: r.date)
+        for r in mine:
+            r.config = {**r.config, "round": k, "source": Path(path).name}
+        by = {(r.provider, r.metric): r for r in mine}
+        for provider in dict.fromkeys(r.provider for r in mine if r.metric in ("speed", "status")):
+            speed = by.get((provider, "speed"))
+            if speed is None:
+                lines.append([k, provider, by[(provider, "status")].config.get("reason", "")[:120], "–", "–"])
+                continue
+            memory, first = by[(provider, "memory")].p50, by[(provider, "first step")].p50
+            lines.append(
+                [k, provider, f"{speed.p50:.1f} ({speed.p20:.1f}-{speed.p80:.1f})", f"{memory:.2f}", f"{first:.1f}"]
+            )
+        rows += mine
+    text = markdown_table(["round", "provider", "median step ms (p20-p80)", "peak alloc GiB", "first step s"], lines)
+    text += (f"\n\n{case}: each round a run of bench_vs_unsloth.py (one process per provider, in the order listed), "
+             f"the trainer told a {RUN_STEPS}-step run.\n")  # fmt: skip
+    out = write_results(f"{NAME}_rounds_{case}", rows, text, Path(args.out) if args.out else None)
     print(text)
     return out
 
@@ -711,6 +757,8 @@ def main(argv: list[str] | None = None) -> None:
         help="vs_unsloth.json files of several runs (e.g. device "
         "calls) to join into --out; a (case, provider) in several keeps its latest",
     )
+    rounds_help = "vs_unsloth.json files of runs of one case (--cases), each a round: a table of all into --out"
+    parser.add_argument("--rounds", nargs="+", default=[], help=rounds_help)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -718,6 +766,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(args)
+    if args.rounds:
+        if len([c for c in args.cases.split(",") if c]) != 1:
+            raise SystemExit("--rounds takes one case: --cases NAME")
+        write_rounds(args.rounds, args.cases, args)
+        return None
     if args.merge:
         from _harness import read_rows
 

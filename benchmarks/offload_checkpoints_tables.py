@@ -125,7 +125,7 @@ def longest_rows(results: dict[tuple[str, str], dict]) -> list[Any]:
             config = {"status": rec["status"], "reason": rec.get("reason", "")}
             rows.append(Row(NAME, variant, mode, "status", "", *x, math.nan, config=config, **common))
             continue
-        config = {k: rec.get(k) for k in ("status", "low", "high", "step", "cap_gib", "probes")}
+        config = {k: rec.get(k) for k in ("status", "low", "high", "step", "cap_gib", "probes", "parallel")}
         # the step time and peaks at the longest length: measured alone where the search ran side by side
         found = next((p for p in rec["probes"] if p["seq"] == rec["longest"] and p["status"] == "ok"), {})
         at = rec["alone"] if (rec.get("alone") or {}).get("status") == "ok" else found
@@ -314,7 +314,9 @@ def longest_cells(by: dict, mode: str, variant: str, found: Any, stock: Any) -> 
         note.append("search cut off: the longest that fit so far")
     if not math.isnan(found.p50) and found.p50 >= c.get("high", math.inf):
         note.append(f"the search's ceiling ({c['high']}: --high or the model's position range) fits")
-    if c.get("timed_alone") is False and not math.isnan(found.p50) and len(probes) > 1:
+    # searched side by side (rows before "parallel" was recorded: more than one probe), and not timed alone after
+    side_by_side = (c.get("parallel") or (2 if len(probes) > 1 else 1)) > 1
+    if c.get("timed_alone") is False and not math.isnan(found.p50) and side_by_side:
         note.append("step timed during the search (its run alone did not finish)")
     if math.isnan(found.p50) and probes:
         note.append(f"{probes[0]['seq']} does not fit ({probes[0]['status']}: {clean(probes[0]['reason'], 200)})")

@@ -117,6 +117,10 @@ def _decide(
     if killed:
         return Status.DISABLED, cfg.sources["disable"], killed, None
     if wanted is False:
+        broken = opt.breaks_when_off(trainer) if source != "default" else None
+        if broken:
+            typed = as_typed(opt.name, False, source)
+            raise ValueError(f"{typed} asks for the stock path, which cannot train here: {broken}")
         why = f"off by default: {opt.off_by_default_why}" if opt.off_by_default_why else "off by default"
         return Status.DISABLED, source, ("turned off" if source != "default" else f"{why}; pass True",), None
     if not opt.implemented:

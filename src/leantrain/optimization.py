@@ -120,6 +120,11 @@ class Optimization:
         """Decide readiness and find the plan; change nothing."""
         raise NotImplementedError
 
+    def breaks_when_off(self, trainer: Any) -> str | None:
+        """Why the stock path cannot train this trainer, where turning the optimization off asks for it (then
+        ``<name>=False`` is an error at patch time, not a failure some steps in); None where stock trains."""
+        return None
+
     def apply(self, trainer: Any, plan: Any, ctx: PatchContext) -> Applied:
         """Execute the probe's plan, recording every change on ``ctx.undo``."""
         raise NotImplementedError

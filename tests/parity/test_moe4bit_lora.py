@@ -186,6 +186,29 @@ def test_auto_mode_serves_lora_on_4bit_stacks_where_peft_cannot(tmp_path):
     leantrain.unpatch_trainer(trainer)
 
 
+def test_turning_moe4bit_off_with_lora_on_4bit_stacks_is_an_error_at_patch_time(tmp_path, monkeypatch):
+    """``moe4bit=False`` asks for PEFT's own forward, which fails a step in on these stacks: the error comes at
+    ``patch_trainer`` time, naming the switch as the user set it and what to do; nothing is patched. Where stock
+    trains (no LoRA on the stacks), ``False`` is simply off; the kill switch (stock on purpose) does not raise."""
+    quantized, _ = stacked_pair("qwen3_moe")
+    trainer = make_trainer(quantized, tmp_path)
+    with pytest.raises(ValueError, match=r"moe4bit=False asks for the stock path.*leave moe4bit on auto"):
+        leantrain.patch_trainer(trainer, **{**ONLY_MOE, "moe4bit": False})
+    monkeypatch.setenv("LEANTRAIN_MOE4BIT", "0")
+    with pytest.raises(ValueError, match="LEANTRAIN_MOE4BIT=0 asks for the stock path"):
+        leantrain.patch_trainer(trainer, **{k: v for k, v in ONLY_MOE.items() if k != "moe4bit"})
+    monkeypatch.delenv("LEANTRAIN_MOE4BIT")
+    assert "leantrain_report" not in trainer.__dict__
+    report = leantrain.patch_trainer(trainer, **{**ONLY_MOE, "moe4bit": None}, disable=True)
+    assert report["moe4bit"].status is Status.DISABLED
+    leantrain.unpatch_trainer(trainer)
+    model = base_model("qwen3_moe")
+    leantrain.quantize_experts_4bit(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    report = leantrain.patch_trainer(make_trainer(model, tmp_path / "b"), **{**ONLY_MOE, "moe4bit": False})
+    assert report["moe4bit"].status is Status.DISABLED
+
+
 def test_auto_mode_keeps_the_measured_rule_without_lora_on_the_stacks(tmp_path):
     """Without PEFT wrappers on the 4-bit stacks the stock experts serve, and the measured table decides."""
     model = base_model("qwen3_moe")

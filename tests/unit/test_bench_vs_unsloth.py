@@ -144,3 +144,28 @@ def test_smoke_moe_qlora_trains_with_leantrain(tmp_path):
     assert all(math.isfinite(x) for x in row["config"]["losses"])
     (moe4bit,) = [o for o in row["config"]["report"]["outcomes"] if o["name"] == "moe4bit"]
     assert moe4bit["status"] == "applied"
+
+
+def test_rounds_table_lists_each_run_of_one_case_in_its_order_and_the_header_the_told_run_length(tmp_path):
+    import argparse
+
+    runs = []
+    for k, order in enumerate((("leantrain", "stock"), ("stock", "leantrain")), 1):
+        recs = [_record(p, 100.0 * (i + 1) + k, [5.0, 4.0]) for i, p in enumerate(order)]
+        for r in recs:
+            r["args"] = {"max_steps": "1000"}
+        out = tmp_path / f"r{k}"
+        vs.write(recs, argparse.Namespace(smoke=True, out=str(out)))
+        runs.append(str(out / "vs_unsloth.json"))
+    assert "told: 1000 steps (tiny-llama)" in (tmp_path / "r1" / "vs_unsloth.md").read_text()
+    vs.main(["--smoke", "--rounds", *runs, "--cases", "tiny-llama", "--out", str(tmp_path / "all")])
+    text = (tmp_path / "all" / "vs_unsloth_rounds_tiny-llama.md").read_text()
+    lines = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert [(int(a), b.strip()) for a, b in lines] == [(1, "leantrain"), (1, "stock"), (2, "stock"), (2, "leantrain")]
+    assert "| 2 | leantrain | 202.0 (202.0-202.0) | 2.00 | 1.5 |" in text
+    rows = json.loads((tmp_path / "all" / "vs_unsloth_rounds_tiny-llama.json").read_text())
+    assert {r["config"]["round"] for r in rows} == {1, 2}
+    with pytest.raises(SystemExit, match="one case"):
+        vs.main(["--smoke", "--rounds", *runs, "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="no rows of tiny-llama-varlen"):
+        vs.main(["--smoke", "--rounds", *runs, "--cases", "tiny-llama-varlen", "--out", str(tmp_path / "x")])

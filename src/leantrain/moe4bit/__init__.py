@@ -51,6 +51,11 @@ class Moe4bit(Optimization):
 
         return probe(trainer, ctx)
 
+    def breaks_when_off(self, trainer: Any) -> str | None:
+        from .probe import stock_lora_reason
+
+        return stock_lora_reason(trainer)
+
     def apply(self, trainer: Any, plan: Any, ctx: PatchContext) -> Applied:
         from ._adapters import lora_detail
         from .patch import install, share

@@ -220,6 +220,20 @@ def auto_rule(trainer: Any, kind: str) -> tuple[str | None, str]:
     return (slower[0], "") if slower else (None, "; ".join(why for _, why in verdicts))
 
 
+def stock_lora_reason(trainer: Any) -> str | None:
+    """Why PEFT's own LoRA forward cannot train the trainer's expert stacks (4-bit parametrized stacks under PEFT
+    ``ParamWrapper``s), or None."""
+    model = unwrap_model(trainer.model)
+    found = find_experts(model)
+    if not found or not _adapters.stock_lora_breaks(model, [f.module for f in found]):
+        return None
+    return (
+        f"LoRA sits on {len(found)} 4-bit expert stack(s) (quantize_experts_4bit), which PEFT's own forward cannot "
+        "train (its nested wrappers drop the inner stack's adapter, then fail on the next forward); leave moe4bit "
+        "on auto (or pass moe4bit=True): its grouped path applies the adapters itself"
+    )
+
+
 STOCK_LORA_BREAKS = (
     "applies where not measured faster: PEFT's own forward cannot train LoRA on these 4-bit expert stacks (its "
     "nested wrappers drop the inner stack's adapter, then fail on the next forward), so the grouped path, which "
