@@ -689,7 +689,8 @@ def parallel_problem(parallel: int, cap_gib: float, total_gib: float) -> str | N
 
 
 def search_record(case: str, variant: str, args: argparse.Namespace, high: int) -> dict[str, Any]:
-    grid = {"cap_gib": args.cap_gib, "low": args.low, "high": high, "step": args.step, "parallel": args.parallel}
+    grid = {"cap_gib": args.cap_gib, "low": args.low, "high": high, "step": args.step}
+    grid["parallel"] = getattr(args, "parallel", 1)  # searched side by side when > 1
     return {"case": case, "variant": variant, "status": "searching", "reason": "", **grid, "longest": None,
             "probes": [], "date": now()}  # fmt: skip
 

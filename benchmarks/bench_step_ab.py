@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import statistics
 import tempfile
 import time
@@ -46,7 +47,7 @@ class StepTimes(TrainerCallback):
     """CUDA-synchronized wall time of every optimizer step, appended to ``ms``."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda, self.ms, self.start = cuda, [], 0.0
+        self.cuda, self.ms, self.start, self.peak_gib = cuda, [], 0.0, math.nan
 
     def _now(self) -> float:
         if self.cuda:
@@ -75,10 +76,14 @@ def parse_opts(pairs: list[str]) -> dict[str, Any]:
 
 
 def segment(trainer: Any, clock: StepTimes, steps: int) -> list[float]:
-    """One ``train()`` of ``steps`` steps: the step times after the first."""
+    """One ``train()`` of ``steps`` steps: the step times after the first (its peak allocated GiB on
+    ``clock.peak_gib``, weights included)."""
     clock.ms = []
     trainer.args.max_steps = steps
+    if clock.cuda:
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
+    clock.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if clock.cuda else math.nan
     return clock.ms[1:]
 
 
@@ -117,6 +122,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     opts, base = parse_opts(args.opt), parse_opts(args.base_opt)
     out_dir = Path(args.out) if args.out else None
     times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    peaks: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         vs.prepare(case, model_dir, cuda)
@@ -136,13 +142,21 @@ def run(args: argparse.Namespace) -> list[Row]:
                 profiled(trainer, clock, args.steps, path)
             else:
                 times[variant].append(segment(trainer, clock, args.steps))
+                peaks[variant].append(clock.peak_gib)
                 print(f"segment {k + 1}: {variant} {statistics.median(times[variant][-1]):.1f} ms", flush=True)
             if patched:
                 leantrain.unpatch_trainer(trainer)
-    return rows_of(case.name, opts, base, times)
+    return rows_of(case.name, opts, base, times, peaks, args.name)
 
 
-def rows_of(case: str, opts: dict[str, Any], base: dict[str, Any], times: dict[str, list[list[float]]]) -> list[Row]:
+def rows_of(
+    case: str,
+    opts: dict[str, Any],
+    base: dict[str, Any],
+    times: dict[str, list[list[float]]],
+    peaks: dict[str, list[float]],
+    name: str = NAME,
+) -> list[Row]:
     rows = []
     for variant, segments in times.items():
         options = opts if variant == "leantrain" else base
@@ -152,11 +166,10 @@ def rows_of(case: str, opts: dict[str, Any], base: dict[str, Any], times: dict[s
             "segment_medians_ms": [round(statistics.median(seg), 2) for seg in segments],
             "patch_trainer": {k: repr(v) for k, v in options.items()},
             "patched": variant == "leantrain" or bool(base),
+            "peak_gib": max(peaks[variant], default=math.nan),
         }
-        name = "base" if variant == "stock" and base else variant
-        rows.append(
-            Row(NAME, name, "step", "speed", "ms", "case", case, statistics.median(flat), qs[1], qs[7], config)
-        )
+        who = "base" if variant == "stock" and base else variant
+        rows.append(Row(name, who, "step", "speed", "ms", "case", case, statistics.median(flat), qs[1], qs[7], config))
     return rows
 
 
@@ -170,11 +183,12 @@ def table(rows: list[Row]) -> str:
     first = {r.x_value: r.p50 for r in rows[::-1]}  # the first variant of each case (stock, or base)
     lines = [
         (r.x_value, r.provider, options_text(r), f"{r.p50:.1f}", f"{r.p20:.1f}-{r.p80:.1f}",
-         ", ".join(f"{m:.1f}" for m in r.config["segment_medians_ms"]), f"{first[r.x_value] / r.p50:.3f}x")
+         ", ".join(f"{m:.1f}" for m in r.config["segment_medians_ms"]), f"{first[r.x_value] / r.p50:.3f}x",
+         f"{r.config.get('peak_gib', math.nan):.2f}")
         for r in rows
     ]  # fmt: skip
     head = ["case", "variant", "what runs", "median step ms", "p20-p80", "segment medians (in run order)",
-            f"speed-up vs {rows[0].provider if rows else 'stock'}"]  # fmt: skip
+            f"speed-up vs {rows[0].provider if rows else 'stock'}", "peak alloc GiB"]  # fmt: skip
     return (
         markdown_table(head, lines) + "\n\nOne trainer in one process, the two variants in alternating segments; each "
         "segment's first step dropped.\n"
@@ -196,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps a segment (the first is dropped)")
     parser.add_argument("--profile", action="store_true", help="a profiled segment per variant")
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
+    parser.add_argument("--name", default=NAME, help=f"the results' file name (default {NAME})")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.pairs < 1:  # a profiled segment needs one step after the first too
         raise SystemExit("--steps must be at least 2 (the first is dropped) and --pairs at least 1")
@@ -208,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(2)
     rows = run(args)
     text = table(rows)
-    write_results(NAME, rows, text, Path(args.out) if args.out else None)
+    write_results(args.name, rows, text, Path(args.out) if args.out else None)
     print(text)
 
 

@@ -27,6 +27,7 @@ _SWITCH_WORDS = "1/0/on/off/yes/no/true/false"  # _TRUE and _FALSE, as messages 
 # cggr: CGGR wraps the loss computation fused_ce installs, so the labels CGGR masks feed the fused loss. compile_layers
 # comes after everything that rebinds code inside the decoder layers, so it compiles what will run; offload_checkpoints
 # comes after compile_layers: it wraps the layer forward that runs (the compiled one inside the checkpoint).
+# padding_free changes the batches, not the model: last.
 OPTIMIZATIONS = (
     "moe4bit",
     "osft",
@@ -37,6 +38,7 @@ OPTIMIZATIONS = (
     "grpo_logps",
     "compile_generation",
     "offload_checkpoints",
+    "padding_free",
 )
 CGGR_SCORINGS = ("entropy", "margin", "loss", "combined", "random")
 OSFT_PRECISIONS = ("fp32", "tf32", "bf16", "tf32x3", "bf16x3")
@@ -118,6 +120,13 @@ class LeantrainConfig:
         "tristate",
         "activation checkpointing: each checkpointed decoder layer's input in pinned host memory, copied on a side "
         "stream (auto: where its step cost measured within 3%; needs the trainer's gradient_checkpointing)",
+    )
+    padding_free: bool | None = _opt(
+        None,
+        "tristate",
+        "SFTTrainer: each batch's rows as one row of their real tokens, position ids restarting per row (TRL's "
+        "padding-free collator; the same loss and gradients, no padding computed or kept; auto: where measured faster "
+        "than padded batches, none yet)",
     )
     disable: bool = _opt(
         False,

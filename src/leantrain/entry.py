@@ -186,6 +186,7 @@ def patch_trainer(
     grpo_logps: bool | None = None,
     compile_generation: bool | None = None,
     offload_checkpoints: bool | None = None,
+    padding_free: bool | None = None,
     strict: bool | None = None,
     environ: Mapping[str, str] | None = None,
     **options: Any,

@@ -301,11 +301,17 @@ def test_a_step_not_timed_alone_is_said_so(monkeypatch):
     """With --parallel the longest length trains once more alone for its step time; where that run did not finish,
     the table says the figure comes from the search, where another variant shared the GPU."""
     monkeypatch.setenv("BENCH_COMMIT", "abc1234")
-    rec = _search("unsloth", 131072)
+    rec = {**_search("unsloth", 131072), "parallel": 2}
+    said = "step timed during the search (its run alone did not finish)"
+    table = rows_of.longest_table(rows_of.longest_rows({("llama-3.2-1b", "unsloth"): rec}))
+    assert said in table  # one probe (the search's ceiling) beside another variant's: still not alone
+    assert said not in rows_of.longest_table(
+        rows_of.longest_rows({("llama-3.2-1b", "unsloth"): {**rec, "parallel": 1}})
+    )
     rec["probes"].insert(0, {"seq": 32768, "status": "ok", "reason": "", "step_ms": 300.0, "peak_gib": 5.0,
                              "reserved_gib": 5.2})  # fmt: skip
-    table = rows_of.longest_table(rows_of.longest_rows({("llama-3.2-1b", "unsloth"): rec}))
-    assert "step timed during the search (its run alone did not finish)" in table
+    old = {k: v for k, v in rec.items() if k != "parallel"}  # rows written before --parallel was recorded
+    assert said in rows_of.longest_table(rows_of.longest_rows({("llama-3.2-1b", "unsloth"): old}))
     rec["alone"] = {"status": "ok", "step_ms": 800.0, "peak_gib": 20.0, "reserved_gib": 21.0}
     table = rows_of.longest_table(rows_of.longest_rows({("llama-3.2-1b", "unsloth"): rec}))
     assert "timed during the search" not in table and "| 800 | 20.00 / 21.00 |" in table

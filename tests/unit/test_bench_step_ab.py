@@ -47,3 +47,17 @@ def test_smoke_alternates_variants_and_writes_rows_table_and_profiles(tmp_path, 
     for variant in ("stock", "leantrain"):  # the profile files are named by the segment's role
         profile = (tmp_path / f"step_ab_tiny-llama_{variant}_profile.txt").read_text()
         assert profile.startswith("steps after the first:") and "aten::mm" in profile
+
+
+@pytest.mark.slow
+def test_padding_free_benchmark_alternates_padded_and_padding_free_batches(tmp_path):
+    for name in ("trl", "peft", "datasets"):
+        pytest.importorskip(name)
+    import bench_padding_free
+
+    bench_padding_free.main(["--smoke", "--pairs", "1", "--steps", "2", "--out", str(tmp_path)])
+    rows = {r["provider"]: r for r in json.loads((tmp_path / "padding_free.json").read_text())}
+    assert rows["base"]["config"]["patch_trainer"] == {"padding_free": "False"}
+    assert rows["leantrain"]["config"]["patch_trainer"] == {"padding_free": "True"}
+    assert rows["leantrain"]["x_value"] == "tiny-llama-varlen" and rows["leantrain"]["p50"] > 0
+    assert "peak alloc GiB" in (tmp_path / "padding_free.md").read_text()

@@ -1,0 +1,66 @@
+"""Padding-free batches on CUDA against the trainer's padded batches on CUDA (SDPA attention).
+
+The packed row runs other attention kernels than the padded rows (a mask built from the position ids against a
+padding mask), so the two agree to the rounding of differently tiled reductions, not bitwise. fp32 (TF32 off, torch's
+default for matmuls): the loss within 64 ulps; each gradient tensor within 1e-4 of its largest entry (~840 ulps:
+room for the kernels' other summation orders, while a row attending to another moves a gradient by its own size,
+which the CPU test shows). bf16: the loss within 4 bf16 ulps. Then the trainer's own steps: the same losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leantrain
+from leantrain.cli.tiny import tiny_model
+from testkit.batches import random_rows
+from testkit.optimizations import only
+
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+peft = pytest.importorskip("peft")
+
+from tests._fused_ce_trainers import sft_trainer  # noqa: E402
+from tests._padding_free import padded_then_packed, skip_unless_ready  # noqa: E402
+
+
+VOCAB = 512
+LENGTHS = (37, 120, 64, 9, 101, 75, 18, 128)
+
+
+def trainer_for(tmp_path, dtype: torch.dtype, **args):
+    model = tiny_model("llama", vocab_size=VOCAB, dtype=dtype).to("cuda")
+    model.config._attn_implementation = "sdpa"
+    lora = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, lora)
+    rows = [r["input_ids"] for r in random_rows(len(LENGTHS), LENGTHS, VOCAB)]
+    bf16 = dtype == torch.bfloat16
+    return sft_trainer(model.train(), tmp_path, rows, per_device_train_batch_size=4, max_steps=2, bf16=bf16, **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_and_gradients_equal_the_padded_batch_on_cuda(tmp_path, dtype):
+    trainer = trainer_for(tmp_path, dtype)
+    (padded_loss, padded), (loss, grads) = padded_then_packed(trainer, [trainer.train_dataset[i] for i in range(4)])
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(loss, padded_loss, rtol=(64 if dtype == torch.float32 else 4) * eps, atol=0)
+    if dtype == torch.float32:
+        assert grads.keys() == padded.keys() and grads
+        for name, grad in grads.items():
+            scale = padded[name].abs().max()
+            assert scale > 0 and (grad - padded[name]).abs().max() <= 1e-4 * scale, name
+
+
+def test_training_steps_match_the_padded_run_on_cuda(tmp_path):
+    losses = {}
+    for variant in ("padded", "padding_free"):
+        trainer = trainer_for(tmp_path / variant, torch.float32, optim="sgd", learning_rate=0.5)
+        skip_unless_ready(trainer)
+        leantrain.patch_trainer(trainer, **only("padding_free", variant == "padding_free"))
+        trainer.train()
+        losses[variant] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        leantrain.unpatch_trainer(trainer)
+    eps = torch.finfo(torch.float32).eps
+    assert len(losses["padded"]) == 2 and losses["padding_free"] == pytest.approx(losses["padded"], rel=256 * eps)

@@ -1,0 +1,153 @@
+"""Padding-free batches (``padding_free``) on CPU against the trainer's padded batches.
+
+The same rows in one row of real tokens (position ids restarting per row) instead of padded rows: the targets are the
+same, the loss is normalized by the same token count, and each row attends to its own tokens only, so in fp32 the
+loss and its gradients equal the padded batch's up to the rounding of differently shaped reductions. Bounds: a loss
+~5.5 within 16 ulps (eps 1.2e-7); a gradient tensor within 1e-5 of its largest entry (the attention's sums over
+differently long key rows reorder fp32 additions: measured differences are ~1e-7 relative). The probe declines, with
+a reason a user can act on, where the padding-free batch would not train as the padded one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import leantrain
+from leantrain import NotReadyError, Status
+from leantrain.cli.tiny import tiny_model
+from leantrain.padding_free import probe as pf_probe
+from testkit.batches import random_rows
+from testkit.optimizations import only
+
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+pytest.importorskip("peft")
+
+from tests._fused_ce_trainers import sft_trainer  # noqa: E402
+from tests._padding_free import padded_then_packed, skip_unless_ready  # noqa: E402
+
+
+VOCAB = 256
+LENGTHS = (5, 17, 9, 12, 3, 14, 8, 11)  # varying: a padded batch of 4 holds 20-40% padding
+EPS = torch.finfo(torch.float32).eps
+
+
+def trainer_for(tmp_path, attention: str = "sdpa", batch: int = 4, **args):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama", vocab_size=VOCAB)
+    model.config._attn_implementation = attention
+    model = get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False)
+    )
+    rows = [r["input_ids"] for r in random_rows(len(LENGTHS), LENGTHS, VOCAB)]
+    return sft_trainer(model.train(), tmp_path, rows, per_device_train_batch_size=batch, max_steps=2, **args)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_loss_and_gradients_equal_the_padded_batch(tmp_path, attention):
+    trainer = trainer_for(tmp_path, attention)
+    (padded_loss, padded), (loss, grads) = padded_then_packed(trainer, [trainer.train_dataset[i] for i in range(4)])
+    assert torch.allclose(loss, padded_loss, rtol=16 * EPS, atol=0), (loss, padded_loss)
+    layers = trainer.model.config.num_hidden_layers
+    assert grads.keys() == padded.keys() and len(grads) == 6 * layers  # q, v, gate: LoRA A and B of every layer
+    for name, grad in grads.items():
+        scale = padded[name].abs().max()
+        assert scale > 0 and (grad - padded[name]).abs().max() <= 1e-5 * scale, name
+    assert trainer.padding_free is False  # the trainer's own flag restored too
+
+
+def test_training_steps_match_the_padded_run(tmp_path):
+    """Two optimizer steps (SGD: each update a fixed multiple of the gradient) give the padded run's losses."""
+    losses = {}
+    for variant in ("padded", "padding_free"):
+        trainer = trainer_for(tmp_path / variant, optim="sgd", learning_rate=0.5)
+        skip_unless_ready(trainer)
+        options = only("padding_free") if variant == "padding_free" else only("padding_free", False)
+        leantrain.patch_trainer(trainer, **options)
+        trainer.train()
+        losses[variant] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        leantrain.unpatch_trainer(trainer)
+    assert len(losses["padded"]) == 2 and losses["padding_free"] == pytest.approx(losses["padded"], rel=64 * EPS)
+
+
+def test_auto_mode_waits_for_a_measurement(tmp_path):
+    trainer = trainer_for(tmp_path)
+    skip_unless_ready(trainer)
+    report = leantrain.patch_trainer(trainer, **only("padding_free", None))
+    outcome = report["padding_free"]
+    assert outcome.status is Status.SKIPPED
+    assert "not yet measured faster than padded ones" in " ".join(outcome.reasons)
+
+
+def declined(tmp_path, **args) -> str:
+    report = leantrain.patch_trainer(trainer_for(tmp_path, **args), **only("padding_free", None))
+    assert report["padding_free"].status is Status.SKIPPED
+    return " ".join(report["padding_free"].reasons)
+
+
+def test_nothing_to_do_with_one_row_a_batch_or_a_trainer_that_is_padding_free_already(tmp_path):
+    assert "per_device_train_batch_size=1" in declined(tmp_path / "a", batch=1)
+    assert "padding-free already" in declined(tmp_path / "b", padding_free=True, max_length=None)
+
+
+def test_required_but_blocked_names_the_reason(tmp_path, monkeypatch):
+    """Forced blockers, each with what stops it: a Trainer counting the loss's tokens before the shift, a collator
+    whose padding-free batches keep each row's first label, and an attention that does not mask packed rows."""
+    monkeypatch.setattr(pf_probe, "count_reasons", lambda trainer: ["counts the loss's tokens before the shift"])
+    with pytest.raises(NotReadyError, match="padding_free is required but not ready: .*before the shift"):
+        leantrain.patch_trainer(trainer_for(tmp_path / "a"), padding_free=True)
+    monkeypatch.undo()
+
+    trainer = trainer_for(tmp_path / "b")
+    real = type(trainer.data_collator)
+
+    @dataclasses.dataclass
+    class KeepsFirstLabels(real):  # the same name TRL's collator has, so only the behaviour check can tell
+        def torch_call(self, examples):
+            out = super().torch_call(examples)
+            if self.padding_free:
+                out["labels"] = out["input_ids"].clone()
+            return out
+
+    KeepsFirstLabels.__name__ = real.__name__
+    trainer.data_collator = KeepsFirstLabels(**{f.name: getattr(trainer.data_collator, f.name)
+                                                for f in dataclasses.fields(real)})  # fmt: skip
+    with pytest.raises(NotReadyError, match="keeps each example.s first label"):
+        leantrain.patch_trainer(trainer, padding_free=True)
+
+    trainer = trainer_for(tmp_path / "c")
+    trainer.model.config._attn_implementation = "sdpa_paged"
+    with pytest.raises(NotReadyError, match="attention 'sdpa_paged'"):
+        leantrain.patch_trainer(trainer, padding_free=True)
+
+
+def test_not_for_plain_trainers(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=4)
+    report = leantrain.patch_trainer(
+        Trainer(model=tiny_model("llama", vocab_size=VOCAB), args=args), **only("padding_free", None)
+    )
+    assert report["padding_free"].status is Status.SKIPPED
+    assert report["padding_free"].reasons == ("does not apply to plain Trainers",)
+
+
+def test_the_packed_row_rule_names_each_flaw():
+    from leantrain.padding_free.ops import packed_batch_problems
+
+    good = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1]]),
+            "labels": torch.tensor([[5, 6, 7, -100, 9]])}  # fmt: skip
+    assert packed_batch_problems(good, [3, 2]) == []
+    flawed = {
+        "attention mask": {**good, "attention_mask": torch.ones(1, 5)},
+        "do not restart": {**good, "position_ids": torch.arange(5)[None]},
+        "first label": {**good, "labels": good["input_ids"]},
+        "no position ids": {k: v for k, v in good.items() if k != "position_ids"},
+    }
+    for words, batch in flawed.items():
+        (problem,) = packed_batch_problems(batch, [3, 2])
+        assert words in problem, (words, problem)
