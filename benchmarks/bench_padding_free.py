@@ -11,6 +11,11 @@ over its segments (weights included).
     python benchmarks/bench_padding_free.py                               # CUDA, ~2 min
     python benchmarks/bench_padding_free.py --also compile_layers=True     # options for both variants
     python benchmarks/bench_padding_free.py --smoke                       # tiny shapes on the CPU, seconds
+On the GPU machine, with the CUDA parity tests first (carry .whl and .bench_commit):
+    bash benchmarks/gpu_run.sh parity padding_free
+Beside Unsloth on the varying-length row (the environment turns padding_free on in the leantrain processes):
+    LEANTRAIN_PADDING_FREE=1 bash benchmarks/gpu_vs_unsloth.sh --cases llama-3.2-1b-varlen \
+        --providers leantrain_offload,unsloth
 
 Rows go to ``padding_free.json`` / ``.md`` in ``$BENCH_RESULTS`` or ``benchmarks/results``.
 """

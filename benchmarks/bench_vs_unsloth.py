@@ -392,7 +392,8 @@ def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool, run_steps
         if report is not None:
             rec["report"] = report.to_dict()
             print(report, flush=True)
-        rec["extra"] = {**extra, "padding_free": bool(getattr(trainer.args, "padding_free", False))}
+        packed = getattr(trainer.args, "padding_free", False) or getattr(trainer.data_collator, "padding_free", False)
+        rec["extra"] = {**extra, "padding_free": bool(packed)}  # the trainer's setting, or leantrain's padding_free
         rec["args"] = trainer_settings(trainer)
         rec["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         clock = install_clock(trainer, cuda, f"{case.name} {provider}")
