@@ -34,13 +34,22 @@ def loss_and_grads(trainer, rows) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return loss.detach().float(), grads
 
 
-def padded_then_packed(trainer, rows) -> tuple[tuple[torch.Tensor, dict], tuple[torch.Tensor, dict]]:
-    """``loss_and_grads`` of the padded batch, then of the padding-free one (``padding_free`` applied, then undone):
-    the trainer must be ready (``skip_unless_ready``)."""
+def padded_then_packed(
+    trainer, rows, also: str | None = None, **options
+) -> tuple[tuple[torch.Tensor, dict], tuple[torch.Tensor, dict]]:
+    """``loss_and_grads`` of the padded batch, then of the padding-free one (``padding_free`` applied, then undone),
+    ``also`` (another optimization's name) required in both, with ``options``: the trainer must be ready
+    (``skip_unless_ready``)."""
     skip_unless_ready(trainer)
+    with_also = {also: True} if also else {}
+    if also:
+        leantrain.patch_trainer(trainer, **only(also), **options)
     padded = loss_and_grads(trainer, rows)
-    report = leantrain.patch_trainer(trainer, **only("padding_free"))
+    if also:
+        leantrain.unpatch_trainer(trainer)
+    report = leantrain.patch_trainer(trainer, **{**only("padding_free"), **with_also}, **options)
     assert report["padding_free"].status is Status.APPLIED, report["padding_free"].reasons
+    assert all(report[name].status is Status.APPLIED for name in with_also), report
     assert trainer.data_collator(rows)["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows))
     packed = loss_and_grads(trainer, rows)
     leantrain.unpatch_trainer(trainer)

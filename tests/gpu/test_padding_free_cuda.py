@@ -40,10 +40,15 @@ def trainer_for(tmp_path, dtype: torch.dtype, **args):
     return sft_trainer(model.train(), tmp_path, rows, per_device_train_batch_size=4, max_steps=2, bf16=bf16, **args)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_loss_and_gradients_equal_the_padded_batch_on_cuda(tmp_path, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "also"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "fused_ce"), (torch.float32, "compile_layers")],
+)
+def test_loss_and_gradients_equal_the_padded_batch_on_cuda(tmp_path, dtype, also):
+    """Alone, and with the fused loss or the compiled layers in both runs (what auto mode applies beside it)."""
     trainer = trainer_for(tmp_path, dtype)
-    (padded_loss, padded), (loss, grads) = padded_then_packed(trainer, [trainer.train_dataset[i] for i in range(4)])
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    (padded_loss, padded), (loss, grads) = padded_then_packed(trainer, rows, also)
     eps = torch.finfo(dtype).eps
     assert torch.allclose(loss, padded_loss, rtol=(64 if dtype == torch.float32 else 4) * eps, atol=0)
     if dtype == torch.float32:

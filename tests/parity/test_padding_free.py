@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+import transformers
 
 import leantrain
 from leantrain import NotReadyError, Status
@@ -47,10 +48,18 @@ def trainer_for(tmp_path, attention: str = "sdpa", batch: int = 4, **args):
     return sft_trainer(model.train(), tmp_path, rows, per_device_train_batch_size=batch, max_steps=2, **args)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_loss_and_gradients_equal_the_padded_batch(tmp_path, attention):
+@pytest.mark.parametrize(
+    ("attention", "also"), [("sdpa", None), ("eager", None), ("sdpa", "fused_ce"), ("sdpa", "compile_layers")]
+)
+def test_loss_and_gradients_equal_the_padded_batch(tmp_path, attention, also):
+    """Alone, and with the fused loss or the compiled layers in both runs (what a GPU run applies beside it)."""
+    if also == "compile_layers" and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("compile_layers declines on transformers 4.x")
     trainer = trainer_for(tmp_path, attention)
-    (padded_loss, padded), (loss, grads) = padded_then_packed(trainer, [trainer.train_dataset[i] for i in range(4)])
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    # aot_eager: the compiled layer's aten graph without inductor's C++ (the layer tests cover inductor)
+    options = {"compile_layers_backend": "aot_eager"} if also == "compile_layers" else {}
+    (padded_loss, padded), (loss, grads) = padded_then_packed(trainer, rows, also, **options)
     assert torch.allclose(loss, padded_loss, rtol=16 * EPS, atol=0), (loss, padded_loss)
     layers = trainer.model.config.num_hidden_layers
     assert grads.keys() == padded.keys() and len(grads) == 6 * layers  # q, v, gate: LoRA A and B of every layer
