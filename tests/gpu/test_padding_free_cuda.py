@@ -4,7 +4,12 @@ The packed row runs other attention kernels than the padded rows (a mask built f
 padding mask), so the two agree to the rounding of differently tiled reductions, not bitwise. fp32 (TF32 off, torch's
 default for matmuls): the loss within 64 ulps; each gradient tensor within 1e-4 of its largest entry (~840 ulps:
 room for the kernels' other summation orders, while a row attending to another moves a gradient by its own size,
-which the CPU test shows). bf16: the loss within 4 bf16 ulps. Then the trainer's own steps: the same losses."""
+which the CPU test shows). bf16: the loss within 4 bf16 ulps. Then the trainer's own steps: the same losses.
+
+bf16 on CUDA is the varlen plan: the model's SDPA swapped for torch's flash attention over the rows' boundaries.
+Against the padded batch (SDPA's memory-efficient kernel over a padding mask): the loss within 4 bf16 ulps; each
+gradient tensor within 8 bf16 ulps (6%) of its largest entry: both runs round every activation and gradient to bf16
+between kernels that tile their sums differently, while a row attending to another moves a gradient by its own size."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 peft = pytest.importorskip("peft")
 
+from leantrain.padding_free import patch as pf_patch  # noqa: E402
 from tests._fused_ce_trainers import sft_trainer  # noqa: E402
 from tests._padding_free import padded_then_packed, skip_unless_ready  # noqa: E402
 
@@ -69,3 +75,28 @@ def test_training_steps_match_the_padded_run_on_cuda(tmp_path):
         leantrain.unpatch_trainer(trainer)
     eps = torch.finfo(torch.float32).eps
     assert len(losses["padded"]) == 2 and losses["padding_free"] == pytest.approx(losses["padded"], rel=256 * eps)
+
+
+@pytest.mark.parametrize("also", [None, "fused_ce", "compile_layers"])
+def test_varlen_flash_attention_equals_the_padded_batch_on_cuda(tmp_path, also):
+    trainer = trainer_for(tmp_path, torch.bfloat16)
+    report = leantrain.patch_trainer(trainer, **only("padding_free"))
+    if "flash attention over the rows' boundaries" not in report["padding_free"].detail:
+        pytest.skip(report["padding_free"].detail)
+    leantrain.unpatch_trainer(trainer)
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    seen = []
+    kernel = pf_patch.VARLEN
+    pf_patch.VARLEN = lambda *a: seen.append(a[0].shape) or kernel(*a)
+    try:
+        (padded_loss, padded), (loss, grads) = padded_then_packed(trainer, rows, also)
+    finally:
+        pf_patch.VARLEN = kernel
+    assert seen or also == "compile_layers"  # a compiled layer calls the kernel from its graph
+    eps = torch.finfo(torch.bfloat16).eps
+    assert torch.allclose(loss, padded_loss, rtol=4 * eps, atol=0), (loss, padded_loss)
+    assert grads.keys() == padded.keys() and grads
+    worst = max(float((g - padded[n]).abs().max() / padded[n].abs().max()) for n, g in grads.items())
+    print(f"varlen vs padded, bf16, {also}: loss {float(loss):.6f} vs {float(padded_loss):.6f}; worst gradient "
+          f"{worst:.4f} of its largest entry")  # fmt: skip
+    assert worst <= 8 * eps

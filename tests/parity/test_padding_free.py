@@ -48,14 +48,26 @@ def trainer_for(tmp_path, attention: str = "sdpa", batch: int = 4, **args):
     return sft_trainer(model.train(), tmp_path, rows, per_device_train_batch_size=batch, max_steps=2, **args)
 
 
+def force_varlen_plan(monkeypatch) -> None:
+    """The plan that swaps the model's SDPA for ``packed_attention`` (on a GPU: flash attention over the rows'
+    boundaries), here on the CPU, where that attention runs SDPA over the mask built from the same boundaries: the
+    swap, the collator's boundaries and the mask registry are what this exercises."""
+    monkeypatch.setattr(pf_probe, "varlen_reasons", lambda model, args: [])
+
+
 @pytest.mark.parametrize(
-    ("attention", "also"), [("sdpa", None), ("eager", None), ("sdpa", "fused_ce"), ("sdpa", "compile_layers")]
-)
-def test_loss_and_gradients_equal_the_padded_batch(tmp_path, attention, also):
-    """Alone, and with the fused loss or the compiled layers in both runs (what a GPU run applies beside it)."""
+    ("attention", "also"),
+    [("sdpa", None), ("eager", None), ("sdpa", "fused_ce"), ("sdpa", "compile_layers"), ("varlen", None),
+     ("varlen", "fused_ce"), ("varlen", "compile_layers")],
+)  # fmt: skip
+def test_loss_and_gradients_equal_the_padded_batch(tmp_path, monkeypatch, attention, also):
+    """Alone, and with the fused loss or the compiled layers in both runs (what a GPU run applies beside it); varlen:
+    the model's SDPA swapped for the attention over the rows' boundaries."""
     if also == "compile_layers" and int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("compile_layers declines on transformers 4.x")
-    trainer = trainer_for(tmp_path, attention)
+    if attention == "varlen":
+        force_varlen_plan(monkeypatch)
+    trainer = trainer_for(tmp_path, "sdpa" if attention == "varlen" else attention)
     rows = [trainer.train_dataset[i] for i in range(4)]
     # aot_eager: the compiled layer's aten graph without inductor's C++ (the layer tests cover inductor)
     options = {"compile_layers_backend": "aot_eager"} if also == "compile_layers" else {}
@@ -67,6 +79,47 @@ def test_loss_and_gradients_equal_the_padded_batch(tmp_path, attention, also):
         scale = padded[name].abs().max()
         assert scale > 0 and (grad - padded[name]).abs().max() <= 1e-5 * scale, name
     assert trainer.padding_free is False  # the trainer's own flag restored too
+    assert trainer.model.config._attn_implementation == ("sdpa" if attention == "varlen" else attention)
+
+
+def test_the_varlen_plan_swaps_the_attention_and_adds_boundaries_an_older_collator_lacks(tmp_path, monkeypatch):
+    """An older TRL's collator sends no ``cu_seq_lens_q``: the patch adds the rows' boundaries to its batches, the
+    model selects the packed attention while applied, and the undo restores both."""
+    from leantrain.padding_free import patch as pf_patch
+
+    force_varlen_plan(monkeypatch)
+    trainer = trainer_for(tmp_path)
+    skip_unless_ready(trainer)
+    collator_type = type(trainer.data_collator)
+    stock_call = collator_type.torch_call
+
+    def older(self, examples):
+        batch = stock_call(self, examples)
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            batch.pop(key, None)
+        return batch
+
+    monkeypatch.setattr(collator_type, "torch_call", older)
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    report = leantrain.patch_trainer(trainer, **only("padding_free"))
+    assert "flash attention over the rows' boundaries" in report["padding_free"].detail
+    assert trainer.model.config._attn_implementation == pf_patch.ATTENTION
+    batch = trainer.data_collator(rows)
+    ends = torch.tensor(LENGTHS[:4]).cumsum(0).tolist()
+    assert batch["cu_seq_lens_q"].tolist() == [0, *ends] and batch["cu_seq_lens_q"].dtype == torch.int32
+    assert "max_length_q" not in batch  # read by transformers' flash path only; an int would recompile a layer
+    leantrain.unpatch_trainer(trainer)
+    assert trainer.model.config._attn_implementation == "sdpa"
+    assert "cu_seq_lens_q" not in trainer.data_collator(rows) and "torch_call" not in vars(trainer.data_collator)
+
+
+def test_the_cpu_keeps_the_masks_and_says_why_not_varlen(tmp_path):
+    trainer = trainer_for(tmp_path)
+    skip_unless_ready(trainer)
+    report = leantrain.patch_trainer(trainer, **only("padding_free"))
+    assert "not varlen flash attention: the model is not on a CUDA device" in report["padding_free"].detail
+    assert trainer.model.config._attn_implementation == "sdpa"
+    leantrain.unpatch_trainer(trainer)
 
 
 def test_training_steps_match_the_padded_run(tmp_path):

@@ -7,18 +7,25 @@ measured faster than padded batches (``AUTO_RULE``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..models import unwrap_model
 from ..optimization import PatchContext, Readiness
-from .ops import packed_batch_problems
+from .ops import packed_batch_problems, packed_causal_attention, varlen_kernel
 
 
 # transformers builds the mask of packed rows from the position ids (masking_utils) for these
 MASKED_FROM_POSITIONS = ("sdpa", "eager", "flex_attention")
+# decoder families whose attention modules call the attention function with causal full attention (no sinks, no
+# soft-capping), so flash attention over the rows' boundaries computes what SDPA over their mask does
+VARLEN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+HALF = (torch.bfloat16, torch.float16)
 AUTO_RULE = "padding-free batches are not yet measured faster than padded ones on a training step"
 
 
@@ -28,6 +35,8 @@ class PaddingFreePlan:
     collator: Any  # TRL's DataCollatorForLanguageModeling, whose padding_free flag apply turns on
     trainer_flag: bool  # the trainer has its own padding_free attribute (SFTTrainer)
     attention: str  # the model's attention implementation
+    varlen: bool  # SDPA swapped for flash attention over the rows' boundaries (``packed_attention``)
+    why_not_varlen: str  # why not, where it is not (the report's detail)
 
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
@@ -47,7 +56,10 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     reasons = model_reasons(model) + count_reasons(trainer) + collator_reasons(collator)
     if reasons:
         return Readiness.no(*reasons).with_auto_rule(AUTO_RULE)
-    plan = PaddingFreePlan(trainer, collator, hasattr(trainer, "padding_free"), attention_of(model))
+    why_not = "; ".join(varlen_reasons(model, trainer.args))
+    plan = PaddingFreePlan(
+        trainer, collator, hasattr(trainer, "padding_free"), attention_of(model), not why_not, why_not
+    )
     return Readiness(detail=describe(plan), plan=plan).with_auto_rule(AUTO_RULE)
 
 
@@ -102,6 +114,61 @@ def collator_reasons(collator: Any) -> list[str]:
     return [f"TRL's padding-free batches do not train as padded ones: {p}" for p in problems]
 
 
+def varlen_reasons(model: Any, args: Any) -> list[str]:
+    """Why the model's SDPA would not be swapped for flash attention over the rows' boundaries (torch's
+    ``varlen_attn``): it serves causal full attention without dropout on CUDA in 16 bits, checked here on the device
+    against SDPA with the rows' mask (``varlen_check``); elsewhere the masks from the position ids stay."""
+    config = getattr(model, "config", None)
+    if attention_of(model) != "sdpa":
+        return [f"attention {attention_of(model)!r}, not sdpa"]
+    if getattr(config, "model_type", None) not in VARLEN_FAMILIES:
+        return [f"model type {getattr(config, 'model_type', None)!r}: varlen serves {', '.join(VARLEN_FAMILIES)}"]
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return ["sliding-window attention"]
+    if getattr(config, "attention_dropout", 0.0):
+        return ["attention dropout"]
+    weight = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if weight is None or weight.device.type != "cuda":
+        return ["the model is not on a CUDA device"]
+    dtype = (
+        weight.dtype if weight.dtype in HALF else torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    )
+    if dtype is None:
+        return [f"{weight.dtype} compute: flash attention runs in 16 bits"]
+    problem = varlen_check(
+        weight.device, dtype, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    return [problem] if problem else []
+
+
+@functools.cache
+def varlen_check(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """Empty where torch's varlen flash attention runs here and agrees with SDPA over the rows' mask on a two-row
+    batch (forward and gradients, within the rounding of ``dtype``); else why not."""
+    kernel = varlen_kernel()
+    if kernel is None:
+        return "this torch has no torch.nn.attention.varlen.varlen_attn taking a scale"
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 24, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for heads in (4, 2, 2))  # fmt: skip
+    cu = torch.tensor([0, 9, 24], device=device, dtype=torch.int32)
+    try:
+        outs = [packed_causal_attention(q, k, v, cu, head_dim**-0.5, way) for way in (kernel, None)]
+        grads = [torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in outs]
+    except Exception as error:  # a kernel this GPU or build lacks: the masks stay
+        return f"torch's varlen flash attention failed here ({type(error).__name__}: {str(error)[:200]})"
+    tol = 16 * torch.finfo(dtype).eps
+    pairs = [(outs[0], outs[1]), *zip(grads[0], grads[1])]
+    if any((a.float() - b.float()).abs().max() > tol * b.float().abs().max() for a, b in pairs):
+        return "torch's varlen flash attention disagrees with SDPA over the rows' mask on a check batch"
+    return ""
+
+
 def describe(plan: PaddingFreePlan) -> str:
-    how = "sequence boundaries" if plan.attention.startswith("flash_attention") else "masks from the position ids"
+    if plan.varlen:
+        how = "SDPA swapped for flash attention over the rows' boundaries (torch's varlen_attn): no (T, T) mask"
+    elif plan.attention.startswith("flash_attention"):
+        how = "sequence boundaries"
+    else:
+        how = f"masks from the position ids; not varlen flash attention: {plan.why_not_varlen}"
     return f"{type(plan.collator).__name__}: each batch one row of real tokens; {plan.attention} attention ({how})"
