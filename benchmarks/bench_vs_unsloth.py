@@ -718,6 +718,8 @@ def write_rounds(paths: list[str], case: str, args: argparse.Namespace) -> Path:
         mine = [r for r in latest(read_rows(Path(path))) if r.mode == case]
         if not mine:
             raise SystemExit(f"{path} has no rows of {case}")
+        newest = max(r.date for r in mine)  # the run's own rows: a results file also keeps earlier runs' providers
+        mine = [r for r in mine if r.date == newest]
         mine.sort(key=lambda r: r.date)
         for r in mine:
             r.config = {**r.config, "round": k, "source": Path(path).name}

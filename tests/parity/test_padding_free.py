@@ -36,7 +36,7 @@ LENGTHS = (5, 17, 9, 12, 3, 14, 8, 11)  # varying: a padded batch of 4 holds 20-
 EPS = torch.finfo(torch.float32).eps
 
 
-def trainer_for(tmp_path, attention: str = "sdpa", batch: int = 4, **args):
+def trainer_for(tmp_path, attention: str = "sdpa", batch: int = 4, lengths=LENGTHS, **args):
     from peft import LoraConfig, get_peft_model
 
     model = tiny_model("llama", vocab_size=VOCAB)
@@ -44,7 +44,7 @@ def trainer_for(tmp_path, attention: str = "sdpa", batch: int = 4, **args):
     model = get_peft_model(
         model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False)
     )
-    rows = [r["input_ids"] for r in random_rows(len(LENGTHS), LENGTHS, VOCAB)]
+    rows = [r["input_ids"] for r in random_rows(len(lengths), lengths, VOCAB)]
     return sft_trainer(model.train(), tmp_path, rows, per_device_train_batch_size=batch, max_steps=2, **args)
 
 
@@ -136,13 +136,45 @@ def test_training_steps_match_the_padded_run(tmp_path):
     assert len(losses["padded"]) == 2 and losses["padding_free"] == pytest.approx(losses["padded"], rel=64 * EPS)
 
 
-def test_auto_mode_waits_for_a_measurement(tmp_path):
-    trainer = trainer_for(tmp_path)
+def auto(trainer) -> leantrain.PatchOutcome:
     skip_unless_ready(trainer)
-    report = leantrain.patch_trainer(trainer, **only("padding_free", None))
-    outcome = report["padding_free"]
+    outcome = leantrain.patch_trainer(trainer, **only("padding_free", None))["padding_free"]
+    leantrain.unpatch_trainer(trainer)
+    return outcome
+
+
+def test_auto_mode_needs_flash_attention_over_the_boundaries(tmp_path):
+    outcome = auto(trainer_for(tmp_path))  # the CPU: no varlen plan
     assert outcome.status is Status.SKIPPED
-    assert "not yet measured faster than padded ones" in " ".join(outcome.reasons)
+    assert "measured faster only with flash attention over the rows' boundaries" in " ".join(outcome.reasons)
+    assert "the model is not on a CUDA device" in " ".join(outcome.reasons)
+
+
+def test_auto_mode_turns_it_on_where_the_padded_batches_carry_padding(tmp_path, monkeypatch):
+    """With the varlen plan: on for rows of varying lengths (LENGTHS: about a third of a padded batch is padding),
+    off for rows of one length (with the share it estimated) or batches grouped by length."""
+    force_varlen_plan(monkeypatch)
+    assert auto(trainer_for(tmp_path / "varying")).status is Status.APPLIED
+    same = auto(trainer_for(tmp_path / "same", lengths=(12,) * 8))
+    assert same.status is Status.SKIPPED
+    assert "would hold 0% padding (estimated from 8 rows), under the 25%" in " ".join(same.reasons)
+    field = "train_sampling_strategy" if hasattr(transformers.TrainingArguments, "train_sampling_strategy") else None
+    grouped = auto(
+        trainer_for(tmp_path / "grouped", **({field: "group_by_length"} if field else {"group_by_length": True}))
+    )
+    assert grouped.status is Status.SKIPPED and "'group_by_length': auto mode estimates" in " ".join(grouped.reasons)
+
+
+def test_the_padding_share_of_random_batches():
+    from leantrain.padding_free.ops import padding_share
+
+    assert padding_share(torch.tensor([7] * 10), 4) == 0.0
+    assert padding_share(torch.tensor([1, 3]), 2) == pytest.approx(1 / 3)  # one batch: 4 real of 6 tokens
+    # batches of 2 of rows of 1, 1, 3, 3 tokens: of the 6 pairs, (1, 1) pads to 2 tokens, (3, 3) to 6, and the four
+    # (1, 3) to 6 with 2 of padding: 8 of 32 padded tokens are padding
+    share = padding_share(torch.tensor([1, 1, 3, 3]), 2, draws=20000)
+    expected = 8 / 32
+    assert share == pytest.approx(expected, abs=0.01)  # 20000 draws: a standard error under 0.003
 
 
 def declined(tmp_path, **args) -> str:

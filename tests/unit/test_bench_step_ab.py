@@ -61,3 +61,17 @@ def test_padding_free_benchmark_alternates_padded_and_padding_free_batches(tmp_p
     assert rows["leantrain"]["config"]["patch_trainer"] == {"padding_free": "True"}
     assert rows["leantrain"]["x_value"] == "tiny-llama-varlen" and rows["leantrain"]["p50"] > 0
     assert "peak alloc GiB" in (tmp_path / "padding_free.md").read_text()
+
+
+def test_gpu_busy_counts_kernels_and_copies_once():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key, device_type, us):
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=us)
+
+    events = [event("aten::mm", DeviceType.CPU, 500.0), event("nvjet_gemm", DeviceType.CUDA, 500.0),
+              event("Memcpy DtoH (Device -> Pinned)", DeviceType.CUDA, 250.0),
+              event("ProfilerStep#2", DeviceType.CUDA, 2000.0)]  # fmt: skip
+    assert ab.gpu_busy_ms(events) == 0.75

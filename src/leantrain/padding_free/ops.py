@@ -31,6 +31,17 @@ def packed_batch_problems(batch: dict[str, torch.Tensor], lengths: list[int]) ->
     return []
 
 
+def padding_share(lengths: torch.Tensor, batch: int, draws: int = 512, seed: int = 0) -> float:
+    """The expected share of padding in batches of ``batch`` rows drawn at random from rows of ``lengths`` tokens,
+    each padded to its longest row (the trainer's shuffled batches): ``draws`` batches, all drawn at once."""
+    if lengths.numel() <= batch:
+        return 1.0 - float(lengths.sum()) / (lengths.numel() * float(lengths.max()))
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.rand(draws, lengths.numel(), generator=generator).argsort(dim=1)[:, :batch]
+    rows = lengths[picks].double()
+    return 1.0 - float(rows.sum() / (rows.amax(dim=1).sum() * batch))
+
+
 def boundaries(position_ids: torch.Tensor) -> torch.Tensor:
     """``[0, start_2, ..., T]`` (int32): where each row of a packed batch (``position_ids`` of shape (1, T), restarting
     at 0 at every row's start) begins, and the total; computed where the ids are (the collator's CPU tensors)."""
