@@ -718,8 +718,7 @@ def write_rounds(paths: list[str], case: str, args: argparse.Namespace) -> Path:
         mine = [r for r in latest(read_rows(Path(path))) if r.mode == case]
         if not mine:
             raise SystemExit(f"{path} has no rows of {case}")
-        newest = max(r.date for r in mine)  # the run's own rows: a results file also keeps earlier runs' providers
-        mine = [r for r in mine if r.date == newest]
+        mine = [r for r in mine if r.date == max(r.date for r in mine)]  # not the earlier runs a results file keeps
         mine.sort(key=lambda r: r.date)
         for r in mine:
             r.config = {**r.config, "round": k, "source": Path(path).name}
@@ -730,9 +729,8 @@ def write_rounds(paths: list[str], case: str, args: argparse.Namespace) -> Path:
                 lines.append([k, provider, by[(provider, "status")].config.get("reason", "")[:120], "–", "–"])
                 continue
             memory, first = by[(provider, "memory")].p50, by[(provider, "first step")].p50
-            lines.append(
-                [k, provider, f"{speed.p50:.1f} ({speed.p20:.1f}-{speed.p80:.1f})", f"{memory:.2f}", f"{first:.1f}"]
-            )
+            cells = f"{speed.p50:.1f} ({speed.p20:.1f}-{speed.p80:.1f})", f"{memory:.3f}", f"{first:.1f}"
+            lines.append([k, provider, *cells])
         rows += mine
     text = markdown_table(["round", "provider", "median step ms (p20-p80)", "peak alloc GiB", "first step s"], lines)
     text += (f"\n\n{case}: each round a run of bench_vs_unsloth.py (one process per provider, in the order listed), "

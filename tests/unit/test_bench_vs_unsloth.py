@@ -165,7 +165,7 @@ def test_rounds_table_lists_each_run_of_one_case_in_its_order_and_the_header_the
     text = (tmp_path / "all" / "vs_unsloth_rounds_tiny-llama.md").read_text()
     lines = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert [(int(a), b.strip()) for a, b in lines] == [(1, "leantrain"), (1, "stock"), (2, "stock"), (2, "leantrain")]
-    assert "| 2 | leantrain | 202.0 (202.0-202.0) | 2.00 | 1.5 |" in text
+    assert "| 2 | leantrain | 202.0 (202.0-202.0) | 2.000 | 1.5 |" in text
     rows = json.loads((tmp_path / "all" / "vs_unsloth_rounds_tiny-llama.json").read_text())
     assert {r["config"]["round"] for r in rows} == {1, 2}
     with pytest.raises(SystemExit, match="one case"):
