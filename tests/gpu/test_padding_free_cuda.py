@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import leantrain
+from leantrain import Status
 from leantrain.cli.tiny import tiny_model
 from testkit.batches import random_rows
 from testkit.optimizations import only
@@ -100,3 +101,23 @@ def test_varlen_flash_attention_equals_the_padded_batch_on_cuda(tmp_path, also):
     print(f"varlen vs padded, bf16, {also}: loss {float(loss):.6f} vs {float(padded_loss):.6f}; worst gradient "
           f"{worst:.4f} of its largest entry")  # fmt: skip
     assert worst <= 8 * eps
+
+
+def test_auto_mode_applies_it_on_cuda_where_the_padded_batches_carry_padding(tmp_path):
+    """bf16 on CUDA with the varlen plan: auto mode turns it on for LENGTHS (about a third of a padded batch of 4 is
+    padding) and leaves rows of one length padded, saying the share it estimated."""
+    varying = trainer_for(tmp_path / "varying", torch.bfloat16)
+    skip_unless_ready(varying)
+    outcome = leantrain.patch_trainer(varying, **only("padding_free", None))["padding_free"]
+    if "flash attention over the rows' boundaries" not in outcome.detail:
+        pytest.skip(outcome.detail or "; ".join(outcome.reasons))
+    assert outcome.status is Status.APPLIED, outcome.reasons
+    assert varying.model.config._attn_implementation == pf_patch.ATTENTION
+    leantrain.unpatch_trainer(varying)
+    model = tiny_model("llama", vocab_size=VOCAB, dtype=torch.bfloat16).to("cuda")
+    model.config._attn_implementation = "sdpa"
+    rows = [r["input_ids"] for r in random_rows(8, (64,) * 8, VOCAB)]
+    same = sft_trainer(model.train(), tmp_path / "same", rows, per_device_train_batch_size=4, max_steps=2, bf16=True)
+    outcome = leantrain.patch_trainer(same, **only("padding_free", None))["padding_free"]
+    assert outcome.status is Status.SKIPPED and "would hold 0% padding" in " ".join(outcome.reasons)
+    leantrain.unpatch_trainer(same)
