@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import socket
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,9 +66,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(engine: str, cases: list[str], out: Path) -> dict[str, list[dict]]:
-    mp.spawn(worker.run, args=(worker.WORLD, free_port(), engine, cases, str(out)), nprocs=worker.WORLD, join=True)
-    return {c: [torch.load(out / f"{c}_rank{r}.pt", weights_only=False) for r in range(worker.WORLD)] for c in cases}
+def spawn(engine: str, cases: list[str], out: Path, entry: Callable[..., None] = worker.run) -> dict[str, list[dict]]:
+    """Run ``cases`` on ``worker.WORLD`` ranks under ``engine``: {case: [result per rank]}.
+
+    A rank that raises fails here with its traceback (torch's ``ProcessRaisedException``). A rank killed by a signal
+    fails with every rank's stderr tail, unless every result was already written: then the crash was in the
+    process's exit, after everything this test compares, and it is reported as a warning."""
+    files = {c: [out / f"{c}_rank{r}.pt" for r in range(worker.WORLD)] for c in cases}
+    try:
+        mp.spawn(entry, args=(worker.WORLD, free_port(), engine, cases, str(out)), nprocs=worker.WORLD, join=True)
+    except mp.ProcessExitedException as died:
+        missing = [p.name for paths in files.values() for p in paths if not p.exists()]
+        message = f"{engine}: {died}\n{rank_logs(out)}"
+        if missing:
+            raise AssertionError(f"{message}\nresults never written: {', '.join(missing)}") from died
+        warnings.warn(f"a rank died after writing every result (in its exit): {message}", stacklevel=2)
+    return {c: [torch.load(p, weights_only=False) for p in paths] for c, paths in files.items()}
+
+
+def rank_logs(out: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of each rank's stderr log (``worker.rank_log``)."""
+    tails = []
+    for rank in range(worker.WORLD):
+        path = worker.rank_log(out, rank)
+        text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else ["(no log)"]
+        tails.append(f"--- rank {rank} stderr (last {lines} lines) ---\n" + "\n".join(text))
+    return "\n".join(tails)
 
 
 def single_runs(cases: list[str] | tuple[str, ...], out: Path) -> dict[str, dict]:

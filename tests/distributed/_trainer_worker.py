@@ -13,6 +13,7 @@ head's layout, grouped MoE calls and the packed stacks' layout).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import time
 import warnings
@@ -630,11 +631,42 @@ def forget_deepspeed_config() -> None:
     unset_hf_deepspeed_config()
 
 
+def rank_log(out: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its stderr: C++ aborts ("terminate called ...") and faulthandler's Python stacks."""
+    return out / f"rank{rank}.log"
+
+
+def log_stderr(path: Path) -> None:
+    """Send this process's stderr (file descriptor 2, so native code's messages too) to ``path`` and dump every
+    thread's Python stack there on a fatal signal: a rank killed by SIGABRT/SIGSEGV says where it was."""
+    log = open(path, "w", buffering=1)  # noqa: SIM115 (open for the life of the process)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(all_threads=True)
+
+
+def end_process_group() -> None:
+    """Leave together: a rank that exits while its peer's gloo connections are still open can make the peer's gloo
+    thread throw on the closed socket and abort it. A barrier, then an orderly shutdown on every rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def save_atomically(result: dict[str, Any], path: Path) -> None:
+    """A result file exists only whole: the parent reads an existing file as a finished case."""
+    partial = path.with_suffix(".partial")
+    torch.save(result, partial)
+    partial.replace(path)
+
+
 def run(rank: int, world: int, port: int, engine: str, cases: list[str], out: str) -> None:
     """``torch.multiprocessing.spawn`` entry: every case in turn on this rank; writes ``<case>_rank<r>.pt``."""
+    root = Path(out)
+    log_stderr(rank_log(root, rank))
     torch.set_num_threads(1)
     init_env(rank, world, port)
-    root = Path(out)
     for case in cases:
         forget_deepspeed_config()
         work = root / case
@@ -642,4 +674,5 @@ def run(rank: int, world: int, port: int, engine: str, cases: list[str], out: st
         began = time.perf_counter()
         result = CASES[case](engine, work, PER_RANK)
         result["seconds"] = time.perf_counter() - began
-        torch.save(result, root / f"{case}_rank{rank}.pt")
+        save_atomically(result, root / f"{case}_rank{rank}.pt")
+    end_process_group()
