@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import _trainer_worker as worker
@@ -21,8 +22,18 @@ def abort_after_results(rank: int, world: int, port: int, engine: str, cases: li
     worker.log_stderr(worker.rank_log(root, rank))
     write_results(rank, cases, root)
     if rank == 0:
+        wait_for_results(world, cases, root)  # as run()'s closing barrier: every rank has written before rank 0 ends
         print("about to abort in the exit", file=sys.stderr, flush=True)
         os.abort()
+
+
+def wait_for_results(world: int, cases: list[str], out: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    files = [out / f"{case}_rank{r}.pt" for case in cases for r in range(world)]
+    while not all(f.exists() for f in files):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"results never written: {[f.name for f in files if not f.exists()]}")
+        time.sleep(0.01)
 
 
 def abort_before_results(rank: int, world: int, port: int, engine: str, cases: list[str], out: str) -> None:
