@@ -8,12 +8,14 @@ without and with an option).
 
 The case is one of ``bench_vs_unsloth.py``'s (its shapes, data, LoRA and trainer settings); ``--opt name=value``
 passes options to ``patch_trainer`` (e.g. ``--opt compile_layers=False`` for what a short run gets). ``--profile``
-adds one profiled segment per variant and writes its kernels by GPU time and how busy the GPU was over the
-segment's steps (``step_ab_<case>_<variant>_profile.txt``): a step whose GPU idles waits on the host.
+adds one profiled segment per variant and writes its kernels by GPU time and the GPU's timeline over the segment's
+steps (``step_ab_<case>_<variant>_profile.txt``): time with a kernel running, idle time (the GPU waited on the host),
+and the copies each way with the part no kernel ran beside (a copy that did not hide); ``--trace`` also writes the
+Chrome trace.
 
     python benchmarks/bench_step_ab.py --case qwen2.5-1.5b --opt compile_layers=False --profile   # CUDA, ~2 min
     python benchmarks/bench_step_ab.py --case llama-3.2-1b --base-opt compile_layers=True \\
-        --opt compile_layers=True --opt offload_checkpoints=True --profile          # what the offload costs a step
+        --opt compile_layers=True --opt offload_checkpoints=True --profile --trace  # what the offload costs a step
     python benchmarks/bench_step_ab.py --smoke                                                      # CPU, seconds
 
 Rows (median step of each variant over all its segments, each segment's median, the ratio to stock) go to
@@ -87,9 +89,10 @@ def segment(trainer: Any, clock: StepTimes, steps: int) -> list[float]:
     return clock.ms[1:]
 
 
-def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path) -> None:
+def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path, trace: bool = False) -> None:
     """One segment under torch.profiler, its first step left out: the kernels and ops of the other steps by GPU time
-    (CPU time on a CPU run), and on CUDA the share of those steps' wall time the GPU ran kernels or copies."""
+    (CPU time on a CPU run); on CUDA the GPU's timeline over those steps (``timeline``). ``trace``: also the Chrome
+    trace beside ``path`` (``<stem>_trace.json``, for chrome://tracing or Perfetto)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cuda = torch.cuda.is_available()
@@ -110,20 +113,69 @@ def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path) -> None:
     events = prof.key_averages()
     head = f"steps after the first: {', '.join(f'{m:.1f}' for m in ms)} ms (under the profiler)\n"
     if cuda:
-        busy_ms = gpu_busy_ms(events)
-        head += f"GPU busy {busy_ms:.1f} ms of {sum(ms):.1f} ms ({busy_ms / sum(ms):.0%})\n"
+        head += timeline_text(timeline(device_intervals(prof.events()), sum(ms)), sum(ms))
+    if trace:
+        prof.export_chrome_trace(str(path.with_name(path.stem + "_trace.json")))
     path.write_text(head + events.table(sort_by=key, row_limit=40, max_name_column_width=70))
     print(f"profile: {path}", flush=True)
 
 
-def gpu_busy_ms(events: Any) -> float:
-    """The GPU time of the profiled kernels and copies: device-side events only (an operator's own device time is its
-    kernels counted again, and step annotations span them). Copies on a side stream overlap the compute, so this is
-    an upper bound of the time the GPU was busy."""
+def device_intervals(events: Any) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel and copy the GPU ran: device-side events only, not the step or
+    ``record_function`` annotations that span them."""
     from torch.autograd import DeviceType
 
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")]
-    return sum(e.self_device_time_total for e in kernels) / 1e3
+    return [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and not e.name.startswith("ProfilerStep")
+    ]
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def uncovered(span: tuple[float, float], cover: list[tuple[float, float]]) -> float:
+    """The part of ``span`` outside the (merged, sorted) ``cover``."""
+    start, end = span
+    inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in cover if a < end and b > start)
+    return end - start - inside
+
+
+def timeline(intervals: list[tuple[str, float, float]], wall_ms: float) -> dict[str, float]:
+    """What the GPU did over ``wall_ms`` of steps, in ms: ``kernels`` (time some kernel ran), ``busy`` (some kernel or
+    copy), ``idle`` (neither: the GPU waited on the host), and per copy direction its total and ``exposed`` part (no
+    kernel ran beside it: a copy that did not hide under compute)."""
+    kernels = union([(a, b) for name, a, b in intervals if not name.startswith("Memcpy")])
+    out = {
+        "kernels": sum(b - a for a, b in kernels) / 1e3,
+        "busy": sum(b - a for a, b in union([(a, b) for _, a, b in intervals])) / 1e3,
+    }
+    for key, tag in (("d2h", "DtoH"), ("h2d", "HtoD")):
+        copies = [(a, b) for name, a, b in intervals if name.startswith("Memcpy") and tag in name]
+        out[key] = sum(b - a for a, b in copies) / 1e3
+        out[f"{key}_exposed"] = sum(uncovered(c, kernels) for c in copies) / 1e3
+    out["idle"] = wall_ms - out["busy"]
+    return out
+
+
+def timeline_text(t: dict[str, float], wall_ms: float) -> str:
+    return (
+        f"GPU over {wall_ms:.1f} ms of steps: kernels {t['kernels']:.1f} ms, "
+        f"busy (kernels or copies) {t['busy']:.1f} ms, "
+        f"idle {t['idle']:.1f} ms ({t['idle'] / wall_ms:.0%}: waiting on the host)\n"
+        f"copies device->host {t['d2h']:.1f} ms ({t['d2h_exposed']:.1f} ms with no kernel beside it), "
+        f"host->device {t['h2d']:.1f} ms ({t['h2d_exposed']:.1f} ms with no kernel beside it)\n"
+    )
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -149,7 +201,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             if k >= 2 * args.pairs:
                 path = (out_dir or Path(tmp)) / f"{NAME}_{case.name}_{variant}_profile.txt"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                profiled(trainer, clock, args.steps, path)
+                profiled(trainer, clock, args.steps, path, args.trace)
             else:
                 times[variant].append(segment(trainer, clock, args.steps))
                 peaks[variant].append(clock.peak_gib)
@@ -219,9 +271,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, default=3, help="stock / leantrain segment pairs")
     parser.add_argument("--steps", type=int, default=6, help="steps a segment (the first is dropped)")
     parser.add_argument("--profile", action="store_true", help="a profiled segment per variant")
+    parser.add_argument("--trace", action="store_true", help="with --profile: also each segment's Chrome trace")
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     parser.add_argument("--name", default=NAME, help=f"the results' file name (default {NAME})")
     args = parser.parse_args(argv)
+    if args.trace and not args.profile:
+        raise SystemExit("--trace needs --profile (the trace is the profiled segment's)")
     if args.steps < 2 or args.pairs < 1:  # a profiled segment needs one step after the first too
         raise SystemExit("--steps must be at least 2 (the first is dropped) and --pairs at least 1")
     known = vs.cases(args.smoke)

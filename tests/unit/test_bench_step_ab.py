@@ -33,7 +33,7 @@ def test_smoke_alternates_variants_and_writes_rows_table_and_profiles(tmp_path, 
     unpatched = []
     real_unpatch = leantrain.unpatch_trainer
     monkeypatch.setattr(leantrain, "unpatch_trainer", lambda t: (real_unpatch(t), unpatched.append(t))[0])
-    ab.main(["--smoke", "--pairs", "2", "--steps", "3", "--profile", "--base-opt", "compile_layers=False",
+    ab.main(["--smoke", "--pairs", "2", "--steps", "3", "--profile", "--trace", "--base-opt", "compile_layers=False",
              "--opt", "compile_layers=False", "--opt", "fused_ce=False", "--out", str(tmp_path)])  # fmt: skip
     rows = {r["provider"]: r for r in json.loads((tmp_path / "step_ab.json").read_text())}
     assert set(rows) == {"base", "leantrain"}
@@ -47,6 +47,8 @@ def test_smoke_alternates_variants_and_writes_rows_table_and_profiles(tmp_path, 
     for variant in ("stock", "leantrain"):  # the profile files are named by the segment's role
         profile = (tmp_path / f"step_ab_tiny-llama_{variant}_profile.txt").read_text()
         assert profile.startswith("steps after the first:") and "aten::mm" in profile
+        trace = json.loads((tmp_path / f"step_ab_tiny-llama_{variant}_profile_trace.json").read_text())
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
 
 
 @pytest.mark.slow
@@ -63,15 +65,35 @@ def test_padding_free_benchmark_alternates_padded_and_padding_free_batches(tmp_p
     assert "peak alloc GiB" in (tmp_path / "padding_free.md").read_text()
 
 
-def test_gpu_busy_counts_kernels_and_copies_once():
+def test_device_intervals_keep_kernels_and_copies_not_annotations():
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    def event(key, device_type, us):
-        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=us)
+    def event(name, device_type, start, end, annotation=False):
+        span = SimpleNamespace(start=start, end=end)
+        return SimpleNamespace(name=name, device_type=device_type, time_range=span, is_user_annotation=annotation)
 
-    events = [event("aten::mm", DeviceType.CPU, 500.0), event("nvjet_gemm", DeviceType.CUDA, 500.0),
-              event("Memcpy DtoH (Device -> Pinned)", DeviceType.CUDA, 250.0),
-              event("ProfilerStep#2", DeviceType.CUDA, 2000.0)]  # fmt: skip
-    assert ab.gpu_busy_ms(events) == 0.75
+    d2h = "Memcpy DtoH (Device -> Pinned)"
+    events = [event("aten::mm", DeviceType.CPU, 0, 500), event("nvjet_gemm", DeviceType.CUDA, 10, 510),
+              event(d2h, DeviceType.CUDA, 100, 350), event("ProfilerStep#2", DeviceType.CUDA, 0, 2000),
+              event("layer", DeviceType.CUDA, 0, 900, annotation=True)]  # fmt: skip
+    assert ab.device_intervals(events) == [("nvjet_gemm", 10, 510), (d2h, 100, 350)]
+
+
+def test_timeline_counts_overlap_once_and_the_copies_no_kernel_hides():
+    """Two overlapping kernels (0-4 ms, 3-6 ms: 6 ms of kernels), a D2H copy half under them (5-7 ms: 1 ms exposed),
+    an H2D copy fully under them (1-2 ms), an H2D copy alone (8-9 ms); 12 ms of steps."""
+    ms, d2h, h2d = 1e3, "Memcpy DtoH (Device -> Pinned)", "Memcpy HtoD (Pinned -> Device)"
+    intervals = [("gemm", 0, 4 * ms), ("softmax", 3 * ms, 6 * ms), (d2h, 5 * ms, 7 * ms), (h2d, 1 * ms, 2 * ms),
+                 (h2d, 8 * ms, 9 * ms)]  # fmt: skip
+    t = ab.timeline(intervals, wall_ms=12.0)
+    assert t == {"kernels": 6.0, "busy": 8.0, "d2h": 2.0, "d2h_exposed": 1.0, "h2d": 2.0, "h2d_exposed": 1.0,
+                 "idle": 4.0}  # fmt: skip
+    text = ab.timeline_text(t, 12.0)
+    assert "idle 4.0 ms (33%" in text and "device->host 2.0 ms (1.0 ms with no kernel" in text
+
+
+def test_trace_needs_profile(tmp_path):
+    with pytest.raises(SystemExit, match="--trace needs --profile"):
+        ab.main(["--smoke", "--trace", "--out", str(tmp_path)])
