@@ -6,12 +6,15 @@ before each leantrain segment, ``unpatch_trainer`` after it, so both variants tr
 With ``--base-opt``, the first variant is ``patch_trainer`` with those options instead of stock (e.g. leantrain
 without and with an option).
 
-The case is one of ``bench_vs_unsloth.py``'s (its shapes, data, LoRA and trainer settings); ``--opt name=value``
-passes options to ``patch_trainer`` (e.g. ``--opt compile_layers=False`` for what a short run gets). ``--profile``
-adds one profiled segment per variant and writes its kernels by GPU time and the GPU's timeline over the segment's
-steps (``step_ab_<case>_<variant>_profile.txt``): time with a kernel running, idle time (the GPU waited on the host),
-and the copies each way with the part no kernel ran beside (a copy that did not hide); ``--trace`` also writes the
-Chrome trace.
+The case is one of ``bench_vs_unsloth.py``'s (its shapes, data, LoRA and trainer settings; a MoE case builds its
+experts in 4-bit as leantrain's provider does there, so it compares two ``--base-opt`` / ``--opt`` variants);
+``--opt name=value`` passes options to ``patch_trainer`` (e.g. ``--opt compile_layers=False`` for what a short run
+gets). ``--profile`` adds one profiled segment per variant and writes its kernels by GPU time and the GPU's timeline
+over the segment's steps (``step_ab_<case>_<variant>_profile.txt``): time with a kernel running, idle time (the GPU
+waited on the host), and the copies each way with the part no kernel ran beside (a copy that did not hide);
+``--trace`` also writes the Chrome trace. ``--memory`` adds a segment of two steps per variant and writes the peak
+allocated memory of each phase of the second (each layer's forward and backward, the head and loss, the optimizer):
+``step_ab_<case>_<variant>_memory.txt`` says where in the step the peak is.
 
     python benchmarks/bench_step_ab.py --case qwen2.5-1.5b --opt compile_layers=False --profile   # CUDA, ~2 min
     python benchmarks/bench_step_ab.py --case llama-3.2-1b --base-opt compile_layers=True \\
@@ -120,6 +123,76 @@ def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path, trace: bool
     print(f"profile: {path}", flush=True)
 
 
+def memory_segment(trainer: Any, phases: PeakPhases, clock: StepTimes, path: Path) -> None:
+    """Two steps with the peak allocated memory read at each phase of the second (``phases``, a callback of the
+    trainer), written to ``path``: where in the step the peak is."""
+    try:
+        segment(trainer, clock, 2)
+    finally:
+        phases.remove()
+    path.write_text(phases.text())
+    print(f"memory: {path}", flush=True)
+
+
+class PeakPhases(TrainerCallback):
+    """The peak allocated memory of each phase of a step: each decoder layer's forward, the rest of the forward after
+    the last layer (norm, head, loss), each layer's backward (from the gradient of its output on) and what follows
+    (embeddings, optimizer). Read from the allocator's host-side counters at hooks: no synchronization; the trainer's
+    last step is the one kept. A checkpoint's recompute marks nothing (its hooks run inside the backward)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from leantrain.fallback import recomputing
+
+        self.recomputing = recomputing
+        self.layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        self.phases: list[tuple[str, float]] = []
+        self.current = "step start"
+        self.handles = [layer.register_forward_pre_hook(self._before(i)) for i, layer in enumerate(self.layers)]
+        self.handles += [layer.register_forward_hook(self._after(i)) for i, layer in enumerate(self.layers)]
+
+    def _before(self, i: int) -> Any:
+        def hook(module: Any, args: Any) -> None:
+            if not self.recomputing():
+                self.mark(f"forward layer {i}")
+
+        return hook
+
+    def _after(self, i: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            if self.recomputing() or not isinstance(out, torch.Tensor) or not out.requires_grad:
+                return
+            out.register_hook(lambda grad: self.mark(f"backward layer {i}"))
+            if i == len(self.layers) - 1:
+                self.mark("after the last layer (norm, head, loss)")
+
+        return hook
+
+    def mark(self, phase: str) -> None:
+        self.phases.append((self.current, torch.cuda.max_memory_allocated() / 2**30))
+        torch.cuda.reset_peak_memory_stats()
+        self.current = phase
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.phases, self.current = [], "step start (before layer 0)"
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.mark("step end")
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def text(self) -> str:
+        if not self.phases:
+            return "no step recorded\n"
+        top = max(gib for _, gib in self.phases)
+        lines = [f"peak allocated of the last step: {top:.3f} GiB, by phase (weights included):"]
+        lines += [f"{gib:8.3f} GiB  {phase}{'  <- peak' if gib == top else ''}" for phase, gib in self.phases]
+        return "\n".join(lines) + "\n"
+
+
 def device_intervals(events: Any) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every kernel and copy the GPU ran: device-side events only, not the step or
     ``record_function`` annotations that span them."""
@@ -188,10 +261,13 @@ def run(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         vs.prepare(case, model_dir, cuda)
-        trainer, _ = vs.hf_trainer(case, "stock", model_dir, str(Path(tmp) / "run"), cuda)
+        # a MoE case compares two leantrain variants on 4-bit experts (what bench_vs_unsloth's leantrain builds)
+        build = "leantrain" if case.kind == "moe" else "stock"
+        trainer, _ = vs.hf_trainer(case, build, model_dir, str(Path(tmp) / "run"), cuda)
         clock = StepTimes(cuda)
         trainer.add_callback(clock)
-        for k in range(2 * args.pairs + (2 if args.profile else 0)):
+        extra = ["profile"] * 2 * args.profile + ["memory"] * 2 * args.memory
+        for k in range(2 * args.pairs + len(extra)):
             variant = VARIANTS[k % 2]
             patched = variant == "leantrain" or bool(base)
             if patched:
@@ -199,9 +275,18 @@ def run(args: argparse.Namespace) -> list[Row]:
                 if k < 2:
                     print(report, flush=True)
             if k >= 2 * args.pairs:
-                path = (out_dir or Path(tmp)) / f"{NAME}_{case.name}_{variant}_profile.txt"
+                kind = extra[k - 2 * args.pairs]
+                path = (out_dir or Path(tmp)) / f"{NAME}_{case.name}_{variant}_{kind}.txt"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                profiled(trainer, clock, args.steps, path, args.trace)
+                if kind == "profile":
+                    profiled(trainer, clock, args.steps, path, args.trace)
+                else:
+                    phases = PeakPhases(trainer.model)
+                    trainer.add_callback(phases)
+                    try:
+                        memory_segment(trainer, phases, clock, path)
+                    finally:
+                        trainer.remove_callback(phases)
             else:
                 times[variant].append(segment(trainer, clock, args.steps))
                 peaks[variant].append(clock.peak_gib)
@@ -272,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps a segment (the first is dropped)")
     parser.add_argument("--profile", action="store_true", help="a profiled segment per variant")
     parser.add_argument("--trace", action="store_true", help="with --profile: also each segment's Chrome trace")
+    parser.add_argument("--memory", action="store_true", help="the peak of each phase of a step, per variant (CUDA)")
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     parser.add_argument("--name", default=NAME, help=f"the results' file name (default {NAME})")
     args = parser.parse_args(argv)
@@ -279,9 +365,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--trace needs --profile (the trace is the profiled segment's)")
     if args.steps < 2 or args.pairs < 1:  # a profiled segment needs one step after the first too
         raise SystemExit("--steps must be at least 2 (the first is dropped) and --pairs at least 1")
+    if args.memory and args.smoke:
+        raise SystemExit("--memory reads the CUDA allocator's counters: not with --smoke")
     known = vs.cases(args.smoke)
     if args.case and args.case not in known:
         raise SystemExit(f"unknown case {args.case!r}: {list(known)}")
+    if known.get(args.case) and known[args.case].kind == "moe" and not args.base_opt:
+        raise SystemExit(
+            f"{args.case} builds its experts in 4-bit (quantize_experts_4bit), which stock cannot train: compare two "
+            "leantrain variants with --base-opt (e.g. --base-opt compile_layers=False --opt compile_layers=True)"
+        )
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
     if args.smoke:

@@ -7,6 +7,7 @@ import json
 
 import bench_step_ab as ab  # noqa: E402
 import pytest
+import torch
 
 
 def test_options_parse_as_python_literals_else_strings_and_bad_pairs_stop():
@@ -97,3 +98,55 @@ def test_timeline_counts_overlap_once_and_the_copies_no_kernel_hides():
 def test_trace_needs_profile(tmp_path):
     with pytest.raises(SystemExit, match="--trace needs --profile"):
         ab.main(["--smoke", "--trace", "--out", str(tmp_path)])
+
+
+class ToyDecoderLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.linear(x),)
+
+
+class ToyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([ToyDecoderLayer(), ToyDecoderLayer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)[0]
+        return x.square().sum()
+
+
+def test_peak_phases_name_each_phase_of_a_step_and_its_peak(monkeypatch):
+    """Each phase's peak is the counter's high mark since the previous phase began (a fake counter: the allocator's
+    are CUDA's); the phases come in the step's order, and the peak is marked."""
+    marks = iter([1.0, 2.0, 3.0, 2.5, 4.0, 3.5])  # one read a phase: a seventh would raise StopIteration
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(marks) * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    model = ToyModel()
+    phases = ab.PeakPhases(model)
+    phases.on_step_begin(None, None, None)
+    model(torch.ones(2, 4)).backward()
+    phases.on_step_end(None, None, None)
+    phases.remove()
+    names = [name for name, _ in phases.phases]
+    assert names == [
+        "step start (before layer 0)", "forward layer 0", "forward layer 1", "after the last layer (norm, head, loss)",
+        "backward layer 1", "backward layer 0",
+    ]  # fmt: skip
+    text = phases.text()
+    assert "peak allocated of the last step: 4.000 GiB" in text and "after the last layer" in text
+    assert [line for line in text.splitlines() if line.endswith("<- peak")] == [
+        "   4.000 GiB  backward layer 1  <- peak"
+    ]
+    assert not model.layers[0]._forward_hooks and not model.layers[0]._forward_pre_hooks
+
+
+def test_memory_needs_cuda_and_a_moe_case_needs_a_base(tmp_path):
+    with pytest.raises(SystemExit, match="CUDA allocator"):
+        ab.main(["--smoke", "--memory", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--base-opt"):
+        ab.main(["--smoke", "--case", "tiny-moe-qlora", "--out", str(tmp_path)])
