@@ -204,7 +204,8 @@ class LeantrainConfig:
         "row chunks of a gated LoRA MLP's backward inside the compiled layers (Llama, Mistral, Qwen2/3 MLPs with LoRA "
         "on gate, up and down, 16-bit compute): the three projections as one function whose full-width gradients "
         "are built a chunk at a time, a lower layer peak for more host work per layer; 0: autograd's backward "
-        "through each projection; -1 (auto): 4 where offload_checkpoints=True (a run set for memory), else 0",
+        "through each projection; -1 (auto): 2 where offload_checkpoints=True is passed (a run set for memory), "
+        "else 0",
         lambda v: None if -1 <= v <= 64 else f"must be in [-1, 64], got {v!r}",
     )
     compile_layers_max_recompiles: int = _opt(

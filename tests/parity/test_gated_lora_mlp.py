@@ -233,7 +233,8 @@ def test_the_triton_elementwise_kernels_round_once_as_the_torch_ops():
 
 
 def test_mlp_chunks_auto_chunks_runs_set_for_memory_only():
-    assert [ops.mlp_chunks(-1, offload) for offload in (True, None, False)] == [4, 0, 0]
+    assert [ops.mlp_chunks(-1, offload) for offload in (True, None, False)] == [ops.MLP_CHUNKS_FOR_MEMORY, 0, 0]
+    assert ops.MLP_CHUNKS_FOR_MEMORY == 2
     assert [ops.mlp_chunks(n, True) for n in (0, 2)] == [0, 2]
 
 

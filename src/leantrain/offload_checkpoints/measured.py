@@ -1,9 +1,9 @@
 """What offloading the checkpointed layer inputs measured on CUDA (data, read by the probe in auto mode).
 
-``benchmarks/results/offload_checkpoints.md`` (``bench_offload_checkpoints.py``: ``patch_trainer`` with and without
-the offload, each in its own process, every case twice in alternating order): the step cost of the offload against
-leantrain without it, and the peak memory it saves. Auto mode turns the offload on only where every measured case
-cost at most ``MAX_COST`` of the step; ``offload_checkpoints=True`` applies it anyway."""
+``benchmarks/results/offload_ab.md`` and ``step_ab_llama_offload_chunks0.md`` (``bench_step_ab.py``: one trainer,
+the compiled layers without and with the offload in alternating segments of one process): the step cost of the
+offload against leantrain without it, and the peak memory it saves. Auto mode turns the offload on only where every
+measured case cost at most ``MAX_COST`` of the step; ``offload_checkpoints=True`` applies it anyway."""
 
 from __future__ import annotations
 
@@ -23,25 +23,25 @@ class Case:
     saved_gib: float
 
 
-# Median step of leantrain_offload against leantrain, and the drop in peak allocated memory, per case (LoRA r16 on
-# the 7 projections, 4 x 2048 tokens, bf16, activation checkpointing; the trainer told a 1000-step run; the layers
-# compiled, QLoRA's included; with the offload, Llama's and Qwen's gated MLPs run their backward in 4 row chunks).
-# Every case twice in alternating order, both variants in one call (Llama, Qwen) or QLoRA's leantrain run from an
-# earlier call. The chunks' host work is most of the cost (the offload alone measured within noise on Qwen): a
-# layer's backward is issued about as fast as the GPU runs it. The shared GPU moves a step by up to 15% within one
-# call (Qwen's offload runs: 313 and 263 ms).
+# What auto mode would apply (the offload alone: auto keeps the gated MLPs' backward unchunked; QLoRA's 4-bit MLPs
+# have none to chunk) against the compiled layers alone, per case (LoRA r16 on the 7 projections, 4 x 2048 tokens,
+# bf16, activation checkpointing): the worst run where a case ran more than once (Llama: +7.5% and -1.1%; QLoRA:
+# +3.7%, +19.1% and -18.2%). The shared H200 moved one variant's segment medians by up to 40% within a run that day,
+# and the copies hide under compute (the backward never waited for one): what a run pays is the hooks' host work,
+# where the host issues the step about as fast as the GPU runs it.
 MEASURED = {
-    "llama-3.2-1b": Case(cost=0.1831, saved_gib=0.46),
-    "llama-3.2-1b-qlora": Case(cost=0.0654, saved_gib=0.50),
-    "qwen2.5-1.5b": Case(cost=0.2432, saved_gib=0.64),
+    "llama-3.2-1b": Case(cost=0.075, saved_gib=0.37),
+    "llama-3.2-1b-qlora": Case(cost=0.191, saved_gib=0.41),
+    "llama-3.2-1b-varlen": Case(cost=0.066, saved_gib=0.28),
+    "qwen2.5-1.5b": Case(cost=-0.006, saved_gib=0.52),
 }
 EVIDENCE = Evidence(
     "not within 3%",
     "H200",
-    "2026-11-29/30",
+    "2026-11-30",
     "LoRA / QLoRA, 4 x 2048 tokens: "
     + ", ".join(f"{name} {c.saved_gib:.2f} GiB less at {c.cost:+.1%} a step" for name, c in MEASURED.items())
-    + " (benchmarks/results/offload_checkpoints.md)",
+    + " (benchmarks/results/offload_ab.md)",
 )
 
 
