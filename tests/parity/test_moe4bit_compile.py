@@ -13,6 +13,7 @@ Sizes: hidden 128, expert intermediate 64 (multiples of the 4-bit blocksize; see
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -29,6 +30,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 import leantrain  # noqa: E402
 from leantrain import NotReadyError, Status  # noqa: E402
+from leantrain.compile_layers import measured as compile_measured  # noqa: E402
 from leantrain.compile_layers import probe as compile_probe  # noqa: E402
 from leantrain.compile_layers import stats  # noqa: E402
 from leantrain.fallback import EAGER_CHECK_ATTR, TRACEABLE_ATTR  # noqa: E402
@@ -336,13 +338,21 @@ def test_the_stock_fallback_dequantizes_each_stack_once_per_call(tmp_path, monke
 # ------------------------------------------------------------------------------------------------------- probe
 
 
-def test_auto_mode_does_not_compile_moe4bit_layers_until_measured():
-    """On CUDA (where auto mode compiles measured families), layers with moe4bit's experts are not measured yet."""
+def test_auto_mode_weighs_moe4bit_layers_with_their_measured_row():
+    """On CUDA, layers with moe4bit's experts are weighed with the compiled-MoE measurement: a run long enough to pay
+    its compile back compiles them, a shorter one says from which step it would."""
     model = make_model("qwen3_moe", "stacked")
-    trainer = types.SimpleNamespace(args=types.SimpleNamespace(device=torch.device("cuda")))
     layer = model.model.layers[0]
-    reason = compile_probe.slower_reason(trainer, "sft", "llama", layer, moe4bit_serves=True)
-    assert isinstance(reason, str) and "moe4bit's grouped 4-bit experts: compiling them is not measured" in reason
+    moe = compile_measured.MOE_4BIT
+    pays_from = math.floor(moe.compile_s * 1000 / moe.saving_ms) + 1
+
+    def trainer(steps: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(args=types.SimpleNamespace(device=torch.device("cuda"), max_steps=steps))
+
+    long = compile_probe.slower_reason(trainer(pays_from), "sft", "qwen3_moe", layer, moe4bit_serves=True)
+    assert long[0] is None and "pays back within this run" in long[1] and moe.evidence.detail in long[1]
+    short = compile_probe.slower_reason(trainer(pays_from - 1), "sft", "qwen3_moe", layer, moe4bit_serves=True)
+    assert isinstance(short, str) and f"pays back from step {pays_from}" in short and moe.evidence.detail in short
 
 
 def test_4bit_experts_moe4bit_does_not_serve_are_declined_precisely(tmp_path):

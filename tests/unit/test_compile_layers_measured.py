@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from leantrain.compile_layers.measured import QUANTIZED_4BIT
+from leantrain.compile_layers.measured import MOE_4BIT, QUANTIZED_4BIT
 from leantrain.compile_layers.probe import slower_reason
 
 
@@ -57,3 +57,20 @@ def test_auto_weighs_4bit_layers_with_the_qlora_row():
 def test_4bit_layers_of_an_unmeasured_family_are_not_compiled_by_auto():
     reason = slower_reason(_trainer(1000), "sft", "mistral", nn.Sequential(Linear4bit()))
     assert isinstance(reason, str) and reason.startswith("not measured on mistral")
+
+
+def test_the_moe_row_is_the_committed_in_process_measurement():
+    """The MoE row's saving is the smaller of the committed in-process runs' (eager minus compiled), its compile cost
+    the compiled moe-qlora run's whole first step."""
+    rows = json.loads((RESULTS.parent / "moe_compiled_ab.json").read_text())
+    runs = [rows[i : i + 2] for i in range(0, len(rows), 2)]
+    savings = [base["p50"] - compiled["p50"] for base, compiled in runs]
+    assert [(base["provider"], compiled["provider"]) for base, compiled in runs] == [("base", "leantrain")] * 2
+    assert MOE_4BIT.saving_ms == pytest.approx(min(savings), abs=0.05)
+    first = next(
+        r["p50"] for r in json.loads(RESULTS.read_text())
+        if r["x_value"] == "moe-qlora" and r["provider"] == "leantrain_compiled" and r["metric"] == "first step"
+    )  # fmt: skip
+    assert MOE_4BIT.compile_s == pytest.approx(first, abs=0.05)
+    for base, compiled in runs:
+        assert f"{base['p50']:.1f} -> {compiled['p50']:.1f} ms" in MOE_4BIT.evidence.detail

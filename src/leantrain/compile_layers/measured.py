@@ -66,6 +66,23 @@ QUANTIZED_4BIT = Measured(
     ),
 )
 
+# MoE layers whose 4-bit experts moe4bit serves (its grouped ops traced inside the compiled layer), weighed with this
+# row in auto mode: benchmarks/results/moe_compiled_ab.md (one Qwen3-30B-A3B decoder layer, 128 experts top 8, nf4
+# attention and experts, LoRA on both, 1 x 4096 tokens; one trainer alternating the layers eager and compiled in one
+# process, two runs): the smaller of the two runs' savings, and the compiled run's whole first step
+# (benchmarks/results/vs_unsloth.md, the moe-qlora row) as the compile cost: an upper bound of the first step's extra.
+MOE_4BIT = Measured(
+    9.9,
+    24.0,
+    Evidence(
+        "faster",
+        "H200",
+        "2026-11-30",
+        "one Qwen3-30B-A3B layer with moe4bit's 4-bit experts, QLoRA at 1 x 4096: step 29.1 -> 19.2 ms and 43.7 -> "
+        "31.5 ms in two runs, first step 24.0 s compiled (cold caches)",
+    ),
+)
+
 # Families whose decoder layer does not compile on a torch version: (model_type, torch prefix) -> the error seen.
 # The run-time fallback covers the ones not listed (the first call's compile error serves the eager layers).
 KNOWN_FAILURES: dict[tuple[str, str], str] = {}

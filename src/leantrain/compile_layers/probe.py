@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, decoder_parts, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
-from .measured import KNOWN_FAILURES, MEASURED, QUANTIZED_4BIT, Measured
+from .measured import KNOWN_FAILURES, MEASURED, MOE_4BIT, QUANTIZED_4BIT, Measured
 from .ops import Payback, mlp_chunks
 
 
@@ -94,11 +94,8 @@ def slower_reason(
     device = trainer.args.device
     if device.type != "cuda":
         return f"not measured on {device.type} (measured faster on CUDA only: {_measured_families()})"
-    if moe4bit_serves and _has_4bit_experts(layer):  # compiled moe4bit experts: not measured on a GPU yet
-        return (
-            "MoE layers with moe4bit's grouped 4-bit experts: compiling them is not measured on CUDA yet (pass "
-            "compile_layers=True to compile them)"
-        )
+    if moe4bit_serves and _has_4bit_experts(layer):  # compiled moe4bit experts: their own row
+        return payback_reason(trainer, family, MOE_4BIT)
     if _quantized(layer) and family in MEASURED:  # QLoRA: its own row (faster and a lower peak, measured on Llama)
         return payback_reason(trainer, family, QUANTIZED_4BIT)
     return payback_reason(trainer, family)
