@@ -355,6 +355,22 @@ def test_auto_mode_weighs_moe4bit_layers_with_their_measured_row():
     assert isinstance(short, str) and f"pays back from step {pays_from}" in short and moe.evidence.detail in short
 
 
+def test_peft_lora_on_plain_expert_parameters_is_declined_at_patch_time(tmp_path):
+    """PEFT's LoRA on parameters (``target_parameters``) registers and removes a parametrization on every forward:
+    compiled, each call would break the graph and recompile until the limit. Asked for, the patch says so and why;
+    with the experts in 4-bit, moe4bit serves that LoRA and the layers compile (``lora_model`` above)."""
+    peft = pytest.importorskip("peft")
+    from tests._moe4bit_lora import base_model
+
+    model = peft.get_peft_model(
+        base_model("qwen3_moe"), peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["gate_up_proj"])
+    )
+    assert any(type(m).__name__ == compile_probe.PARAMETER_LORA for m in model.modules())
+    with pytest.raises(NotReadyError, match=r"mlp\.experts holds PEFT's LoRA on a parameter \(target_parameters"):
+        trainer = make_trainer(model, tmp_path)
+        leantrain.patch_trainer(trainer, compile_layers=True, **AOT, **others_off("compile_layers"))
+
+
 def test_4bit_experts_moe4bit_does_not_serve_are_declined_precisely(tmp_path):
     model = make_model("qwen3_moe", "stacked")
     layers = list(model.model.layers)

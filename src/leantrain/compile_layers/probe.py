@@ -169,6 +169,14 @@ def run_reasons(
             "stock per-expert loop breaks the compiled graph at every expert; pass moe4bit=True (its grouped path "
             "compiles), moe4bit=False to compile the stock experts (not measured), or compile_layers=False"
         )
+    wrapped = _parameter_lora(first, skip_experts=four_bit and moe4bit_serves)
+    if wrapped:
+        reasons.append(
+            f"{wrapped} holds PEFT's LoRA on a parameter (target_parameters: ParamWrapper), which registers and "
+            "removes a torch parametrization on every forward: the compiled graph breaks there and recompiles "
+            "each call until the limit; for MoE experts, put them in 4-bit (leantrain.quantize_experts_4bit) for "
+            "moe4bit's grouped path, which serves that LoRA and compiles, else pass compile_layers=False"
+        )
     own = _own_classes(layers, skip_experts=four_bit and moe4bit_serves)
     if own:
         reasons.append(own)
@@ -270,6 +278,18 @@ def _holds_4bit(module: nn.Module) -> bool:
         for m in module.modules()
         for cls in type(m).__mro__  # leantrain.quantize_experts_4bit's parametrization subclasses bitsandbytes'
     )
+
+
+PARAMETER_LORA = "ParamWrapper"  # PEFT's LoRA on an nn.Parameter (target_parameters), by class name
+
+
+def _parameter_lora(layer: nn.Module, skip_experts: bool) -> str | None:
+    """The name of the first module of ``layer`` that is a PEFT parameter-LoRA wrapper, or None. ``skip_experts``:
+    moe4bit serves the 4-bit experts (its grouped path reads their adapters; their wrapper's forward never runs)."""
+    for name, module in layer.named_modules():
+        if type(module).__name__ == PARAMETER_LORA and not (skip_experts and _holds_4bit(module)):
+            return name
+    return None
 
 
 def _own_classes(layers: list[nn.Module], skip_experts: bool) -> str | None:
