@@ -85,6 +85,34 @@ def test_the_hooks_move_every_checkpoint_input_and_nothing_else(reentrant):
     assert offload.stats.kept == 0 and not offload.failed
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_leaf_input_that_requires_grad_stays_on_the_device(reentrant):
+    """The first block's input is a leaf that requires grad (what PEFT's input-gradient hook makes of the embedding
+    output): its AccumulateGrad node holds it until the backward ends, so it is left where it is (a host copy would
+    free nothing and the copy back would duplicate it) and counted; the other inputs move; training is stock's."""
+
+    def run(offload: HostOffload | None):
+        torch.manual_seed(1)
+        h = torch.randn(4, 16, requires_grad=True)
+        stack, x = blocks(), h
+        for block in stack:
+            if offload is None:
+                x = checkpoint(block, x, use_reentrant=reentrant)
+            else:
+                with offload.context():
+                    x = checkpoint(block, x, use_reentrant=reentrant)
+        x.pow(2).sum().backward()
+        return h.grad, [p.grad for p in stack.parameters()]
+
+    stock = run(None)
+    offload = HostOffload(budget_bytes=GIB)
+    ours = run(offload)
+    assert torch.equal(ours[0], stock[0])
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], stock[1], strict=True))
+    assert (offload.stats.leaves, offload.stats.packed, offload.stats.kept) == (1, LAYERS - 1, 0)
+    assert offload.stats.live_bytes == 0
+
+
 def test_the_originals_are_released_after_the_forward():
     """Stock non-reentrant checkpointing keeps each block's input alive until the backward; offloaded, the host copy
     is all that stays (on CUDA the newest input stays on the device: the backward needs it first)."""
@@ -199,7 +227,30 @@ def test_gradient_accumulation_and_lora_train_as_stock(tmp_path):
     stock = run(make, tmp_path, None, **args)
     ours = run(make, tmp_path, {"offload_checkpoints": True}, **args)
     assert_same_run(stock, ours)
-    assert stats(ours[2]).packed == LAYERS * 2 * 2  # layers x micro-batches x steps
+    live = stats(ours[2])
+    # layers x micro-batches x steps; layer 0's input stays where the trainer makes the embedding output a leaf that
+    # requires grad (transformers' Trainer calls enable_input_require_grads on a PEFT model from 5.x)
+    assert live.packed + live.leaves == LAYERS * 2 * 2 and live.leaves in (0, 2 * 2)
+
+
+def test_peft_input_gradients_leave_the_embedding_output_on_the_device(tmp_path):
+    """TRL's trainers call ``enable_input_require_grads`` on a PEFT model with checkpointing: the embedding output,
+    layer 0's input, is then a leaf that requires grad and stays on the device; every other layer's input moves."""
+    peft = pytest.importorskip("peft")
+
+    def make():
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+        model = peft.get_peft_model(tiny(), lora)
+        model.enable_input_require_grads()
+        return model
+
+    args = checkpointed(max_steps=2)
+    stock = run(make, tmp_path, None, **args)
+    ours = run(make, tmp_path, {"offload_checkpoints": True}, **args)
+    assert_same_run(stock, ours)
+    live = stats(ours[2])
+    assert (live.leaves, live.packed) == (2, (LAYERS - 1) * 2)  # per step: layer 0 left, the others moved
 
 
 @needs_5

@@ -31,14 +31,17 @@ class OffloadStats:
     """What the hooks did (read live from ``leantrain.offload_checkpoints.stats(trainer)``).
 
     ``packed``/``packed_bytes``: inputs moved to host memory since the start; ``kept``: inputs left on the device
-    because the host budget was full; ``live_bytes``: host bytes held now (freed as the backward unpacks and drops
-    them); ``peak_bytes``: the most host bytes held at once (a step's checkpointed inputs)."""
+    because the host budget was full; ``leaves``: inputs left on the device because autograd holds them until the
+    backward ends whatever the hooks do (a leaf that requires grad, see ``HostOffload.pack``); ``live_bytes``: host
+    bytes held now (freed as the backward unpacks and drops them); ``peak_bytes``: the most host bytes held at once
+    (a step's checkpointed inputs)."""
 
     packed: int = 0
     packed_bytes: int = 0
     kept: int = 0
     live_bytes: int = 0
     peak_bytes: int = 0
+    leaves: int = 0  # inputs left on the device because their AccumulateGrad node holds them anyway
     fetched_ahead: int = 0  # unpacks served by a copy started one layer ahead (CUDA)
     waited: int = 0  # unpacks that had to start their own copy back (CUDA)
     failures: list[str] = field(default_factory=list)
@@ -99,6 +102,13 @@ class HostOffload:
         # An empty tensor is no input (torch <= 2.11's non-reentrant checkpoint saves a 0-element dummy beside the
         # inputs): moving it frees nothing and would take the newest input's place on the device.
         if self.failed or nbytes == 0 or nbytes < self.min_bytes:
+            return tensor
+        # A leaf that requires grad stays alive until the backward ends whatever the hooks do: the AccumulateGrad
+        # node every use links to holds it. PEFT's input-gradient hook (``enable_input_require_grads``, which
+        # trainers call with checkpointing on a LoRA or QLoRA model) makes the embedding output, the first layer's
+        # input, such a leaf: a host copy would free nothing, and its copy back would be a second device copy of it.
+        if tensor.is_leaf and tensor.requires_grad:
+            self.stats.leaves += 1
             return tensor
         if self.stats.live_bytes + nbytes > self.budget_bytes:
             self.stats.kept += 1

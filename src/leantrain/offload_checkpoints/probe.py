@@ -188,6 +188,7 @@ def describe(plan: OffloadPlan) -> str:
             step = plan.bytes_per_token * plan.tokens_per_micro_batch * max(len(plan.layers) - 1, 0)
             text += (
                 f"; about {size_text(step)} kept off the device for a micro-batch of {plan.tokens_per_micro_batch} "
-                "tokens (the last layer's input stays)"
+                "tokens (the last layer's input stays, and the first layer's where the embedding output requires "
+                "grad, as a PEFT model's does under checkpointing: autograd holds it anyway)"
             )
     return f"{text}; host memory bounded at {size_text(plan.budget_bytes)} ({plan.budget_source})"
