@@ -14,7 +14,9 @@ over the segment's steps (``step_ab_<case>_<variant>_profile.txt``): time with a
 waited on the host), and the copies each way with the part no kernel ran beside (a copy that did not hide);
 ``--trace`` also writes the Chrome trace. ``--memory`` adds a segment of two steps per variant and writes the peak
 allocated memory of each phase of the second (each layer's forward and backward, the head and loss, the optimizer):
-``step_ab_<case>_<variant>_memory.txt`` says where in the step the peak is.
+``step_ab_<case>_<variant>_memory.txt`` says where in the step the peak is. ``--compile-times`` writes
+torch.compile's seconds per phase over the run (``<name>_<case>_compile_times.txt``); each segment's line gives its
+first step's time (the compile, for the first segment of a compiled variant).
 
     python benchmarks/bench_step_ab.py --case qwen2.5-1.5b --opt compile_layers=False --profile   # CUDA, ~2 min
     python benchmarks/bench_step_ab.py --case llama-3.2-1b --base-opt compile_layers=True \\
@@ -52,7 +54,7 @@ class StepTimes(TrainerCallback):
     """CUDA-synchronized wall time of every optimizer step, appended to ``ms``."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda, self.ms, self.start, self.peak_gib = cuda, [], 0.0, math.nan
+        self.cuda, self.ms, self.start, self.peak_gib, self.first_ms = cuda, [], 0.0, math.nan, math.nan
 
     def _now(self) -> float:
         if self.cuda:
@@ -89,6 +91,7 @@ def segment(trainer: Any, clock: StepTimes, steps: int) -> list[float]:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     clock.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if clock.cuda else math.nan
+    clock.first_ms = clock.ms[0] if clock.ms else math.nan
     return clock.ms[1:]
 
 
@@ -290,7 +293,8 @@ def run(args: argparse.Namespace) -> list[Row]:
             else:
                 times[variant].append(segment(trainer, clock, args.steps))
                 peaks[variant].append(clock.peak_gib)
-                print(f"segment {k + 1}: {variant} {statistics.median(times[variant][-1]):.1f} ms", flush=True)
+                first = f" (first step {clock.first_ms / 1e3:.1f} s)" if not math.isnan(clock.first_ms) else ""
+                print(f"segment {k + 1}: {variant} {statistics.median(times[variant][-1]):.1f} ms{first}", flush=True)
             if patched:
                 leantrain.unpatch_trainer(trainer)
     return rows_of(case.name, opts, base, times, peaks, args.name)
@@ -358,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="a profiled segment per variant")
     parser.add_argument("--trace", action="store_true", help="with --profile: also each segment's Chrome trace")
     parser.add_argument("--memory", action="store_true", help="the peak of each phase of a step, per variant (CUDA)")
+    parser.add_argument(
+        "--compile-times", action="store_true", help="write torch.compile's time per phase (Dynamo, AOT, inductor)"
+    )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     parser.add_argument("--name", default=NAME, help=f"the results' file name (default {NAME})")
     args = parser.parse_args(argv)
@@ -383,6 +390,21 @@ def main(argv: list[str] | None = None) -> None:
     text = table(rows)
     write_results(args.name, rows, text, Path(args.out) if args.out else None)
     print(text)
+    if args.compile_times:
+        write_compile_times(Path(args.out) if args.out else None, args.name, rows[0].x_value if rows else "")
+
+
+def write_compile_times(out: Path | None, name: str, case: str) -> Path:
+    """torch.compile's seconds per timed phase over the whole run, summed over its graphs (Dynamo's tracing, AOT
+    autograd, inductor's lowering and code generation, the wait for the kernels' compilation): where a compiled
+    variant's first step goes."""
+    from torch._dynamo.utils import compile_times
+
+    path = (out or Path(__file__).resolve().parent / "results") / f"{name}_{case}_compile_times.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(str(compile_times(repr="str", aggregate=True)) + "\n")
+    print(path.read_text(), flush=True)
+    return path
 
 
 if __name__ == "__main__":

@@ -150,3 +150,15 @@ def test_memory_needs_cuda_and_a_moe_case_needs_a_base(tmp_path):
         ab.main(["--smoke", "--memory", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--base-opt"):
         ab.main(["--smoke", "--case", "tiny-moe-qlora", "--out", str(tmp_path)])
+
+
+def test_compile_times_name_the_phases_of_a_compile(tmp_path):
+    """--compile-times writes torch.compile's time per phase, summed over the run's graphs."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: torch.sin(x) * 2, backend="aot_eager")
+    compiled(torch.randn(4))
+    path = ab.write_compile_times(tmp_path, "step_ab", "tiny-llama")
+    text = path.read_text()
+    torch._dynamo.reset()
+    assert path.name == "step_ab_tiny-llama_compile_times.txt"
+    assert "TorchDynamo compilation metrics" in text and "compile_inner" in text, text
