@@ -13,7 +13,6 @@ import importlib.util
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import Trainer, TrainingArguments
 
 import leantrain
@@ -25,6 +24,7 @@ from leantrain.offload_checkpoints import stats
 from leantrain.offload_checkpoints.ops import GIB, HostOffload
 from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
+from tests._offload_blocks import through_checkpoints
 
 
 pytestmark = pytest.mark.gpu
@@ -43,14 +43,7 @@ def blocks(device: torch.device) -> torch.nn.ModuleList:
 def forward(stack, offload: HostOffload | None, reentrant: bool):
     torch.manual_seed(1)
     h = torch.randn(ROWS, WIDTH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    x = h * 1.0
-    for block in stack:
-        if offload is None:
-            x = checkpoint(block, x, use_reentrant=reentrant)
-        else:
-            with offload.context():
-                x = checkpoint(block, x, use_reentrant=reentrant)
-    return h, x.float().pow(2).mean()
+    return h, through_checkpoints(stack, h * 1.0, offload, reentrant).float().pow(2).mean()
 
 
 def allocated_now() -> int:
@@ -93,14 +86,7 @@ def test_a_leaf_input_stays_on_the_device_and_is_not_fetched_twice():
     def run(offload: HostOffload | None):
         torch.manual_seed(1)
         h = torch.randn(ROWS, WIDTH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        x = h
-        for block in stack:
-            if offload is None:
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                with offload.context():
-                    x = checkpoint(block, x, use_reentrant=False)
-        x.float().pow(2).mean().backward()
+        through_checkpoints(stack, h, offload, reentrant=False).float().pow(2).mean().backward()
         torch.cuda.synchronize()
         grads = (h.grad.clone(), [p.grad.clone() for p in stack.parameters()])
         stack.zero_grad(set_to_none=True)

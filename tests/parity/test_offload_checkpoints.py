@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import weakref
 
 import pytest
 import torch
 import transformers
-from torch.utils.checkpoint import checkpoint
 from transformers import Trainer, TrainingArguments
 
 import leantrain
@@ -31,6 +29,7 @@ from leantrain.offload_checkpoints import stats
 from leantrain.offload_checkpoints.ops import GIB, HostOffload, host_budget_bytes
 from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
+from tests._offload_blocks import through_checkpoints
 
 
 VOCAB = 256
@@ -52,16 +51,8 @@ def forward_backward(stack, offload: HostOffload | None, reentrant: bool, seen: 
     ``seen`` collects a weak reference to every block input."""
     torch.manual_seed(1)
     h = torch.randn(4, 16, requires_grad=True)
-    x = h * 1.0  # a non-leaf: nothing but the checkpoint holds the block inputs after the forward
-    for block in stack:
-        if seen is not None:
-            seen.append(weakref.ref(x))
-        if offload is None:
-            x = checkpoint(block, x, use_reentrant=reentrant)
-        else:
-            with offload.context():
-                x = checkpoint(block, x, use_reentrant=reentrant)
-    loss = x.pow(2).sum()
+    # h * 1.0: a non-leaf, which nothing but the checkpoint holds after the forward
+    loss = through_checkpoints(stack, h * 1.0, offload, reentrant, seen).pow(2).sum()
     gc.collect()
     alive = [ref() is not None for ref in seen] if seen is not None else None
     loss.backward()
@@ -94,14 +85,8 @@ def test_a_leaf_input_that_requires_grad_stays_on_the_device(reentrant):
     def run(offload: HostOffload | None):
         torch.manual_seed(1)
         h = torch.randn(4, 16, requires_grad=True)
-        stack, x = blocks(), h
-        for block in stack:
-            if offload is None:
-                x = checkpoint(block, x, use_reentrant=reentrant)
-            else:
-                with offload.context():
-                    x = checkpoint(block, x, use_reentrant=reentrant)
-        x.pow(2).sum().backward()
+        stack = blocks()
+        through_checkpoints(stack, h, offload, reentrant).pow(2).sum().backward()
         return h.grad, [p.grad for p in stack.parameters()]
 
     stock = run(None)
