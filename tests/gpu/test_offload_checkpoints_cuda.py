@@ -9,7 +9,9 @@ by the inputs moved (all but the newest)."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import weakref
 
 import pytest
 import torch
@@ -165,8 +167,35 @@ def test_lora_trains_exactly_as_stock_checkpointing(reentrant, tmp_path, every_i
     assert_same_run(stock, ours)
     outcome = ours[2].leantrain_report["offload_checkpoints"]
     assert outcome.status is Status.APPLIED and "pinned host memory on a side stream" in outcome.detail
-    live = stats(ours[2])  # layer 0's input stays where the trainer makes the embedding output a leaf (PEFT)
-    assert live.packed + live.leaves == LAYERS * 3 and live.leaves in (0, 3) and live.waited == 0
+    live = stats(ours[2])  # the embedding output, a leaf PEFT's hook made, went on without its gradient and moved
+    assert live.packed == LAYERS * 3 and live.leaves == 0 and live.waited == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_embedding_output_is_freed_after_the_forward(reentrant, tmp_path, every_input):
+    """PEFT's input-gradient hook makes the embedding output a leaf that requires grad, which autograd would hold on
+    the GPU until the backward ends: handed to layer 0 without that gradient, it is freed after the forward (the
+    device holds the newest layer input only, as for the other layers) and training is stock's, bit for bit."""
+
+    def make():
+        model = lora_model()
+        model.enable_input_require_grads()
+        return model
+
+    stock = train(make, tmp_path, None, reentrant)
+    ours = train(make, tmp_path, {"offload_checkpoints": True}, reentrant)
+    assert_same_run(stock, ours)
+    assert (stats(ours[2]).sunk, stats(ours[2]).leaves) == (3, 0)
+    model = ours[2].model
+    outputs = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    ids = torch.randint(0, VOCAB, (2, 48), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    hook.remove()
+    gc.collect()
+    assert outputs[0]() is None
+    loss.backward()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import weakref
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from leantrain.offload_checkpoints import measured as offload_measured
 from leantrain.offload_checkpoints import patch as offload_patch
 from leantrain.offload_checkpoints import probe as offload_probe
 from leantrain.offload_checkpoints import stats
-from leantrain.offload_checkpoints.ops import GIB, HostOffload, host_budget_bytes
+from leantrain.offload_checkpoints.ops import GIB, EmbeddingOutput, HostOffload, host_budget_bytes
 from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
 from tests._offload_blocks import through_checkpoints
@@ -218,24 +219,72 @@ def test_gradient_accumulation_and_lora_train_as_stock(tmp_path):
     assert live.packed + live.leaves == LAYERS * 2 * 2 and live.leaves in (0, 2 * 2)
 
 
-def test_peft_input_gradients_leave_the_embedding_output_on_the_device(tmp_path):
-    """TRL's trainers call ``enable_input_require_grads`` on a PEFT model with checkpointing: the embedding output,
-    layer 0's input, is then a leaf that requires grad and stays on the device; every other layer's input moves."""
+def peft_with_input_gradients() -> torch.nn.Module:
+    """What TRL's trainers make of a PEFT model under checkpointing: ``enable_input_require_grads`` turns the
+    embedding output, layer 0's input, into a leaf that requires grad."""
     peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    model = peft.get_peft_model(tiny(), lora)
+    model.enable_input_require_grads()
+    return model
 
-    def make():
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_embedding_output_goes_on_without_the_gradient_only_peft_asked_for(reentrant, tmp_path):
+    """The hook-made leaf is handed to layer 0 as a tensor whose gradient is dropped: every parameter trains exactly
+    as stock's (both checkpoint modes), layer 0's input moves like the others, and the leaf itself is freed once
+    the forward is done (autograd no longer holds it through the backward)."""
+    args = checkpointed(reentrant, max_steps=2)
+    stock = run(peft_with_input_gradients, tmp_path, None, **args)
+    ours = run(peft_with_input_gradients, tmp_path, {"offload_checkpoints": True}, **args)
+    assert_same_run(stock, ours)
+    live = stats(ours[2])
+    assert (live.sunk, live.leaves, live.packed) == (2, 0, LAYERS * 2)  # per step: every layer's input moved
+
+    model = ours[2].model
+    outputs = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH))
+    loss = model(input_ids=ids, labels=ids).loss
+    hook.remove()
+    gc.collect()
+    assert outputs[0]() is None  # stock: alive until the backward ends (its AccumulateGrad node)
+    loss.backward()
+
+
+def test_the_gradient_sink_gives_the_values_and_drops_the_gradient():
+    embedding = EmbeddingOutput()
+    leaf = torch.randn(3, 4).requires_grad_()
+    embedding.record(None, (), leaf)
+    assert embedding.only_hook_made(leaf) and not embedding.only_hook_made(leaf * 1.0)
+    assert not embedding.only_hook_made(torch.randn(3, 4).requires_grad_())  # another leaf: a user's, not the hook's
+    sunk = embedding.sink(leaf)
+    assert torch.equal(sunk, leaf) and sunk.requires_grad and not sunk.is_leaf
+    (sunk * 2).sum().backward()
+    assert leaf.grad is None
+
+
+def test_a_leaf_the_embedding_did_not_make_stays_on_the_device(tmp_path):
+    """A leaf that requires grad handed to layer 0 by the caller (``inputs_embeds``): its gradient may be wanted, so
+    it is neither sunk nor moved (autograd holds it), and it gets stock's gradient."""
+    peft = pytest.importorskip("peft")
+    grads = []
+    for patch in (None, {"offload_checkpoints": True}):
         torch.manual_seed(1)
         lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
         model = peft.get_peft_model(tiny(), lora)
-        model.enable_input_require_grads()
-        return model
-
-    args = checkpointed(max_steps=2)
-    stock = run(make, tmp_path, None, **args)
-    ours = run(make, tmp_path, {"offload_checkpoints": True}, **args)
-    assert_same_run(stock, ours)
-    live = stats(ours[2])
-    assert (live.leaves, live.packed) == (2, (LAYERS - 1) * 2)  # per step: layer 0 left, the others moved
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        trainer = trainer_for(model, tmp_path, **checkpointed())
+        if patch:
+            leantrain.patch_trainer(trainer, **{**only("offload_checkpoints"), **patch})
+        torch.manual_seed(2)
+        embeds = torch.randn(BATCH, LENGTH, HIDDEN, requires_grad=True)
+        model(inputs_embeds=embeds, labels=torch.randint(0, VOCAB, (BATCH, LENGTH))).loss.backward()
+        grads.append(embeds.grad)
+        if patch:
+            assert (stats(trainer).sunk, stats(trainer).leaves) == (0, 1)
+    assert torch.equal(grads[0], grads[1])
 
 
 @needs_5
@@ -251,6 +300,21 @@ def test_compiled_layers_stay_inside_the_checkpoint(tmp_path):
     report = ours[2].leantrain_report
     assert report["compile_layers"].status is Status.APPLIED and report["offload_checkpoints"].status is Status.APPLIED
     assert stats(ours[2]).packed == LAYERS * 3
+
+
+@needs_5
+def test_the_sunk_embedding_output_compiles_as_the_other_layer_inputs(tmp_path):
+    """Layer 0's input handed on without its gradient has the same requires_grad as the other layers' inputs: the
+    one compiled code serves every layer without a recompile, and training is stock's (aot_eager, exact in fp32)."""
+    from leantrain import compile_layers
+
+    torch._dynamo.reset()
+    stock = run(peft_with_input_gradients, tmp_path, None, **checkpointed())
+    patch = {"offload_checkpoints": True, "compile_layers": True, "compile_layers_backend": "aot_eager"}
+    ours = run(peft_with_input_gradients, tmp_path, patch, **checkpointed())
+    torch._dynamo.reset()
+    assert_same_run(stock, ours)
+    assert stats(ours[2]).sunk == 3 and compile_layers.stats(ours[2]).recompiles == 0
 
 
 @pytest.mark.expect_fallback

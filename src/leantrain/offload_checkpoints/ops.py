@@ -42,6 +42,7 @@ class OffloadStats:
     live_bytes: int = 0
     peak_bytes: int = 0
     leaves: int = 0  # inputs left on the device because their AccumulateGrad node holds them anyway
+    sunk: int = 0  # embedding outputs handed to the first layer without the gradient only PEFT's hook asked for
     fetched_ahead: int = 0  # unpacks served by a copy started one layer ahead (CUDA)
     waited: int = 0  # unpacks that had to start their own copy back (CUDA)
     failures: list[str] = field(default_factory=list)
@@ -186,6 +187,50 @@ class HostOffload:
         self.stats.failures.append(reason)
         if self.on_failure is not None:
             self.on_failure(reason)
+
+
+class GradientSink(torch.autograd.Function):
+    """``x``'s values as a tensor that requires grad (through ``anchor``, a 0-element leaf that does) and whose
+    gradient is dropped.
+
+    PEFT's input-gradient hook makes the embedding output a leaf that requires grad so that checkpointed layers get
+    an input that does; autograd then holds that leaf until the backward ends (its AccumulateGrad node), beside every
+    offloaded input, and fills its ``.grad``, which nothing reads. Handed this instead, the first layer gets the same
+    values and the same ``requires_grad`` (the compiled layers see what they saw), its input is an ordinary tensor the
+    hooks move like any other, and the leaf is freed once the forward is done with it. The gradients of every
+    parameter are autograd's own: this only drops the one the leaf would have kept."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+class EmbeddingOutput:
+    """The input embedding's latest output (a weak reference, recorded by a forward hook) and what hands it to the
+    first layer without its unused gradient (``GradientSink``)."""
+
+    def __init__(self) -> None:
+        self.latest: weakref.ref[torch.Tensor] | None = None
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+
+    def record(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.latest = weakref.ref(output) if isinstance(output, torch.Tensor) else None
+
+    def only_hook_made(self, tensor: Any) -> bool:
+        """``tensor`` is the embedding output of this forward, a leaf that requires grad: nothing upstream trains
+        (the embedding is frozen, else the output would not be a leaf), so only a hook made it require grad."""
+        latest = self.latest() if self.latest is not None else None
+        return tensor is latest and tensor.is_leaf and tensor.requires_grad
+
+    def sink(self, tensor: torch.Tensor) -> torch.Tensor:
+        anchor = self._anchors.get(tensor.device)
+        if anchor is None:
+            anchor = self._anchors[tensor.device] = torch.zeros(0, device=tensor.device, requires_grad=True)
+        return GradientSink.apply(anchor, tensor.detach())
 
 
 def host_budget_bytes(max_host_gib: float, available_bytes: int, local_processes: int) -> int:

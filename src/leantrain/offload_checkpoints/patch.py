@@ -17,7 +17,7 @@ import torch
 
 from ..fallback import RuntimeFallback
 from ..undo import Undo
-from .ops import HostOffload
+from .ops import EmbeddingOutput, HostOffload
 from .probe import OffloadPlan
 
 
@@ -30,20 +30,31 @@ def install(plan: OffloadPlan, undo: Undo, fallback: RuntimeFallback, trainer: A
     """Wrap every planned layer's checkpoint function now and whenever the trainer sets a new one (each recorded on
     ``undo``); the qualified names."""
     offload = HostOffload(plan.budget_bytes, plan.min_bytes, on_failure=lambda reason: _failed(fallback, reason))
+    embedding = EmbeddingOutput()
+    if plan.embedding is not None:
+        recorder = plan.embedding.register_forward_hook(embedding.record)
+        undo.push(recorder.remove)
     layers = [layer for _, layer in plan.layers]
-    wrap_layers(layers, offload)
-    hook = plan.trunk.register_forward_pre_hook(lambda module, args: wrap_layers(layers, offload))
+    wrap_layers(layers, offload, embedding)
+    hook = plan.trunk.register_forward_pre_hook(lambda module, args: wrap_layers(layers, offload, embedding))
     undo.push(lambda: (hook.remove(), unwrap_layers(layers)))
     undo.set_attr(trainer, STATS_ATTR, offload.stats)
     return tuple(name for name, _ in plan.layers)
 
 
-def offloading(offload: HostOffload, checkpoint_func: Callable[..., Any]) -> Callable[..., Any]:
-    """``checkpoint_func`` called inside the offload hooks (outside them once the offload failed)."""
+def offloading(
+    offload: HostOffload, checkpoint_func: Callable[..., Any], embedding: EmbeddingOutput | None = None
+) -> Callable[..., Any]:
+    """``checkpoint_func`` called inside the offload hooks (outside them once the offload failed); the embedding
+    output that only PEFT's input-gradient hook made require grad is handed on without that gradient
+    (``ops.GradientSink``), so autograd does not hold it through the backward."""
 
     def checkpoint_offloaded(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if offload.failed or not torch.is_grad_enabled():
             return checkpoint_func(function, *args, **kwargs)
+        if embedding is not None and args and embedding.only_hook_made(args[0]):
+            args = (embedding.sink(args[0]), *args[1:])
+            offload.stats.sunk += 1
         with offload.context():
             return checkpoint_func(function, *args, **kwargs)
 
@@ -51,11 +62,11 @@ def offloading(offload: HostOffload, checkpoint_func: Callable[..., Any]) -> Cal
     return checkpoint_offloaded
 
 
-def wrap_layers(layers: list[torch.nn.Module], offload: HostOffload) -> None:
+def wrap_layers(layers: list[torch.nn.Module], offload: HostOffload, embedding: EmbeddingOutput | None = None) -> None:
     for layer in layers:
         func = vars(layer).get(FUNC_ATTR)
         if func is not None and not hasattr(func, INNER):
-            setattr(layer, FUNC_ATTR, offloading(offload, func))
+            setattr(layer, FUNC_ATTR, offloading(offload, func, embedding))
 
 
 def unwrap_layers(layers: list[torch.nn.Module]) -> None:

@@ -34,6 +34,7 @@ class OffloadPlan:
     bytes_per_token: int  # one checkpointed input, a token (hidden size x element size)
     tokens_per_micro_batch: int | None  # batch x the longest sequence the trainer is told of, if told
     min_bytes: int
+    embedding: nn.Module | None = None  # the input embedding (its output, a hook-made leaf, goes on without its grad)
 
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
@@ -72,6 +73,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         bytes_per_token=per_token,
         tokens_per_micro_batch=tokens_per_micro_batch(trainer),
         min_bytes=MIN_BYTES if device == "cuda" else 0,
+        embedding=model.get_input_embeddings(),
     )
     return Readiness(detail=describe(plan), plan=plan).with_auto_rule(rule)
 
@@ -188,7 +190,12 @@ def describe(plan: OffloadPlan) -> str:
             step = plan.bytes_per_token * plan.tokens_per_micro_batch * max(len(plan.layers) - 1, 0)
             text += (
                 f"; about {size_text(step)} kept off the device for a micro-batch of {plan.tokens_per_micro_batch} "
-                "tokens (the last layer's input stays, and the first layer's where the embedding output requires "
-                "grad, as a PEFT model's does under checkpointing: autograd holds it anyway)"
+                "tokens (the last layer's input stays)"
             )
+    if plan.embedding is not None:
+        text += (
+            "; an embedding output that only PEFT's input-gradient hook makes require grad goes to the first layer "
+            "without that gradient, which nothing reads (autograd would hold it on the device until the backward "
+            "ends)"
+        )
     return f"{text}; host memory bounded at {size_text(plan.budget_bytes)} ({plan.budget_source})"
