@@ -194,8 +194,7 @@ def describe(plan: OffloadPlan) -> str:
             )
     if plan.embedding is not None:
         text += (
-            "; an embedding output that only PEFT's input-gradient hook makes require grad goes to the first layer "
-            "without that gradient, which nothing reads (autograd would hold it on the device until the backward "
-            "ends)"
+            "; an embedding output that PEFT's input-gradient hook alone makes require grad goes on without that "
+            "unused gradient (autograd would hold it until the backward ends)"
         )
     return f"{text}; host memory bounded at {size_text(plan.budget_bytes)} ({plan.budget_source})"
