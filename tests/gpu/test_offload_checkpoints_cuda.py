@@ -20,7 +20,6 @@ from transformers import Trainer, TrainingArguments
 import leantrain
 from leantrain import Status
 from leantrain.cli.tiny import tiny_model
-from leantrain.compile_layers.ops import MLP_CHUNKS_FOR_MEMORY
 from leantrain.offload_checkpoints import probe as offload_probe
 from leantrain.offload_checkpoints import stats
 from leantrain.offload_checkpoints.ops import GIB, HostOffload
@@ -207,9 +206,9 @@ def test_qlora_trains_exactly_as_stock_checkpointing(tmp_path, every_input):
 
 def test_compiled_layers_with_offload_train_as_compiled_layers_alone(tmp_path, every_input):
     """The offload itself is exact: the same compiled layers with and without it (their gated MLPs on autograd's
-    backward in both: ``compile_layers_mlp_chunks=0``). A run passing offload_checkpoints=True also chunks the MLPs'
-    backward by default (another rounding order): its losses stay within bf16 rounding of the layers alone."""
-    same = {"compile_layers": True, "compile_layers_mlp_chunks": 0}
+    backward in both, the default). With the MLPs' backward in 2 row chunks as well (another rounding order) the
+    losses stay within bf16 rounding of the layers alone."""
+    same = {"compile_layers": True}
     torch._dynamo.reset()
     compiled = train(lora_model, tmp_path, {"offload_checkpoints": False, **same})
     torch._dynamo.reset()
@@ -217,10 +216,13 @@ def test_compiled_layers_with_offload_train_as_compiled_layers_alone(tmp_path, e
     torch._dynamo.reset()
     assert_same_run(compiled, both)
     assert both[2].leantrain_report["compile_layers"].status is Status.APPLIED
-    chunked = train(lora_model, tmp_path, {"offload_checkpoints": True, "compile_layers": True})
+    chunked = train(
+        lora_model, tmp_path, {"offload_checkpoints": True, "compile_layers": True, "compile_layers_mlp_chunks": 2}
+    )
     torch._dynamo.reset()
     detail = chunked[2].leantrain_report["compile_layers"].detail
-    assert f"gated LoRA MLPs run their backward in {MLP_CHUNKS_FOR_MEMORY} row chunks" in detail
+    assert "gated LoRA MLPs run their backward in 2 row chunks" in detail
+    assert "gated LoRA MLPs" not in both[2].leantrain_report["compile_layers"].detail
     for ours, theirs in zip(chunked[0], compiled[0], strict=True):
         assert abs(ours - theirs) <= 8 * 2.0**-8 * abs(theirs)  # bf16's rounding of a few steps' updates
 

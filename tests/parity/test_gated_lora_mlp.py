@@ -232,17 +232,11 @@ def test_the_triton_elementwise_kernels_round_once_as_the_torch_ops():
     assert worst <= 1, worst
 
 
-def test_mlp_chunks_auto_chunks_runs_set_for_memory_only():
-    assert [ops.mlp_chunks(-1, offload) for offload in (True, None, False)] == [ops.MLP_CHUNKS_FOR_MEMORY, 0, 0]
-    assert ops.MLP_CHUNKS_FOR_MEMORY == 2
-    assert [ops.mlp_chunks(n, True) for n in (0, 2)] == [0, 2]
-
-
 @needs_5
-@pytest.mark.parametrize("chunks", [0, -1])
-def test_mlp_chunks_zero_or_auto_keep_autograds_backward_and_bad_values_raise(chunks, tmp_path):
-    """``compile_layers_mlp_chunks=0`` (and auto, without offload_checkpoints=True) binds no MLP (the projections'
-    rank-side forwards stay); a value out of range is a clear error at ``patch_trainer`` time."""
+@pytest.mark.parametrize("offload", [None, True])
+def test_no_mlp_chunks_by_default_and_bad_values_raise(offload, tmp_path):
+    """By default (``compile_layers_mlp_chunks=0``, with or without offload_checkpoints=True) no MLP is bound (the
+    projections' rank-side forwards stay); a value out of range is a clear error at ``patch_trainer`` time."""
     peft = pytest.importorskip("peft")
     from transformers import Trainer, TrainingArguments
 
@@ -253,15 +247,18 @@ def test_mlp_chunks_zero_or_auto_keep_autograds_backward_and_bad_values_raise(ch
     def trainer():
         model = tiny_model("llama", vocab_size=256, hidden=64, layers=2).train()
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1)
+        args = TrainingArguments(
+            output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, gradient_checkpointing=True
+        )
         return Trainer(model=model, args=args, train_dataset=random_rows(2, (8,), 256), data_collator=pad_right)
 
     options = {**only("compile_layers"), "compile_layers": True, "compile_layers_backend": "aot_eager"}
     patched = trainer()
-    leantrain.patch_trainer(patched, **options, compile_layers_mlp_chunks=chunks)
+    leantrain.patch_trainer(patched, **{**options, "offload_checkpoints": offload})
     layers = patched.model.base_model.model.model.layers
     assert all("forward" not in vars(layer.mlp) for layer in layers)
     assert all("forward" in vars(layer.mlp.up_proj) for layer in layers)
     assert "gated LoRA MLPs" not in patched.leantrain_report["compile_layers"].detail
-    with pytest.raises(ValueError, match="compile_layers_mlp_chunks"):
-        leantrain.patch_trainer(trainer(), **options, compile_layers_mlp_chunks=65)
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="compile_layers_mlp_chunks"):
+            leantrain.patch_trainer(trainer(), **options, compile_layers_mlp_chunks=bad)

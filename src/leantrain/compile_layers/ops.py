@@ -281,18 +281,6 @@ def scaling_folds(module: torch.nn.Module, name: Any) -> bool:
 GATED_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 SILU = frozenset({"SiLU", "SiLUActivation"})
 MLP_MIN_ROWS = 1024  # rows per chunk at least: fewer launches where the full-width buffers are small anyway
-MLP_CHUNKS_FOR_MEMORY = 2
-
-
-def mlp_chunks(option: int, offload_checkpoints: bool | None) -> int:
-    """The gated MLP's backward chunks for ``compile_layers_mlp_chunks=option`` (-1: auto). Auto chunks only a run
-    its user set for memory (``offload_checkpoints=True`` passed), in two chunks: on an H200 (8192 tokens, the layers
-    compiled, the offload on) two take Llama-3.2-1B's step peak from 3.33 to 3.24 GiB, as low as four, at 5% of the
-    step where four cost 8%: their host work shows where the host does not run far enough ahead of the GPU. A run
-    where auto mode turned the offload on (its measured cost within noise) keeps autograd's backward."""
-    if option >= 0:
-        return option
-    return MLP_CHUNKS_FOR_MEMORY if offload_checkpoints is True else 0
 
 
 def is_gated_lora_mlp(module: torch.nn.Module) -> bool:

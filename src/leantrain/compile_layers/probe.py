@@ -20,7 +20,7 @@ from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, decoder_parts, planned_steps, unwrap_model
 from ..optimization import PatchContext, Readiness
 from .measured import KNOWN_FAILURES, MEASURED, MOE_4BIT, QUANTIZED_4BIT, Measured
-from .ops import Payback, mlp_chunks
+from .ops import Payback
 
 
 MOE4BIT = "moe4bit"  # the optimization whose grouped 4-bit experts the compiled layers trace (applied before them)
@@ -69,7 +69,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         backend=cfg.compile_layers_backend,
         dynamic=cfg.compile_layers_dynamic,
         recompute=cfg.compile_layers_recompute,
-        mlp_chunks=mlp_chunks(cfg.compile_layers_mlp_chunks, cfg.offload_checkpoints),
+        mlp_chunks=cfg.compile_layers_mlp_chunks,
         max_recompiles=cfg.compile_layers_max_recompiles,
         cache=cache_description(cfg.compile_layers_backend),
         why="",
