@@ -347,7 +347,13 @@ def test_the_committed_results_give_the_cases_in_measured_py():
 
     results = Path(bench.__file__).resolve().parent / "results"
     runs: dict[str, list[tuple[float, float]]] = {}
-    for name in ("offload_ab.json", "step_ab_llama_offload_chunks0.json", "offload_ab_short_segments.json"):
+    names = (
+        "offload_ab.json",
+        "step_ab_llama_offload_chunks0.json",
+        "offload_ab_short_segments.json",
+        "offload_ab_sink.json",
+    )
+    for name in names:
         rows = _harness.read_rows(results / name)
         for base, ours in zip(rows[::2], rows[1::2], strict=True):
             assert (base.provider, ours.provider, base.x_value) == ("base", "leantrain", ours.x_value)
