@@ -12,11 +12,12 @@ experts in 4-bit as leantrain's provider does there, so it compares two ``--base
 gets). ``--profile`` adds one profiled segment per variant and writes its kernels by GPU time and the GPU's timeline
 over the segment's steps (``step_ab_<case>_<variant>_profile.txt``): time with a kernel running, idle time (the GPU
 waited on the host), and the copies each way with the part no kernel ran beside (a copy that did not hide);
-``--trace`` also writes the Chrome trace. ``--memory`` adds a segment of two steps per variant and writes the peak
-allocated memory of each phase of the second (each layer's forward and backward, the head and loss, the optimizer):
-``step_ab_<case>_<variant>_memory.txt`` says where in the step the peak is. ``--compile-times`` writes
-torch.compile's seconds per phase over the run (``<name>_<case>_compile_times.txt``); each segment's line gives its
-first step's time (the compile, for the first segment of a compiled variant).
+``--trace`` also writes the Chrome trace. ``--memory`` adds a segment of ``--memory-steps`` steps (2 by default) per
+variant and writes the peak allocated memory of each phase (each layer's forward and backward, the head and loss, the
+optimizer) of the step that peaked highest after the first (with varying lengths, the longest batch: give it as many
+steps as the timed segments): ``step_ab_<case>_<variant>_memory.txt`` says where in the step the peak is.
+``--compile-times`` writes torch.compile's seconds per phase over the run (``<name>_<case>_compile_times.txt``); each
+segment's line gives its first step's time (the compile, for the first segment of a compiled variant).
 
     python benchmarks/bench_step_ab.py --case qwen2.5-1.5b --opt compile_layers=False --profile   # CUDA, ~2 min
     python benchmarks/bench_step_ab.py --case llama-3.2-1b --base-opt compile_layers=True \\
@@ -126,11 +127,11 @@ def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path, trace: bool
     print(f"profile: {path}", flush=True)
 
 
-def memory_segment(trainer: Any, phases: PeakPhases, clock: StepTimes, path: Path) -> None:
-    """Two steps with the peak allocated memory read at each phase of the second (``phases``, a callback of the
-    trainer), written to ``path``: where in the step the peak is."""
+def memory_segment(trainer: Any, phases: PeakPhases, clock: StepTimes, path: Path, steps: int = 2) -> None:
+    """``steps`` steps with the peak allocated memory read at each phase (``phases``, a callback of the trainer; the
+    highest step after the first kept), written to ``path``: where in the step the peak is."""
     try:
-        segment(trainer, clock, 2)
+        segment(trainer, clock, steps)
     finally:
         phases.remove()
     path.write_text(phases.text())
@@ -140,15 +141,19 @@ def memory_segment(trainer: Any, phases: PeakPhases, clock: StepTimes, path: Pat
 class PeakPhases(TrainerCallback):
     """The peak allocated memory of each phase of a step: each decoder layer's forward, the rest of the forward after
     the last layer (norm, head, loss), each layer's backward (from the gradient of its output on) and what follows
-    (embeddings, optimizer). Read from the allocator's host-side counters at hooks: no synchronization; the trainer's
-    last step is the one kept. A checkpoint's recompute marks nothing (its hooks run inside the backward)."""
+    (embeddings, optimizer). Read from the allocator's host-side counters at hooks: no synchronization. Of the steps
+    after the first (whose compile and first allocations are not the run's), the one that peaked highest is kept,
+    with its tokens (layer 0's input; a step of one only if there is no other). A checkpoint's recompute marks
+    nothing (its hooks run inside the backward)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         from leantrain.fallback import recomputing
 
         self.recomputing = recomputing
         self.layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-        self.phases: list[tuple[str, float]] = []
+        self.phases: list[tuple[str, float]] = []  # the step being read
+        self.kept: list[tuple[str, float]] = []  # the highest step after the first
+        self.steps, self.tokens, self.kept_step, self.kept_tokens = 0, 0, 0, 0
         self.current = "step start"
         self.handles = [layer.register_forward_pre_hook(self._before(i)) for i, layer in enumerate(self.layers)]
         self.handles += [layer.register_forward_hook(self._after(i)) for i, layer in enumerate(self.layers)]
@@ -156,6 +161,8 @@ class PeakPhases(TrainerCallback):
     def _before(self, i: int) -> Any:
         def hook(module: Any, args: Any) -> None:
             if not self.recomputing():
+                if i == 0 and args and isinstance(args[0], torch.Tensor):
+                    self.tokens = args[0].shape[:-1].numel()
                 self.mark(f"forward layer {i}")
 
         return hook
@@ -182,17 +189,22 @@ class PeakPhases(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.mark("step end")
+        self.steps += 1
+        top = max(gib for _, gib in self.phases)
+        if self.steps == 2 or not self.kept or (self.steps > 2 and top > max(gib for _, gib in self.kept)):
+            self.kept, self.kept_step, self.kept_tokens = self.phases, self.steps, self.tokens
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
     def text(self) -> str:
-        if not self.phases:
+        if not self.kept:
             return "no step recorded\n"
-        top = max(gib for _, gib in self.phases)
-        lines = [f"peak allocated of the last step: {top:.3f} GiB, by phase (weights included):"]
-        lines += [f"{gib:8.3f} GiB  {phase}{'  <- peak' if gib == top else ''}" for phase, gib in self.phases]
+        top = max(gib for _, gib in self.kept)
+        which = f"step {self.kept_step} of {self.steps}, {self.kept_tokens} tokens"
+        lines = [f"peak allocated of the highest step ({which}): {top:.3f} GiB, by phase (weights included):"]
+        lines += [f"{gib:8.3f} GiB  {phase}{'  <- peak' if gib == top else ''}" for phase, gib in self.kept]
         return "\n".join(lines) + "\n"
 
 
@@ -287,7 +299,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                     phases = PeakPhases(trainer.model)
                     trainer.add_callback(phases)
                     try:
-                        memory_segment(trainer, phases, clock, path)
+                        memory_segment(trainer, phases, clock, path, args.memory_steps)
                     finally:
                         trainer.remove_callback(phases)
             else:
@@ -363,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trace", action="store_true", help="with --profile: also each segment's Chrome trace")
     parser.add_argument("--memory", action="store_true", help="the peak of each phase of a step, per variant (CUDA)")
     parser.add_argument(
+        "--memory-steps", type=int, default=2, help="steps of the --memory segment (its highest step after the first)"
+    )
+    parser.add_argument(
         "--compile-times", action="store_true", help="write torch.compile's time per phase (Dynamo, AOT, inductor)"
     )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
@@ -374,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--steps must be at least 2 (the first is dropped) and --pairs at least 1")
     if args.memory and args.smoke:
         raise SystemExit("--memory reads the CUDA allocator's counters: not with --smoke")
+    if args.memory_steps < 2:
+        raise SystemExit("--memory-steps must be at least 2 (the first step is not kept)")
     known = vs.cases(args.smoke)
     if args.case and args.case not in known:
         raise SystemExit(f"unknown case {args.case!r}: {list(known)}")

@@ -138,16 +138,39 @@ def test_peak_phases_name_each_phase_of_a_step_and_its_peak(monkeypatch):
         "backward layer 1", "backward layer 0",
     ]  # fmt: skip
     text = phases.text()
-    assert "peak allocated of the last step: 4.000 GiB" in text and "after the last layer" in text
+    assert "peak allocated of the highest step (step 1 of 1, 2 tokens): 4.000 GiB" in text
+    assert "after the last layer" in text
     assert [line for line in text.splitlines() if line.endswith("<- peak")] == [
         "   4.000 GiB  backward layer 1  <- peak"
     ]
     assert not model.layers[0]._forward_hooks and not model.layers[0]._forward_pre_hooks
 
 
+def test_peak_phases_keep_the_highest_step_after_the_first(monkeypatch):
+    """Of several steps, the phases kept are the highest step's after the first (the first's compile and first
+    allocations are not the run's), with its tokens: a longer batch that peaks higher replaces a shorter one."""
+    reads = iter([9.0] * 6 + [1.0] * 6 + [1.0, 1.0, 1.0, 1.0, 3.0, 1.0] + [2.0] * 6)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(reads) * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    model = ToyModel()
+    phases = ab.PeakPhases(model)
+    for rows in (2, 3, 5, 7):  # peaks 9 (the first step), 1, 3, 2
+        phases.on_step_begin(None, None, None)
+        model(torch.ones(rows, 4)).backward()
+        phases.on_step_end(None, None, None)
+    phases.remove()
+    text = phases.text()
+    assert text.startswith("peak allocated of the highest step (step 3 of 4, 5 tokens): 3.000 GiB"), text
+    assert [line for line in text.splitlines() if line.endswith("<- peak")] == [
+        "   3.000 GiB  backward layer 1  <- peak"
+    ]
+
+
 def test_memory_needs_cuda_and_a_moe_case_needs_a_base(tmp_path):
     with pytest.raises(SystemExit, match="CUDA allocator"):
         ab.main(["--smoke", "--memory", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--memory-steps"):
+        ab.main(["--case", "llama-3.2-1b", "--memory", "--memory-steps", "1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--base-opt"):
         ab.main(["--smoke", "--case", "tiny-moe-qlora", "--out", str(tmp_path)])
 
