@@ -17,7 +17,9 @@ variant and writes the peak allocated memory of each phase (each layer's forward
 optimizer) of the step that peaked highest after the first (with varying lengths, the longest batch: give it as many
 steps as the timed segments): ``step_ab_<case>_<variant>_memory.txt`` says where in the step the peak is.
 ``--compile-times`` writes torch.compile's seconds per phase over the run (``<name>_<case>_compile_times.txt``); each
-segment's line gives its first step's time (the compile, for the first segment of a compiled variant).
+segment's line gives its first step's time (the compile, for the first segment of a compiled variant; the rows keep
+them, ``first_step_ms``). ``--inductor name=value`` sets a ``torch._inductor.config`` entry for the whole run (what
+a compile costs against what its kernels run: e.g. ``triton.autotune_pointwise=False``).
 
     python benchmarks/bench_step_ab.py --case qwen2.5-1.5b --opt compile_layers=False --profile   # CUDA, ~2 min
     python benchmarks/bench_step_ab.py --case llama-3.2-1b --base-opt compile_layers=True \\
@@ -273,6 +275,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     out_dir = Path(args.out) if args.out else None
     times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     peaks: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    firsts: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         vs.prepare(case, model_dir, cuda)
@@ -305,11 +308,44 @@ def run(args: argparse.Namespace) -> list[Row]:
             else:
                 times[variant].append(segment(trainer, clock, args.steps))
                 peaks[variant].append(clock.peak_gib)
+                firsts[variant].append(clock.first_ms)
                 first = f" (first step {clock.first_ms / 1e3:.1f} s)" if not math.isnan(clock.first_ms) else ""
                 print(f"segment {k + 1}: {variant} {statistics.median(times[variant][-1]):.1f} ms{first}", flush=True)
             if patched:
                 leantrain.unpatch_trainer(trainer)
-    return rows_of(case.name, opts, base, times, peaks, args.name)
+    rows = rows_of(case.name, opts, base, times, peaks, args.name)
+    for row, variant in zip(rows, times, strict=True):
+        row.config["first_step_ms"] = [round(ms, 1) for ms in firsts[variant]]
+        row.config["inductor"] = {k: repr(v) for k, v in inductor_settings(args.inductor).items()}
+    return rows
+
+
+def inductor_settings(pairs: list[str]) -> dict[str, Any]:
+    """``--inductor name=value`` pairs as ``torch._inductor.config`` settings (dotted names reach its sub-configs,
+    e.g. ``triton.autotune_pointwise=False``); an unknown name stops the run before any work."""
+    from torch._inductor import config
+
+    settings = parse_opts(pairs)
+    for name in settings:
+        owner, _, leaf = name.rpartition(".")
+        target = config
+        for part in owner.split(".") if owner else []:
+            target = getattr(target, part, None)
+        if target is None or not hasattr(target, leaf):
+            raise SystemExit(f"--inductor: torch._inductor.config has no {name!r}")
+    return settings
+
+
+def apply_inductor_settings(settings: dict[str, Any]) -> None:
+    """Set them for the whole process (both variants compile under them)."""
+    from torch._inductor import config
+
+    for name, value in settings.items():
+        owner, _, leaf = name.rpartition(".")
+        target = config
+        for part in owner.split(".") if owner else []:
+            target = getattr(target, part)
+        setattr(target, leaf, value)
 
 
 def rows_of(
@@ -380,6 +416,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compile-times", action="store_true", help="write torch.compile's time per phase (Dynamo, AOT, inductor)"
     )
+    parser.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        help="name=value: a torch._inductor.config setting for the whole run (repeatable; e.g. "
+        "triton.autotune_pointwise=False, compile_threads=8)",
+    )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     parser.add_argument("--name", default=NAME, help=f"the results' file name (default {NAME})")
     args = parser.parse_args(argv)
@@ -401,10 +444,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
+    apply_inductor_settings(inductor_settings(args.inductor))
     if args.smoke:
         torch.set_num_threads(2)
     rows = run(args)
     text = table(rows)
+    if args.inductor:
+        text += f"\ntorch._inductor.config for the whole run: {', '.join(args.inductor)}.\n"
     write_results(args.name, rows, text, Path(args.out) if args.out else None)
     print(text)
     if args.compile_times:

@@ -18,6 +18,20 @@ def test_options_parse_as_python_literals_else_strings_and_bad_pairs_stop():
             ab.parse_opts([bad])
 
 
+def test_inductor_settings_reach_sub_configs_and_unknown_names_stop(monkeypatch):
+    from torch._inductor import config
+
+    settings = ab.inductor_settings(["triton.autotune_pointwise=False", "compile_threads=3"])
+    assert settings == {"triton.autotune_pointwise": False, "compile_threads": 3}
+    monkeypatch.setattr(config.triton, "autotune_pointwise", True)
+    monkeypatch.setattr(config, "compile_threads", config.compile_threads)
+    ab.apply_inductor_settings(settings)
+    assert config.triton.autotune_pointwise is False and config.compile_threads == 3
+    for bad in ("triton.no_such_knob=1", "no_such.knob=1", "no_such_knob=1"):
+        with pytest.raises(SystemExit, match="torch._inductor.config has no"):
+            ab.inductor_settings([bad])
+
+
 def test_bad_arguments_stop_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="at least 2"):
         ab.main(["--smoke", "--steps", "1", "--out", str(tmp_path)])
@@ -40,6 +54,7 @@ def test_smoke_alternates_variants_and_writes_rows_table_and_profiles(tmp_path, 
     assert set(rows) == {"base", "leantrain"}
     for row in rows.values():
         assert len(row["config"]["segment_medians_ms"]) == 2 and row["p50"] > 0 and row["config"]["patched"]
+        assert len(row["config"]["first_step_ms"]) == 2 and min(row["config"]["first_step_ms"]) > 0
     assert rows["leantrain"]["config"]["patch_trainer"] == {"compile_layers": "False", "fused_ce": "False"}
     # both variants patched, each of its 3 segments (2 timed, 1 profiled) unpatched after it
     assert len(unpatched) == 6 and "leantrain_report" not in unpatched[-1].__dict__
