@@ -338,7 +338,9 @@ def graphs() -> int:
 
 def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
     """The recipes' step clock (benchmarks/recipes/runner.py: CUDA-synchronized, per-step split), counting real
-    (non-pad) tokens, and per step: the Dynamo graph count and the end time of the first step (cold start)."""
+    (non-pad) tokens, and per step: the Dynamo graph count, the end time of the first step (cold start) and, on
+    CUDA, the peak allocated so far (``peak_so_far_gib``: the step where it last grew is the run's peak step, e.g.
+    the longest batch of varying lengths, or a compile step)."""
     import torch
     from recipes.runner import StepClock
     from transformers import TrainerCallback
@@ -355,6 +357,8 @@ def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
     class Graphs(TrainerCallback):  # added before the clock's own: sits between its First and Last callbacks
         def on_step_end(self, args, state, control, **kwargs):
             clock.extra["graphs"] = graphs()
+            if cuda:
+                clock.extra["peak_so_far_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if state.global_step == 1:
                 clock.extra["since_start_s"] = clock.now() - STARTED
 
@@ -566,7 +570,8 @@ def rows_of(recs: list[dict], all_cases: dict[str, Case]) -> list[Any]:
         config |= {k: r.get(k) for k in keys}
         config |= {"losses": r["losses"], "report": r.get("report"), "parts_ms": sm["parts"]}
         config |= {"real_tokens": [st["tokens"] for st in r["steps"]],
-                   "padded_tokens": [st.get("padded_tokens") for st in r["steps"]]}  # fmt: skip
+                   "padded_tokens": [st.get("padded_tokens") for st in r["steps"]],
+                   "peak_so_far_gib": [st.get("peak_so_far_gib") for st in r["steps"]]}  # fmt: skip
         if base is not None:
             pairs = [(a, b) for a, b in zip(r["losses"], base["losses"]) if a is not None and b is not None]
             config["max_abs_loss_diff_vs_stock"] = max((abs(a - b) for a, b in pairs), default=None)
