@@ -79,14 +79,8 @@ STOCK_EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PAD = 0  # runner.TOKENS' pad id: the data never holds it (ids from 3), so non-pad tokens are the real ones
 LR = 2e-4
 UNSLOTH_MODULES = ("unsloth", "unsloth_zoo")
-DEFAULT_CASES = (
-    "llama-3.2-1b",
-    "llama-3.2-1b-qlora",
-    "llama-3.2-1b-varlen",
-    "qwen2.5-1.5b",
-    "gemma-2-2b",
-    "moe-qlora",
-)  # fmt: skip (the Llama cases share one saved model)
+DEFAULT_CASES = ("llama-3.2-1b", "llama-3.2-1b-qlora", "llama-3.2-1b-varlen",  # the Llama cases share one saved model
+                 "qwen2.5-1.5b", "gemma-2-2b", "moe-qlora")  # fmt: skip
 QWEN3_8B = dict(  # Qwen/Qwen3-8B's config (untied head)
     vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6,
@@ -338,9 +332,7 @@ def graphs() -> int:
 
 def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
     """The recipes' step clock (benchmarks/recipes/runner.py: CUDA-synchronized, per-step split), counting real
-    (non-pad) tokens, and per step: the Dynamo graph count, the end time of the first step (cold start) and, on
-    CUDA, the peak allocated so far (``peak_so_far_gib``: the step where it last grew is the run's peak step, e.g.
-    the longest batch of varying lengths, or a compile step)."""
+    (non-pad) tokens, and per step: the Dynamo graph count, the first step's end (cold start), the peak so far."""
     import torch
     from recipes.runner import StepClock
     from transformers import TrainerCallback
@@ -357,8 +349,7 @@ def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
     class Graphs(TrainerCallback):  # added before the clock's own: sits between its First and Last callbacks
         def on_step_end(self, args, state, control, **kwargs):
             clock.extra["graphs"] = graphs()
-            if cuda:
-                clock.extra["peak_so_far_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            clock.extra["peak_so_far_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
             if state.global_step == 1:
                 clock.extra["since_start_s"] = clock.now() - STARTED
 

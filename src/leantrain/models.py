@@ -62,6 +62,18 @@ def planned_steps(trainer: Any) -> int | None:
     return max(1, int(args.num_train_epochs * -(-rows // per_step)))
 
 
+def tokens_per_micro_batch(trainer: Any) -> int | None:
+    """Batch x the longest sequence the trainer is told of (SFT's max_length, GRPO's prompt + completion), if any."""
+    args = trainer.args
+    length = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
+    completion = getattr(args, "max_completion_length", None)
+    if completion:
+        length = (getattr(args, "max_prompt_length", None) or 0) + completion
+    if not length:
+        return None
+    return int(args.per_device_train_batch_size) * int(length)
+
+
 def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 

@@ -262,3 +262,87 @@ def test_no_mlp_chunks_by_default_and_bad_values_raise(offload, tmp_path):
     for bad in (-1, 65):
         with pytest.raises(ValueError, match="compile_layers_mlp_chunks"):
             leantrain.patch_trainer(trainer(), **options, compile_layers_mlp_chunks=bad)
+
+
+def test_the_chunks_start_at_half_the_largest_micro_batch_the_trainer_can_build():
+    assert ops.mlp_min_rows(2, 4 * 2048) == 4096
+    assert ops.mlp_min_rows(2, None) == 0  # not told: every micro-batch
+    assert ops.mlp_min_rows(0, 4 * 2048) == 0  # no chunks
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_micro_batch_below_min_rows_keeps_autograds_backward(compiled, monkeypatch):
+    """Rows below ``min_rows``: the stock forward (autograd's backward through the projections, no chunk); at or
+    above it: ``GatedLoraMlp`` (chunks). Compiled, the row count is a guard: each side compiles once, and each side's
+    gradients are its eager path's bit for bit."""
+    monkeypatch.setattr(ops, "MLP_MIN_ROWS", 1)
+    chunks = []
+    real = ops.silu_mul  # once per chunk of the chunked backward
+    monkeypatch.setattr(ops, "silu_mul", lambda *args: chunks.append(1) or real(*args))
+    mlp = lora_mlp()
+    torch.manual_seed(0)
+
+    def chunked(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return gated_lora_mlp(m, x, chunks=2, min_rows=40)
+
+    frames = []
+    if compiled:
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        counter = CompileCounterWithBackend("aot_eager")
+        call = torch.compile(chunked, backend=counter, dynamic=True, fullgraph=True)
+        frames.append(counter)
+    else:
+        call = chunked
+    counts = []  # the compiles after each call
+    for rows, expect_chunks in ((3, 0), (20, 2), (5, 0), (30, 2)):  # 2 x rows: below, above, below, above 40
+        x, grad = torch.randn(2, rows, 64), torch.randn(2, rows, 64)
+        before = len(chunks)
+        ours = gradients(mlp, lambda m, t: call(m, t), x, grad)
+        assert len(chunks) - before == expect_chunks, rows
+        counts.append(frames[0].frame_count if frames else 0)
+        eager = gradients(mlp, chunked if expect_chunks else stock, x, grad)
+        for name, value in eager.items():
+            assert torch.equal(ours[name], value), (rows, name)
+    if compiled:  # the other side of the row guard compiles once; every later length is served
+        assert counts[1] > counts[0] and counts[2:] == [counts[1]] * 2, counts
+
+
+@needs_5
+def test_the_plan_chunks_only_micro_batches_of_half_batch_times_max_length(tmp_path, monkeypatch):
+    """A trainer told its max_length (SFT's argument): micro-batches of at least half of batch x max_length take the
+    chunked backward, smaller ones autograd's; the report says from which size."""
+    from dataclasses import dataclass
+
+    peft = pytest.importorskip("peft")
+    from transformers import Trainer, TrainingArguments
+
+    import leantrain
+    from testkit.batches import pad_right, random_rows
+    from testkit.optimizations import only
+
+    @dataclass
+    class Args(TrainingArguments):
+        max_length: int | None = None  # what SFTConfig adds
+
+    monkeypatch.setattr(ops, "MLP_MIN_ROWS", 1)
+    chunks = []
+    real = ops.silu_mul
+    monkeypatch.setattr(ops, "silu_mul", lambda *args: chunks.append(1) or real(*args))
+    model = tiny_model("llama", vocab_size=256, hidden=64, layers=2).train().to(BF16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+                                autocast_adapter_dtype=False)  # fmt: skip
+    args = Args(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=True, per_device_train_batch_size=2,
+                max_steps=1, max_length=40)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=random_rows(2, (40,), 256), data_collator=pad_right)
+    options = {"compile_layers": True, "compile_layers_backend": "aot_eager", "compile_layers_mlp_chunks": 2}
+    leantrain.patch_trainer(trainer, **{**only("compile_layers"), **options})
+    assert "on micro-batches of at least 40 tokens" in trainer.leantrain_report["compile_layers"].detail
+    for width, expect in ((10, 0), (30, 2 * 2)):  # 2 x 10 rows: below 40; 2 x 30: two layers, two chunks each
+        before = len(chunks)
+        ids = torch.randint(3, 256, (2, width))
+        with torch.autocast("cpu", BF16):
+            loss = trainer.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert len(chunks) - before == expect, width
+    leantrain.unpatch_trainer(trainer)

@@ -44,6 +44,11 @@ class CompileLayers(Optimization):
                 f"; {mlps} gated LoRA MLPs run their backward in {plan.mlp_chunks} row chunks (a lower layer peak for "
                 "more host work; the same forward bits)"
             )
+            if plan.mlp_min_rows:
+                detail += (
+                    f" on micro-batches of at least {plan.mlp_min_rows} tokens (half of batch x max_length: the "
+                    "largest set the step's peak; smaller ones keep autograd's backward)"
+                )
         if taken:
             detail += (
                 f"; compiles instead of layer_kernels inside the layers ({taken} Liger forwards set back to stock: "

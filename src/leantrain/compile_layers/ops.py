@@ -283,6 +283,16 @@ SILU = frozenset({"SiLU", "SiLUActivation"})
 MLP_MIN_ROWS = 1024  # rows per chunk at least: fewer launches where the full-width buffers are small anyway
 
 
+def mlp_min_rows(chunks: int, tokens_per_micro_batch: int | None) -> int:
+    """The rows (tokens) from which a micro-batch takes the chunked MLP backward: half the most the trainer can build
+    (batch x max_length), where it says; else 0, every micro-batch. A run's peak is set by its largest micro-batches
+    (with varying lengths, the few longest ones): the chunks lower it there, and elsewhere they would only add their
+    host work (on padding-free Llama-3.2-1B, an H200: +12.7% a step, chunking every micro-batch)."""
+    if chunks <= 0 or not tokens_per_micro_batch:
+        return 0
+    return tokens_per_micro_batch // 2
+
+
 def is_gated_lora_mlp(module: torch.nn.Module) -> bool:
     """A stock SiLU-gated MLP whose three projections are PEFT LoRA linears on plain ``nn.Linear`` bases."""
     if type(module).__name__ not in GATED_MLPS or type(getattr(module, "act_fn", None)).__name__ not in SILU:
@@ -292,11 +302,14 @@ def is_gated_lora_mlp(module: torch.nn.Module) -> bool:
                for p in projections)  # fmt: skip
 
 
-def gated_lora_mlp(self: torch.nn.Module, x: torch.Tensor, chunks: int = 4) -> torch.Tensor:
-    """The MLP's forward as ``GatedLoraMlp`` (its backward in ``chunks`` row chunks) where its three LoRA projections
-    take the one-GEMM path (one active vanilla adapter of power-of-two scaling without dropout on each; gate and up
-    wide at the output, down at the input; no hooks on the projections or the activation), else the stock forward
-    (whose projections run ``lora_scaled_on_rank``)."""
+def gated_lora_mlp(self: torch.nn.Module, x: torch.Tensor, chunks: int = 4, min_rows: int = 0) -> torch.Tensor:
+    """The MLP's forward as ``GatedLoraMlp`` (its backward in ``chunks`` row chunks) for a micro-batch of at least
+    ``min_rows`` rows whose three LoRA projections take the one-GEMM path (one active vanilla adapter of
+    power-of-two scaling without dropout on each; gate and up wide at the output, down at the input; no hooks on the
+    projections or the activation), else the stock forward (whose projections run ``lora_scaled_on_rank``). Under
+    the compiler the row count is a guard: a run of both sizes holds one more graph."""
+    if math.prod(x.shape[:-1]) < min_rows:
+        return type(self).forward(self, x)
     gate, up, down = self.gate_proj, self.up_proj, self.down_proj
     names = {rank_side_adapter(p, (), {}) for p in (gate, up, down)}
     name = names.pop() if len(names) == 1 else None

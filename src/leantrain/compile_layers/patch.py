@@ -103,7 +103,7 @@ def install(
         undo.set_attr(module, "forward", types.MethodType(forward, module))
     mlps = gated_mlps(plan, {id(module) for module, _ in folded}) if plan.mlp_chunks else []
     for module in mlps:
-        undo.set_attr(module, "forward", types.MethodType(chunked_mlp(plan.mlp_chunks), module))
+        undo.set_attr(module, "forward", types.MethodType(chunked_mlp(plan.mlp_chunks, plan.mlp_min_rows), module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken), len(folded), len(mlps)
 
@@ -189,11 +189,12 @@ def lora_linears(plan: CompilePlan) -> list[tuple[torch.nn.Module, Callable[...,
     return found
 
 
-def chunked_mlp(chunks: int) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
-    """``ops.gated_lora_mlp`` with its backward in ``chunks`` row chunks, as a forward to bind."""
+def chunked_mlp(chunks: int, min_rows: int) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """``ops.gated_lora_mlp`` with its backward in ``chunks`` row chunks from ``min_rows`` rows, as a forward to
+    bind."""
 
     def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return gated_lora_mlp(self, x, chunks)
+        return gated_lora_mlp(self, x, chunks, min_rows)
 
     return forward
 

@@ -17,10 +17,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..compiling import unsupported_reason
-from ..models import data_parallel_reason, decoder_parts, planned_steps, unwrap_model
+from ..models import data_parallel_reason, decoder_parts, planned_steps, tokens_per_micro_batch, unwrap_model
 from ..optimization import PatchContext, Readiness
 from .measured import KNOWN_FAILURES, MEASURED, MOE_4BIT, QUANTIZED_4BIT, Measured
-from .ops import Payback
+from .ops import Payback, mlp_min_rows
 
 
 MOE4BIT = "moe4bit"  # the optimization whose grouped 4-bit experts the compiled layers trace (applied before them)
@@ -37,6 +37,7 @@ class CompilePlan:
     dynamic: str  # "auto" or "always" (config.COMPILE_DYNAMIC)
     recompute: str  # "default" or "elementwise" (config.COMPILE_RECOMPUTE): what the compiled backward recomputes
     mlp_chunks: int  # row chunks of a gated LoRA MLP's backward (ops.gated_lora_mlp); 0: autograd's per projection
+    mlp_min_rows: int  # the micro-batch rows from which the chunks apply (ops.mlp_min_rows); 0: every micro-batch
     max_recompiles: int
     cache: str  # where inductor's FX-graph and AOTAutograd caches live, and whether they are on
     why: str
@@ -70,6 +71,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         dynamic=cfg.compile_layers_dynamic,
         recompute=cfg.compile_layers_recompute,
         mlp_chunks=cfg.compile_layers_mlp_chunks,
+        mlp_min_rows=mlp_min_rows(cfg.compile_layers_mlp_chunks, tokens_per_micro_batch(trainer)),
         max_recompiles=cfg.compile_layers_max_recompiles,
         cache=cache_description(cfg.compile_layers_backend),
         why="",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models import data_parallel_reason, decoder_parts, text_config, unwrap_model
+from ..models import data_parallel_reason, decoder_parts, text_config, tokens_per_micro_batch, unwrap_model
 from ..optimization import PatchContext, Readiness
 from ..report import size_text
 from . import measured
@@ -165,18 +165,6 @@ def bytes_per_token(model: nn.Module) -> int:
     weight = getattr(embeddings, "weight", None)
     size = weight.element_size() if isinstance(weight, torch.Tensor) and weight.is_floating_point() else 2
     return hidden * size
-
-
-def tokens_per_micro_batch(trainer: Any) -> int | None:
-    """Batch x the longest sequence the trainer is told of (SFT's max_length, GRPO's prompt + completion), if any."""
-    args = trainer.args
-    length = getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
-    completion = getattr(args, "max_completion_length", None)
-    if completion:
-        length = (getattr(args, "max_prompt_length", None) or 0) + completion
-    if not length:
-        return None
-    return int(args.per_device_train_batch_size) * int(length)
 
 
 def describe(plan: OffloadPlan) -> str:
