@@ -73,6 +73,38 @@ def test_the_chunked_backward_is_as_close_to_exact_as_autograds(compiled, cuda, 
         assert ours <= 2 * theirs + 1e-12 * value.norm(), f"{key}: error {ours:.3g} vs autograd's {theirs:.3g}"
 
 
+def test_micro_batches_below_min_rows_take_autograds_backward_when_compiled(cuda, monkeypatch):
+    """Compiled by inductor with dynamic shapes (as compile_layers runs a second length): a micro-batch below
+    ``min_rows`` rows runs the stock projections (no chunk), one at or above it the chunked backward; each side
+    compiles once and every gradient stays within the rounding bound of the exact one."""
+    monkeypatch.setattr(ops, "MLP_MIN_ROWS", 1)
+    chunks = []
+    real = ops.silu_mul
+    monkeypatch.setattr(ops, "silu_mul", lambda *args: chunks.append(1) or real(*args))
+    mlp = lora_mlp(cuda)
+    torch.manual_seed(3)
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(1)
+        return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+
+    call = torch.compile(lambda m, t: gated_lora_mlp(m, t, chunks=2, min_rows=400), backend=counting, dynamic=True)
+    counts = []  # the graphs compiled after each call
+    for rows, expect in ((150, 0), (300, 2), (170, 0), (260, 2)):  # 2 x rows: below, above, below, above 400
+        x = torch.randn(2, rows, 64, device=cuda, dtype=BF16)
+        grad = torch.randn(2, rows, 64, device=cuda)
+        before = len(chunks)
+        result = run(mlp, lambda m, t: call(m, t), x, grad, compiled=False)
+        assert len(chunks) - before == expect, rows
+        exact, bounds = mlp_bounds(operands(mlp, x, grad), [2.0, 2.0, 2.0], BF16)
+        for key, value in exact.items():
+            error = (result[key].double().reshape(value.shape) - value).abs()
+            assert (error <= bounds[key]).all(), f"{rows} rows, {key}: {(error / bounds[key]).max():.2f} of the bound"
+        counts.append(len(compiles))
+    assert counts[1] > counts[0] and counts[2:] == [counts[1]] * 2, counts  # each side of the row guard once
+
+
 def test_the_triton_kernels_round_once(cuda):
     """Each result within one bf16 rounding of the exact value, written as the op writes them: ``dg`` and ``h``
     (then ``du``) side by side in one buffer's rows; the columns past them untouched."""
