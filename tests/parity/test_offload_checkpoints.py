@@ -287,16 +287,23 @@ def test_a_leaf_the_embedding_did_not_make_stays_on_the_device(tmp_path):
     assert torch.equal(grads[0], grads[1])
 
 
+def same_run_compiled_with_offload(make, tmp_path):
+    """A checkpointed run of ``make()``'s model stock, then with the offload around compiled layers (aot_eager: the
+    same aten kernels), asserted to train as stock; the patched run."""
+    torch._dynamo.reset()
+    stock = run(make, tmp_path, None, **checkpointed())
+    patch = {"offload_checkpoints": True, "compile_layers": True, "compile_layers_backend": "aot_eager"}
+    ours = run(make, tmp_path, patch, **checkpointed())
+    torch._dynamo.reset()
+    assert_same_run(stock, ours)
+    return ours
+
+
 @needs_5
 def test_compiled_layers_stay_inside_the_checkpoint(tmp_path):
     """compile_layers binds the compiled forward first; the offload wraps it, so the compiled region is recomputed
     inside the checkpoint and the hooks see its input only (aot_eager: the same aten kernels, exact in fp32)."""
-    torch._dynamo.reset()
-    stock = run(tiny, tmp_path, None, **checkpointed())
-    patch = {"offload_checkpoints": True, "compile_layers": True, "compile_layers_backend": "aot_eager"}
-    ours = run(tiny, tmp_path, patch, **checkpointed())
-    torch._dynamo.reset()
-    assert_same_run(stock, ours)
+    ours = same_run_compiled_with_offload(tiny, tmp_path)
     report = ours[2].leantrain_report
     assert report["compile_layers"].status is Status.APPLIED and report["offload_checkpoints"].status is Status.APPLIED
     assert stats(ours[2]).packed == LAYERS * 3
@@ -308,12 +315,7 @@ def test_the_sunk_embedding_output_compiles_as_the_other_layer_inputs(tmp_path):
     one compiled code serves every layer without a recompile, and training is stock's (aot_eager, exact in fp32)."""
     from leantrain import compile_layers
 
-    torch._dynamo.reset()
-    stock = run(peft_with_input_gradients, tmp_path, None, **checkpointed())
-    patch = {"offload_checkpoints": True, "compile_layers": True, "compile_layers_backend": "aot_eager"}
-    ours = run(peft_with_input_gradients, tmp_path, patch, **checkpointed())
-    torch._dynamo.reset()
-    assert_same_run(stock, ours)
+    ours = same_run_compiled_with_offload(peft_with_input_gradients, tmp_path)
     assert stats(ours[2]).sunk == 3 and compile_layers.stats(ours[2]).recompiles == 0
 
 
