@@ -170,3 +170,45 @@ def test_lora_scaling_on_the_rank_side_gives_the_same_bits(quantized, compiled, 
     folded = run(lora4bit_scaled_on_rank if quantized else lambda m, x: lora_two_gemms(m, x, "default"))
     for name, a, b in zip(("output", "input grad", "A grad", "B grad"), stock, folded, strict=True):
         assert torch.equal(a, b), f"{name}: max difference {(a.float() - b.float()).abs().max().item():.3g}"
+
+
+WARM_POOL_SCRIPT = """
+import sys, time
+import torch
+from torch._inductor.async_compile import AsyncCompile
+from transformers import Trainer, TrainingArguments
+import leantrain
+from leantrain.cli.tiny import tiny_model
+from testkit.batches import pad_right, random_rows
+from testkit.optimizations import only
+
+model = tiny_model("llama", vocab_size=512, hidden=128, layers=2).cuda().train()
+args = TrainingArguments(output_dir=sys.argv[1], report_to=[], save_strategy="no", max_steps=1, disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=random_rows(2, (16,), 512), data_collator=pad_right)
+before = AsyncCompile.process_pool.cache_info().currsize
+leantrain.patch_trainer(trainer, **only("compile_layers"))
+after = AsyncCompile.process_pool.cache_info().currsize
+start = time.perf_counter()
+AsyncCompile.wait_pool_ready() if after else None
+print(before, after, f"{time.perf_counter() - start:.2f}")
+"""
+
+
+@pytest.mark.parametrize("warm_pool", ["1", "0"])
+def test_patch_starts_inductors_compile_workers_before_the_first_compile(warm_pool, tmp_path):
+    """In a fresh process (no compile has run): after ``patch_trainer`` with the compiled layers, inductor's Triton
+    compile pool exists (its workers start while the trainer sets up, so the first compile's kernels build in
+    parallel); ``TORCH_WARM_POOL=0``, torch's own switch, still keeps it from starting."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_WARM_POOL": warm_pool, "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_POOL_SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after, ready_s = done.stdout.split()[-3:]
+    assert before == "0", "a compile pool existed before patch_trainer"
+    assert after == ("1" if warm_pool == "1" else "0"), f"TORCH_WARM_POOL={warm_pool}: pool count {after}"
+    print(f"compile pool ready {ready_s} s after patch_trainer returned")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compiling import CountingBackend, private_copy
+from ..compiling import CountingBackend, private_copy, warm_compile_workers
 from ..fallback import RuntimeFallback
 from ..models import unwrap_model
 from ..report import size_text
@@ -159,6 +159,7 @@ def install(plan: GenerationPlan, undo: Undo, fallback: RuntimeFallback, trainer
     base = unwrap_model(plan.model)
     stats = DecodeStats(plan, fallback, plan.cuda_graphs)
     config = compiled_config(plan)
+    warm_compile_workers(plan.backend, base)
     embeddings = [m for m in (base.get_input_embeddings(),) if m is not None]
 
     def compiled(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..compiling import CountingBackend, private_copy
+from ..compiling import CountingBackend, private_copy, warm_compile_workers
 from ..fallback import EAGER_CHECK_ATTR, TRACEABLE_ATTR, RuntimeFallback, recomputing
 from ..undo import Undo
 from .ops import (
@@ -80,6 +80,7 @@ def install(
     inner = checkpointing_inner(plan.stock) or plan.stock
     dynamic = None if plan.dynamic == "auto" else True  # None: static first, dynamic dims from the first change
     compiled = torch.compile(private_copy(inner), backend=stats.backend, dynamic=dynamic)
+    warm_compile_workers(plan.backend, plan.layers[0][1])
     checks = {id(layer): eager_checks(layer) for _, layer in plan.layers}
 
     capture = TraceableCapture()
