@@ -26,7 +26,10 @@ a compile costs against what its kernels run: e.g. ``triton.autotune_pointwise=F
         --opt compile_layers=True --opt offload_checkpoints=True --profile --trace  # what the offload costs a step
     python benchmarks/bench_step_ab.py --smoke                                                      # CPU, seconds
 
-Rows (median step of each variant over all its segments, each segment's median, the ratio to stock) go to
+Steps after a segment's first that compiled a graph (Dynamo's count moved: a new shape, e.g. a longer batch than any
+before) are dropped too and counted in the rows. Rows (median step of each variant over all its segments, each
+segment's median, the ratio to stock, and the median over the pairs of each pair's ratio, which cancels the host's
+drift between pairs) go to
 ``step_ab.json`` / ``.md`` in ``$BENCH_RESULTS`` or ``benchmarks/results``.
 """
 
@@ -53,11 +56,20 @@ NAME = "step_ab"
 VARIANTS = ("stock", "leantrain")  # "stock" is "base" with --base-opt
 
 
+def graphs_compiled() -> int:
+    """Dynamo's count of the graphs it compiled in this process (each new shape or guard adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class StepTimes(TrainerCallback):
-    """CUDA-synchronized wall time of every optimizer step, appended to ``ms``."""
+    """CUDA-synchronized wall time of every optimizer step, appended to ``ms``; ``compiled`` holds, per step, whether
+    Dynamo compiled a graph during it (a step that compiles times the compiler, not the step)."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda, self.ms, self.start, self.peak_gib, self.first_ms = cuda, [], 0.0, math.nan, math.nan
+        self.cuda, self.ms, self.compiled, self.start = cuda, [], [], 0.0
+        self.graphs, self.peak_gib, self.first_ms = 0, math.nan, math.nan
 
     def _now(self) -> float:
         if self.cuda:
@@ -65,10 +77,12 @@ class StepTimes(TrainerCallback):
         return time.perf_counter()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.graphs = graphs_compiled()
         self.start = self._now()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ms.append((self._now() - self.start) * 1e3)
+        self.compiled.append(graphs_compiled() > self.graphs)
 
 
 def parse_opts(pairs: list[str]) -> dict[str, Any]:
@@ -85,17 +99,19 @@ def parse_opts(pairs: list[str]) -> dict[str, Any]:
     return opts
 
 
-def segment(trainer: Any, clock: StepTimes, steps: int) -> list[float]:
-    """One ``train()`` of ``steps`` steps: the step times after the first (its peak allocated GiB on
-    ``clock.peak_gib``, weights included)."""
-    clock.ms = []
+def segment(trainer: Any, clock: StepTimes, steps: int) -> tuple[list[float], int]:
+    """One ``train()`` of ``steps`` steps: the times of the steps after the first that compiled nothing, and how
+    many after the first compiled (a new shape's graph: with varying lengths, a longer batch than any before); its
+    peak allocated GiB on ``clock.peak_gib``, weights included."""
+    clock.ms, clock.compiled = [], []
     trainer.args.max_steps = steps
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     clock.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if clock.cuda else math.nan
     clock.first_ms = clock.ms[0] if clock.ms else math.nan
-    return clock.ms[1:]
+    kept = [ms for ms, compiled in zip(clock.ms[1:], clock.compiled[1:], strict=True) if not compiled]
+    return kept, sum(clock.compiled[1:])
 
 
 def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path, trace: bool = False) -> None:
@@ -115,7 +131,8 @@ def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path, trace: bool
         stepper = Step()
         trainer.add_callback(stepper)
         try:
-            ms = segment(trainer, clock, steps)
+            segment(trainer, clock, steps)
+            ms = clock.ms[1:]  # every profiled step, a compiling one too (the profile holds it)
         finally:
             trainer.remove_callback(stepper)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -276,6 +293,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     peaks: dict[str, list[float]] = {v: [] for v in VARIANTS}
     firsts: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    dropped: dict[str, int] = dict.fromkeys(VARIANTS, 0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         vs.prepare(case, model_dir, cuda)
@@ -306,16 +324,20 @@ def run(args: argparse.Namespace) -> list[Row]:
                     finally:
                         trainer.remove_callback(phases)
             else:
-                times[variant].append(segment(trainer, clock, args.steps))
+                kept, compiling = segment(trainer, clock, args.steps)
+                times[variant].append(kept)
+                dropped[variant] += compiling
                 peaks[variant].append(clock.peak_gib)
                 firsts[variant].append(clock.first_ms)
                 first = f" (first step {clock.first_ms / 1e3:.1f} s)" if not math.isnan(clock.first_ms) else ""
-                print(f"segment {k + 1}: {variant} {statistics.median(times[variant][-1]):.1f} ms{first}", flush=True)
+                more = f"; {compiling} more steps compiled, dropped" if compiling else ""
+                print(f"segment {k + 1}: {variant} {median_or_nan(kept):.1f} ms{first}{more}", flush=True)
             if patched:
                 leantrain.unpatch_trainer(trainer)
     rows = rows_of(case.name, opts, base, times, peaks, args.name)
     for row, variant in zip(rows, times, strict=True):
         row.config["first_step_ms"] = [round(ms, 1) for ms in firsts[variant]]
+        row.config["compiling_steps_dropped"] = dropped[variant]
         row.config["inductor"] = {k: repr(v) for k, v in inductor_settings(args.inductor).items()}
     return rows
 
@@ -357,19 +379,32 @@ def rows_of(
     name: str = NAME,
 ) -> list[Row]:
     rows = []
+    medians = {variant: [median_or_nan(seg) for seg in segments] for variant, segments in times.items()}
     for variant, segments in times.items():
         options = opts if variant == "leantrain" else base
-        flat = [ms for seg in segments for ms in seg]
+        flat = [ms for seg in segments for ms in seg] or [math.nan]
         qs = statistics.quantiles(flat, n=10) if len(flat) >= 2 else flat * 9
         config = {
-            "segment_medians_ms": [round(statistics.median(seg), 2) for seg in segments],
+            "segment_medians_ms": [round(m, 2) for m in medians[variant]],
             "patch_trainer": {k: repr(v) for k, v in options.items()},
             "patched": variant == "leantrain" or bool(base),
             "peak_gib": max(peaks[variant], default=math.nan),
+            "pair_speedup": median_or_nan(pair_speedups(medians[VARIANTS[0]], medians[variant])),
         }
         who = "base" if variant == "stock" and base else variant
         rows.append(Row(name, who, "step", "speed", "ms", "case", case, statistics.median(flat), qs[1], qs[7], config))
     return rows
+
+
+def median_or_nan(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def pair_speedups(first: list[float], second: list[float]) -> list[float]:
+    """Each pair's first-variant segment median over the second's: the two segments ran a second or two apart, so the
+    host's drift over the run (up to 40% on a shared machine) cancels in the ratio, which the pooled median of every
+    step does not cancel. A pair with a segment whose every timed step compiled has no ratio."""
+    return [a / b for a, b in zip(first, second, strict=True) if not (math.isnan(a) or math.isnan(b))]
 
 
 def options_text(row: Row) -> str:
@@ -383,14 +418,18 @@ def table(rows: list[Row]) -> str:
     lines = [
         (r.x_value, r.provider, options_text(r), f"{r.p50:.1f}", f"{r.p20:.1f}-{r.p80:.1f}",
          ", ".join(f"{m:.1f}" for m in r.config["segment_medians_ms"]), f"{first[r.x_value] / r.p50:.3f}x",
-         f"{r.config.get('peak_gib', math.nan):.2f}")
+         f"{r.config.get('pair_speedup', math.nan):.3f}x", f"{r.config.get('peak_gib', math.nan):.2f}")
         for r in rows
     ]  # fmt: skip
+    base = rows[0].provider if rows else "stock"
     head = ["case", "variant", "what runs", "median step ms", "p20-p80", "segment medians (in run order)",
-            f"speed-up vs {rows[0].provider if rows else 'stock'}", "peak alloc GiB"]  # fmt: skip
+            f"speed-up vs {base}", f"speed-up vs {base}, median of the pairs", "peak alloc GiB"]  # fmt: skip
+    dropped = sum(r.config.get("compiling_steps_dropped", 0) for r in rows)
+    note = f"; {dropped} later steps that compiled a graph (a new shape) dropped too" if dropped else ""
     return (
         markdown_table(head, lines) + "\n\nOne trainer in one process, the two variants in alternating segments; each "
-        "segment's first step dropped.\n"
+        f"segment's first step dropped{note}. The median of the pairs: of each pair's segment-median ratio (the "
+        "host's drift cancels within a pair).\n"
     )
 
 

@@ -4,6 +4,8 @@ alternating segments (the rows, the table, the profile and that the trainer is l
 from __future__ import annotations
 
 import json
+import math
+import types
 
 import bench_step_ab as ab  # noqa: E402
 import pytest
@@ -55,11 +57,14 @@ def test_smoke_alternates_variants_and_writes_rows_table_and_profiles(tmp_path, 
     for row in rows.values():
         assert len(row["config"]["segment_medians_ms"]) == 2 and row["p50"] > 0 and row["config"]["patched"]
         assert len(row["config"]["first_step_ms"]) == 2 and min(row["config"]["first_step_ms"]) > 0
+        assert row["config"]["compiling_steps_dropped"] == 0 and row["config"]["pair_speedup"] > 0
+    assert rows["base"]["config"]["pair_speedup"] == 1.0
     assert rows["leantrain"]["config"]["patch_trainer"] == {"compile_layers": "False", "fused_ce": "False"}
     # both variants patched, each of its 3 segments (2 timed, 1 profiled) unpatched after it
     assert len(unpatched) == 6 and "leantrain_report" not in unpatched[-1].__dict__
     text = (tmp_path / "step_ab.md").read_text()
     assert "patch_trainer(compile_layers=False, fused_ce=False)" in text and "speed-up vs base" in text
+    assert "speed-up vs base, median of the pairs" in text
     for variant in ("stock", "leantrain"):  # the profile files are named by the segment's role
         profile = (tmp_path / f"step_ab_tiny-llama_{variant}_profile.txt").read_text()
         assert profile.startswith("steps after the first:") and "aten::mm" in profile
@@ -200,3 +205,35 @@ def test_compile_times_name_the_phases_of_a_compile(tmp_path):
     torch._dynamo.reset()
     assert path.name == "step_ab_tiny-llama_compile_times.txt"
     assert "TorchDynamo compilation metrics" in text and "compile_inner" in text, text
+
+
+def test_steps_that_compiled_a_graph_are_dropped_and_counted(monkeypatch):
+    """A step during which Dynamo compiled a graph (a new shape mid-segment) times the compiler: it leaves the
+    segment's times and is counted, as the segment's first step always is."""
+    graphs = iter([0, 0, 0, 0, 0, 1, 1, 1])  # step 3 of 4 compiles (read at each step's begin and end)
+    monkeypatch.setattr(ab, "graphs_compiled", lambda: next(graphs))
+    clock = ab.StepTimes(cuda=False)
+
+    class Trainer:
+        args = types.SimpleNamespace(max_steps=0)
+
+        def train(self):
+            for _ in range(self.args.max_steps):
+                clock.on_step_begin(None, None, None)
+                clock.on_step_end(None, None, None)
+
+    kept, compiling = ab.segment(Trainer(), clock, 4)
+    assert compiling == 1 and len(kept) == 2 and clock.compiled == [False, False, True, False]
+
+
+def test_the_median_of_the_pairs_cancels_a_drift_the_pooled_median_keeps():
+    """The host slows down by half over the run; the second variant is 2% slower than the first in every pair.
+    The pooled medians read the drift; the median of the pairs reads the 2%. A pair whose segment kept no step has
+    no ratio."""
+    base = [[100.0 * (1 + k / 2)] * 3 for k in range(4)]
+    other = [[102.0 * (1 + k / 2)] * 3 for k in range(3)] + [[]]
+    rows = ab.rows_of("case", {"x": 1}, {}, {"stock": base, "leantrain": other}, {"stock": [1.0], "leantrain": [1.0]})
+    assert rows[1].config["pair_speedup"] == pytest.approx(100 / 102, rel=1e-12)
+    assert rows[0].config["pair_speedup"] == 1.0
+    assert math.isnan(rows[1].config["segment_medians_ms"][3])
+    assert "0.980x" in ab.table(rows)
