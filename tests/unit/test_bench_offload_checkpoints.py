@@ -352,6 +352,7 @@ def test_the_committed_results_give_the_cases_in_measured_py():
         "step_ab_llama_offload_chunks0.json",
         "offload_ab_short_segments.json",
         "offload_ab_sink.json",
+        "offload_ab_qlora_varlen.json",
     )
     for name in names:
         rows = _harness.read_rows(results / name)

@@ -70,16 +70,17 @@ QUANTIZED_4BIT = Measured(
 # row in auto mode: benchmarks/results/moe_compiled_ab.md (one Qwen3-30B-A3B decoder layer, 128 experts top 8, nf4
 # attention and experts, LoRA on both, 1 x 4096 tokens; one trainer alternating the layers eager and compiled in one
 # process, two runs): the smaller of the two runs' savings, and the compiled run's whole first step
-# (benchmarks/results/vs_unsloth.md, the moe-qlora row) as the compile cost: an upper bound of the first step's extra.
+# (benchmarks/results/vs_unsloth.md, the moe-qlora row: the later of two cold rounds with inductor's compile workers
+# started at patch time, 13.9 and 15.6 s; 24.0 s before) as the compile cost: an upper bound of the first step's extra.
 MOE_4BIT = Measured(
     9.9,
-    24.0,
+    15.6,
     Evidence(
         "faster",
         "H200",
         "2026-11-30",
         "one Qwen3-30B-A3B layer with moe4bit's 4-bit experts, QLoRA at 1 x 4096: step 29.1 -> 19.2 ms and 43.7 -> "
-        "31.5 ms in two runs, first step 24.0 s compiled (cold caches)",
+        "31.5 ms in two runs, first step 15.6 s compiled (cold caches)",
     ),
 )
 

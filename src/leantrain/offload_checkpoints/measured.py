@@ -1,7 +1,7 @@
 """What offloading the checkpointed layer inputs measured on CUDA (data, read by the probe in auto mode).
 
-``benchmarks/results/offload_ab.md``, ``offload_ab_short_segments.md``, ``offload_ab_sink.md`` and
-``step_ab_llama_offload_chunks0.md``
+``benchmarks/results/offload_ab.md``, ``offload_ab_short_segments.md``, ``offload_ab_sink.md``,
+``offload_ab_qlora_varlen.md`` and ``step_ab_llama_offload_chunks0.md``
 (``bench_step_ab.py``: one trainer,
 the compiled layers without and with the offload in alternating segments of one process): the step cost of the
 offload against leantrain without it, and the peak memory it saves. Auto mode turns the offload on only where every
@@ -29,11 +29,13 @@ class Case:
 # to chunk) against the compiled layers alone, per case (LoRA r16 on the 7 projections, 4 x 2048 tokens, bf16,
 # activation checkpointing): the worst run where a case ran more than once (Llama: +7.5%, -1.1% and, in 8 pairs of
 # short segments, +0.4% and -3.6%; Qwen: -0.6%, +17.6% and, in 8 pairs, -6.8% and +2.4% (that run's rows did not
-# come back: its log's table is in offload_ab_sink.md); QLoRA: +3.7%, +19.1%, -18.2% and -1.4%; varying lengths:
-# +6.6% and, in 8 pairs, -0.2%). The shared H200's host moved one variant's segment medians by up to 40% within a
-# run on those days, and the copies hide under compute (the backward never waited for one): what a run pays is the
-# hooks' host work, where the host issues the step about as fast as the GPU runs it. Every 8-pair run was within 3%;
-# auto mode still reads the worst run of each case.
+# come back: its log's table is in offload_ab_sink.md); QLoRA: +3.7%, +19.1%, -18.2%, -1.4% and, in 8 pairs, +3.1%
+# (offload_ab_qlora_varlen.md); varying lengths: +6.6% and, in 8 pairs, -0.2%). The shared H200's host moved one
+# variant's segment medians by up to 40% within a run on those days, and the copies hide under compute (the backward
+# never waited for one): what a run pays is the hooks' host work, where the host issues the step about as fast as the
+# GPU runs it. Over the pairs of each 8-pair run (each pair's ratio, which cancels the drift) the cost was -6.5% to
+# +1.0%; the runs of fewer, longer segments measured up to +15% that way too (QLoRA, 6 pairs), so a slow host's
+# share is real: auto mode still reads the worst run of each case.
 MEASURED = {
     "llama-3.2-1b": Case(cost=0.075, saved_gib=0.37),
     "llama-3.2-1b-qlora": Case(cost=0.191, saved_gib=0.41),
