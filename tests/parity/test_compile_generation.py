@@ -241,3 +241,17 @@ def test_trl_static_cache_flag_is_served(model_dir, tmp_path):
     stock, stock_texts = _run(model_dir, tmp_path / "stock", False, cache_implementation="static", max_steps=2)
     ours, our_texts = _run(model_dir, tmp_path / "ours", True, cache_implementation="static", max_steps=2)
     assert our_texts == stock_texts and stats(ours).compiles == 1
+
+
+def test_patching_warms_inductors_compile_workers_with_its_backend_and_model(model_dir, tmp_path, monkeypatch):
+    """The decode step's first compile comes at the first generation: the compile workers start at patch time
+    (``compiling.warm_compile_workers``; only inductor on CUDA starts any, tests/unit/test_compile_workers.py)."""
+    from leantrain.compile_generation import patch as generation_patch
+    from leantrain.models import unwrap_model
+
+    seen = []
+    monkeypatch.setattr(generation_patch, "warm_compile_workers", lambda backend, model: seen.append((backend, model)))
+    t = generation.trainer(model_dir, tmp_path, max_steps=1)
+    _patch(t)
+    assert seen == [("aot_eager", unwrap_model(t.model))]
+    leantrain.unpatch_trainer(t)
