@@ -19,7 +19,10 @@ steps as the timed segments): ``step_ab_<case>_<variant>_memory.txt`` says where
 ``--compile-times`` writes torch.compile's seconds per phase over the run (``<name>_<case>_compile_times.txt``); each
 segment's line gives its first step's time (the compile, for the first segment of a compiled variant; the rows keep
 them, ``first_step_ms``). ``--inductor name=value`` sets a ``torch._inductor.config`` entry for the whole run (what
-a compile costs against what its kernels run: e.g. ``triton.autotune_pointwise=False``).
+a compile costs against what its kernels run: e.g. ``triton.autotune_pointwise=False``); ``--opt-inductor
+name=value`` one for the second variant's segments only, whose patch compiles anew in each (an A/B of an inductor
+setting in one process: ``--base-opt compile_layers=True --opt compile_layers=True --opt-inductor
+triton.cudagraphs=True``).
 
     python benchmarks/bench_step_ab.py --case qwen2.5-1.5b --opt compile_layers=False --profile   # CUDA, ~2 min
     python benchmarks/bench_step_ab.py --case llama-3.2-1b --base-opt compile_layers=True \\
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import math
 import statistics
 import tempfile
@@ -289,6 +293,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     cuda = not args.smoke
     case = vs.cases(args.smoke)[args.case or ("tiny-llama" if args.smoke else "qwen2.5-1.5b")]
     opts, base = parse_opts(args.opt), parse_opts(args.base_opt)
+    opt_inductor = inductor_settings(args.opt_inductor)
     out_dir = Path(args.out) if args.out else None
     times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     peaks: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -305,40 +310,44 @@ def run(args: argparse.Namespace) -> list[Row]:
         extra = ["profile"] * 2 * args.profile + ["memory"] * 2 * args.memory
         for k in range(2 * args.pairs + len(extra)):
             variant = VARIANTS[k % 2]
-            patched = variant == "leantrain" or bool(base)
-            if patched:
-                report = leantrain.patch_trainer(trainer, **(opts if variant == "leantrain" else base))
-                if k < 2:
-                    print(report, flush=True)
-            if k >= 2 * args.pairs:
-                kind = extra[k - 2 * args.pairs]
-                path = (out_dir or Path(tmp)) / f"{NAME}_{case.name}_{variant}_{kind}.txt"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if kind == "profile":
-                    profiled(trainer, clock, args.steps, path, args.trace)
+            own = opt_inductor if variant == "leantrain" else {}
+            with inductor_config(own):  # the segment's compiles (its patch compiles anew) under its settings
+                patched = variant == "leantrain" or bool(base)
+                if patched:
+                    report = leantrain.patch_trainer(trainer, **(opts if variant == "leantrain" else base))
+                    if k < 2:
+                        print(report, flush=True)
+                if k >= 2 * args.pairs:
+                    kind = extra[k - 2 * args.pairs]
+                    path = (out_dir or Path(tmp)) / f"{NAME}_{case.name}_{variant}_{kind}.txt"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    if kind == "profile":
+                        profiled(trainer, clock, args.steps, path, args.trace)
+                    else:
+                        phases = PeakPhases(trainer.model)
+                        trainer.add_callback(phases)
+                        try:
+                            memory_segment(trainer, phases, clock, path, args.memory_steps)
+                        finally:
+                            trainer.remove_callback(phases)
                 else:
-                    phases = PeakPhases(trainer.model)
-                    trainer.add_callback(phases)
-                    try:
-                        memory_segment(trainer, phases, clock, path, args.memory_steps)
-                    finally:
-                        trainer.remove_callback(phases)
-            else:
-                kept, compiling = segment(trainer, clock, args.steps)
-                times[variant].append(kept)
-                dropped[variant] += compiling
-                peaks[variant].append(clock.peak_gib)
-                firsts[variant].append(clock.first_ms)
-                first = f" (first step {clock.first_ms / 1e3:.1f} s)" if not math.isnan(clock.first_ms) else ""
-                more = f"; {compiling} more steps compiled, dropped" if compiling else ""
-                print(f"segment {k + 1}: {variant} {median_or_nan(kept):.1f} ms{first}{more}", flush=True)
-            if patched:
-                leantrain.unpatch_trainer(trainer)
+                    kept, compiling = segment(trainer, clock, args.steps)
+                    times[variant].append(kept)
+                    dropped[variant] += compiling
+                    peaks[variant].append(clock.peak_gib)
+                    firsts[variant].append(clock.first_ms)
+                    first = f" (first step {clock.first_ms / 1e3:.1f} s)" if not math.isnan(clock.first_ms) else ""
+                    more = f"; {compiling} more steps compiled, dropped" if compiling else ""
+                    print(f"segment {k + 1}: {variant} {median_or_nan(kept):.1f} ms{first}{more}", flush=True)
+                if patched:
+                    leantrain.unpatch_trainer(trainer)
     rows = rows_of(case.name, opts, base, times, peaks, args.name)
     for row, variant in zip(rows, times, strict=True):
         row.config["first_step_ms"] = [round(ms, 1) for ms in firsts[variant]]
         row.config["compiling_steps_dropped"] = dropped[variant]
-        row.config["inductor"] = {k: repr(v) for k, v in inductor_settings(args.inductor).items()}
+        own = opt_inductor if variant == "leantrain" else {}
+        row.config["inductor"] = {k: repr(v) for k, v in {**inductor_settings(args.inductor), **own}.items()}
+        row.config["own_inductor"] = {k: repr(v) for k, v in own.items()}
     return rows
 
 
@@ -356,6 +365,13 @@ def inductor_settings(pairs: list[str]) -> dict[str, Any]:
         if target is None or not hasattr(target, leaf):
             raise SystemExit(f"--inductor: torch._inductor.config has no {name!r}")
     return settings
+
+
+def inductor_config(settings: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """``torch._inductor.config`` with ``settings`` for the block (what compiles inside it), as before after it."""
+    from torch._inductor import config
+
+    return config.patch(settings) if settings else contextlib.nullcontext()
 
 
 def apply_inductor_settings(settings: dict[str, Any]) -> None:
@@ -410,7 +426,9 @@ def pair_speedups(first: list[float], second: list[float]) -> list[float]:
 def options_text(row: Row) -> str:
     if not row.config["patched"]:
         return "stock (not patched)"
-    return "patch_trainer(" + ", ".join(f"{k}={v}" for k, v in row.config["patch_trainer"].items()) + ")"
+    text = "patch_trainer(" + ", ".join(f"{k}={v}" for k, v in row.config["patch_trainer"].items()) + ")"
+    own = row.config.get("own_inductor", {})
+    return text + "".join(f", inductor {k}={v}" for k, v in own.items())
 
 
 def table(rows: list[Row]) -> str:
@@ -462,6 +480,13 @@ def main(argv: list[str] | None = None) -> None:
         help="name=value: a torch._inductor.config setting for the whole run (repeatable; e.g. "
         "triton.autotune_pointwise=False, compile_threads=8)",
     )
+    parser.add_argument(
+        "--opt-inductor",
+        action="append",
+        default=[],
+        help="name=value: a torch._inductor.config setting for the second variant's segments only (repeatable; e.g. "
+        "triton.cudagraphs=True with compile_layers=True in both variants)",
+    )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     parser.add_argument("--name", default=NAME, help=f"the results' file name (default {NAME})")
     args = parser.parse_args(argv)
@@ -484,12 +509,15 @@ def main(argv: list[str] | None = None) -> None:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
     apply_inductor_settings(inductor_settings(args.inductor))
+    inductor_settings(args.opt_inductor)  # an unknown name stops here
     if args.smoke:
         torch.set_num_threads(2)
     rows = run(args)
     text = table(rows)
     if args.inductor:
         text += f"\ntorch._inductor.config for the whole run: {', '.join(args.inductor)}.\n"
+    if args.opt_inductor:
+        text += f"\ntorch._inductor.config for the second variant's segments: {', '.join(args.opt_inductor)}.\n"
     write_results(args.name, rows, text, Path(args.out) if args.out else None)
     print(text)
     if args.compile_times:

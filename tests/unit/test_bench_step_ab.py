@@ -237,3 +237,34 @@ def test_the_median_of_the_pairs_cancels_a_drift_the_pooled_median_keeps():
     assert rows[0].config["pair_speedup"] == 1.0
     assert math.isnan(rows[1].config["segment_medians_ms"][3])
     assert "0.980x" in ab.table(rows)
+
+
+def test_opt_inductor_holds_in_the_second_variants_segments_only(tmp_path, monkeypatch):
+    """--opt-inductor: the setting is on from each leantrain segment's patch (which compiles anew) to its unpatch,
+    off in the base's segments and after the run; the rows and the table say which variant had it."""
+    from torch._inductor import config
+
+    import leantrain
+
+    seen: list[tuple[str, bool]] = []
+    trainer = types.SimpleNamespace(add_callback=lambda cb: None)
+    monkeypatch.setattr(ab.vs, "prepare", lambda *a: None)
+    monkeypatch.setattr(ab.vs, "hf_trainer", lambda *a: (trainer, {}))
+    monkeypatch.setattr(leantrain, "patch_trainer", lambda t, **o: seen.append(("patch", config.triton.cudagraphs)))
+    monkeypatch.setattr(leantrain, "unpatch_trainer", lambda t: seen.append(("unpatch", config.triton.cudagraphs)))
+    monkeypatch.setattr(ab, "segment", lambda *a: (seen.append(("segment", config.triton.cudagraphs)), ([1.0], 0))[1])
+    before = config.triton.cudagraphs
+    assert before is False
+    ab.main(["--smoke", "--pairs", "2", "--base-opt", "compile_layers=True", "--opt", "compile_layers=True",
+             "--opt-inductor", "triton.cudagraphs=True", "--out", str(tmp_path)])  # fmt: skip
+    assert config.triton.cudagraphs is before
+    per_segment = [seen[k : k + 3] for k in range(0, len(seen), 3)]
+    assert [[on for _, on in s] for s in per_segment] == [[False] * 3, [True] * 3] * 2, seen
+    rows = {r["provider"]: r for r in json.loads((tmp_path / "step_ab.json").read_text())}
+    assert rows["leantrain"]["config"]["own_inductor"] == {"triton.cudagraphs": "True"}
+    assert rows["base"]["config"]["own_inductor"] == {}
+    table = (tmp_path / "step_ab.md").read_text()
+    assert "| patch_trainer(compile_layers=True), inductor triton.cudagraphs=True |" in table
+    assert "second variant's segments: triton.cudagraphs=True" in table
+    with pytest.raises(SystemExit, match="torch._inductor.config has no"):
+        ab.main(["--smoke", "--opt-inductor", "triton.no_such_knob=1", "--out", str(tmp_path)])
