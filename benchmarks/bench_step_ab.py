@@ -367,6 +367,13 @@ def inductor_settings(pairs: list[str]) -> dict[str, Any]:
     return settings
 
 
+def cudagraph_skips() -> int:
+    """How many compiled graphs inductor ran without the CUDA graphs it was asked for (``triton.cudagraphs``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def inductor_config(settings: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
     """``torch._inductor.config`` with ``settings`` for the block (what compiles inside it), as before after it."""
     from torch._inductor import config
@@ -518,6 +525,9 @@ def main(argv: list[str] | None = None) -> None:
         text += f"\ntorch._inductor.config for the whole run: {', '.join(args.inductor)}.\n"
     if args.opt_inductor:
         text += f"\ntorch._inductor.config for the second variant's segments: {', '.join(args.opt_inductor)}.\n"
+    skips = cudagraph_skips()
+    if skips:  # inductor ran those graphs without CUDA graphs (the reason is in its perf_hints log)
+        text += f"\nInductor skipped CUDA graphs on {skips} compiled graphs (TORCH_LOGS=perf_hints says why).\n"
     write_results(args.name, rows, text, Path(args.out) if args.out else None)
     print(text)
     if args.compile_times:

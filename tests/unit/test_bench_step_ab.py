@@ -265,6 +265,12 @@ def test_opt_inductor_holds_in_the_second_variants_segments_only(tmp_path, monke
     assert rows["base"]["config"]["own_inductor"] == {}
     table = (tmp_path / "step_ab.md").read_text()
     assert "| patch_trainer(compile_layers=True), inductor triton.cudagraphs=True |" in table
-    assert "second variant's segments: triton.cudagraphs=True" in table
+    assert "second variant's segments: triton.cudagraphs=True" in table and "skipped CUDA graphs" not in table
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters["inductor"], "cudagraph_skips", 2)
+    ab.main(["--smoke", "--pairs", "1", "--base-opt", "compile_layers=True", "--opt", "compile_layers=True",
+             "--opt-inductor", "triton.cudagraphs=True", "--out", str(tmp_path)])  # fmt: skip
+    assert "Inductor skipped CUDA graphs on 2 compiled graphs" in (tmp_path / "step_ab.md").read_text()
     with pytest.raises(SystemExit, match="torch._inductor.config has no"):
         ab.main(["--smoke", "--opt-inductor", "triton.no_such_knob=1", "--out", str(tmp_path)])
