@@ -15,10 +15,11 @@ from leantrain.compile_layers.probe import slower_reason
 
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results" / "vs_unsloth.json"
+QLORA_RESULTS = RESULTS.parent / "vs_unsloth_qlora_eager_compiled.json"  # the layers eager and compiled, one run
 
 
 def committed(provider: str, metric: str) -> float:
-    rows = json.loads(RESULTS.read_text())
+    rows = json.loads(QLORA_RESULTS.read_text())
     row = next(
         r for r in rows if r["x_value"] == "llama-3.2-1b-qlora" and r["provider"] == provider and r["metric"] == metric
     )

@@ -51,7 +51,7 @@ MEASURED: dict[str, Measured] = {
 
 # Layers holding bitsandbytes 4-bit linears (QLoRA), weighed with this row in auto mode (for the families measured
 # above): compiled, the step is faster and its peak memory lower (the LoRA linears' scaling on the rank-r side keeps
-# the full-width gradient copies out of the backward). benchmarks/results/vs_unsloth.md, the llama-3.2-1b-qlora row
+# the full-width gradient copies out of the backward). benchmarks/results/vs_unsloth_qlora_eager_compiled.md
 # (nf4 double-quant, bf16 compute, the same run as the LoRA rows otherwise): patch_trainer with the layers eager vs
 # compile_layers=True, one process each.
 QUANTIZED_4BIT = Measured(
@@ -70,17 +70,18 @@ QUANTIZED_4BIT = Measured(
 # row in auto mode: benchmarks/results/moe_compiled_ab.md (one Qwen3-30B-A3B decoder layer, 128 experts top 8, nf4
 # attention and experts, LoRA on both, 1 x 4096 tokens; one trainer alternating the layers eager and compiled in one
 # process, two runs): the smaller of the two runs' savings, and the compiled run's whole first step
-# (benchmarks/results/vs_unsloth.md, the moe-qlora row: the later of two cold rounds with inductor's compile workers
-# started at patch time, 13.9 and 15.6 s; 24.0 s before) as the compile cost: an upper bound of the first step's extra.
+# (benchmarks/results/vs_unsloth.md, the moe-qlora row: the later of two rounds on a machine with empty compile
+# caches, inductor's compile workers started at patch time, 19.2 and 18.2 s) as the compile cost: an upper bound of
+# the first step's extra.
 MOE_4BIT = Measured(
     9.9,
-    15.6,
+    18.2,
     Evidence(
         "faster",
         "H200",
         "2026-11-30",
         "one Qwen3-30B-A3B layer with moe4bit's 4-bit experts, QLoRA at 1 x 4096: step 29.1 -> 19.2 ms and 43.7 -> "
-        "31.5 ms in two runs, first step 15.6 s compiled (cold caches)",
+        "31.5 ms in two runs, first step 18.2 s compiled (cold caches)",
     ),
 )
 
