@@ -31,9 +31,13 @@ triton.cudagraphs=True``).
 
 Steps after a segment's first that compiled a graph (Dynamo's count moved: a new shape, e.g. a longer batch than any
 before) are dropped too and counted in the rows. Rows (median step of each variant over all its segments, each
-segment's median, the ratio to stock, and the median over the pairs of each pair's ratio, which cancels the host's
-drift between pairs) go to
-``step_ab.json`` / ``.md`` in ``$BENCH_RESULTS`` or ``benchmarks/results``.
+segment's median, the ratio to stock, the median over the pairs of each pair's ratio, which cancels the host's
+drift between pairs, and the same over the same batches: every segment replays the run's batches from its seeded
+sampler, so a pair's steps at the same position where neither compiled train the same batch, and the ratio of
+their summed times is the cost on those batches, which with varying lengths the segment medians confound when one
+segment drops its compiling long batch) go to ``step_ab.json`` / ``.md`` in ``$BENCH_RESULTS`` or
+``benchmarks/results``. With varying lengths, give ``--steps`` enough steps that each segment times some of the
+longest batches after the one that compiles their graph.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import bench_vs_unsloth as vs
 import torch
@@ -69,11 +73,24 @@ def graphs_compiled() -> int:
 
 class StepTimes(TrainerCallback):
     """CUDA-synchronized wall time of every optimizer step, appended to ``ms``; ``compiled`` holds, per step, whether
-    Dynamo compiled a graph during it (a step that compiles times the compiler, not the step)."""
+    Dynamo compiled a graph during it (a step that compiles times the compiler, not the step); ``batches``, per step,
+    the shapes of the ``input_ids`` of each forward (``watch``): which batch the step trained on, read without a
+    host sync."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda, self.ms, self.compiled, self.start = cuda, [], [], 0.0
         self.graphs, self.peak_gib, self.first_ms = 0, math.nan, math.nan
+        self.batches: list[tuple[tuple[int, ...], ...]] = []
+        self._shapes: list[tuple[int, ...]] = []
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Record the shape of ``input_ids`` at each call of ``model`` (the trainer's, once per micro-batch)."""
+
+        def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self._shapes.append(tuple(ids.shape) if isinstance(ids, torch.Tensor) else ())
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)
 
     def _now(self) -> float:
         if self.cuda:
@@ -82,11 +99,23 @@ class StepTimes(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.graphs = graphs_compiled()
+        self._shapes = []
         self.start = self._now()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ms.append((self._now() - self.start) * 1e3)
         self.compiled.append(graphs_compiled() > self.graphs)
+        self.batches.append(tuple(self._shapes))
+
+    def steps(self) -> list[Step]:
+        """The last segment's steps, its first included."""
+        return [Step(*step) for step in zip(self.ms, self.compiled, self.batches, strict=True)]
+
+
+class Step(NamedTuple):
+    ms: float
+    compiled: bool  # Dynamo compiled a graph during the step
+    batch: tuple[tuple[int, ...], ...]  # the input_ids shape of each micro-batch
 
 
 def parse_opts(pairs: list[str]) -> dict[str, Any]:
@@ -107,7 +136,7 @@ def segment(trainer: Any, clock: StepTimes, steps: int) -> tuple[list[float], in
     """One ``train()`` of ``steps`` steps: the times of the steps after the first that compiled nothing, and how
     many after the first compiled (a new shape's graph: with varying lengths, a longer batch than any before); its
     peak allocated GiB on ``clock.peak_gib``, weights included."""
-    clock.ms, clock.compiled = [], []
+    clock.ms, clock.compiled, clock.batches = [], [], []
     trainer.args.max_steps = steps
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -127,12 +156,12 @@ def profiled(trainer: Any, clock: StepTimes, steps: int, path: Path, trace: bool
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
-    class Step(TrainerCallback):
+    class ProfilerStep(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             prof.step()
 
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps - 1, repeat=1)) as prof:
-        stepper = Step()
+        stepper = ProfilerStep()
         trainer.add_callback(stepper)
         try:
             segment(trainer, clock, steps)
@@ -296,6 +325,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     opt_inductor = inductor_settings(args.opt_inductor)
     out_dir = Path(args.out) if args.out else None
     times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    steps: dict[str, list[list[Step]]] = {v: [] for v in VARIANTS}  # every step of each timed segment
     peaks: dict[str, list[float]] = {v: [] for v in VARIANTS}
     firsts: dict[str, list[float]] = {v: [] for v in VARIANTS}
     dropped: dict[str, int] = dict.fromkeys(VARIANTS, 0)
@@ -307,6 +337,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         trainer, _ = vs.hf_trainer(case, build, model_dir, str(Path(tmp) / "run"), cuda)
         clock = StepTimes(cuda)
         trainer.add_callback(clock)
+        clock.watch(trainer.model)
         extra = ["profile"] * 2 * args.profile + ["memory"] * 2 * args.memory
         for k in range(2 * args.pairs + len(extra)):
             variant = VARIANTS[k % 2]
@@ -333,6 +364,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                 else:
                     kept, compiling = segment(trainer, clock, args.steps)
                     times[variant].append(kept)
+                    steps[variant].append(clock.steps())
                     dropped[variant] += compiling
                     peaks[variant].append(clock.peak_gib)
                     firsts[variant].append(clock.first_ms)
@@ -341,7 +373,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                     print(f"segment {k + 1}: {variant} {median_or_nan(kept):.1f} ms{first}{more}", flush=True)
                 if patched:
                     leantrain.unpatch_trainer(trainer)
-    rows = rows_of(case.name, opts, base, times, peaks, args.name)
+    rows = rows_of(case.name, opts, base, times, peaks, args.name, steps)
     for row, variant in zip(rows, times, strict=True):
         row.config["first_step_ms"] = [round(ms, 1) for ms in firsts[variant]]
         row.config["compiling_steps_dropped"] = dropped[variant]
@@ -400,9 +432,11 @@ def rows_of(
     times: dict[str, list[list[float]]],
     peaks: dict[str, list[float]],
     name: str = NAME,
+    steps: dict[str, list[list[Step]]] | None = None,
 ) -> list[Row]:
     rows = []
     medians = {variant: [median_or_nan(seg) for seg in segments] for variant, segments in times.items()}
+    steps = steps or {}
     for variant, segments in times.items():
         options = opts if variant == "leantrain" else base
         flat = [ms for seg in segments for ms in seg] or [math.nan]
@@ -414,6 +448,10 @@ def rows_of(
             "peak_gib": max(peaks[variant], default=math.nan),
             "pair_speedup": median_or_nan(pair_speedups(medians[VARIANTS[0]], medians[variant])),
         }
+        if steps:
+            ratios, matched = same_batch_speedups(steps[VARIANTS[0]], steps[variant])
+            config["same_batch_speedup"] = median_or_nan(ratios)
+            config["same_batch_steps"] = matched
         who = "base" if variant == "stock" and base else variant
         rows.append(Row(name, who, "step", "speed", "ms", "case", case, statistics.median(flat), qs[1], qs[7], config))
     return rows
@@ -430,6 +468,21 @@ def pair_speedups(first: list[float], second: list[float]) -> list[float]:
     return [a / b for a, b in zip(first, second, strict=True) if not (math.isnan(a) or math.isnan(b))]
 
 
+def same_batch_speedups(first: list[list[Step]], second: list[list[Step]]) -> tuple[list[float], list[int]]:
+    """Per pair of segments, the first variant's time over the second's on the same batches: the steps at the same
+    position after the first (each segment replays the run's batches from its seeded sampler) where neither compiled
+    and the inputs' shapes match, their times summed (how much longer those batches train; with varying lengths the
+    pair's medians can come from different batches when one segment drops a compiling step). Returns the ratio of
+    each pair that has such steps, and how many steps each pair matched."""
+    ratios, matched = [], []
+    for a, b in zip(first, second, strict=True):
+        same = [(x.ms, y.ms) for x, y in zip(a[1:], b[1:]) if not (x.compiled or y.compiled) and x.batch == y.batch]
+        matched.append(len(same))
+        if same:
+            ratios.append(sum(x for x, _ in same) / sum(y for _, y in same))
+    return ratios, matched
+
+
 def options_text(row: Row) -> str:
     if not row.config["patched"]:
         return "stock (not patched)"
@@ -443,19 +496,32 @@ def table(rows: list[Row]) -> str:
     lines = [
         (r.x_value, r.provider, options_text(r), f"{r.p50:.1f}", f"{r.p20:.1f}-{r.p80:.1f}",
          ", ".join(f"{m:.1f}" for m in r.config["segment_medians_ms"]), f"{first[r.x_value] / r.p50:.3f}x",
-         f"{r.config.get('pair_speedup', math.nan):.3f}x", f"{r.config.get('peak_gib', math.nan):.2f}")
+         f"{r.config.get('pair_speedup', math.nan):.3f}x", same_batch_text(r),
+         f"{r.config.get('peak_gib', math.nan):.2f}")
         for r in rows
     ]  # fmt: skip
     base = rows[0].provider if rows else "stock"
     head = ["case", "variant", "what runs", "median step ms", "p20-p80", "segment medians (in run order)",
-            f"speed-up vs {base}", f"speed-up vs {base}, median of the pairs", "peak alloc GiB"]  # fmt: skip
+            f"speed-up vs {base}", f"speed-up vs {base}, median of the pairs",
+            f"speed-up vs {base} on the same batches, median of the pairs (steps matched a pair)",
+            "peak alloc GiB"]  # fmt: skip
     dropped = sum(r.config.get("compiling_steps_dropped", 0) for r in rows)
     note = f"; {dropped} later steps that compiled a graph (a new shape) dropped too" if dropped else ""
     return (
         markdown_table(head, lines) + "\n\nOne trainer in one process, the two variants in alternating segments; each "
         f"segment's first step dropped{note}. The median of the pairs: of each pair's segment-median ratio (the "
-        "host's drift cancels within a pair).\n"
+        "host's drift cancels within a pair). On the same batches: each segment replays the run's batches, so a "
+        "pair's steps at the same position train the same batch; over those where neither compiled and the inputs' "
+        "shapes match, the ratio of the two variants' summed times (a batch dropped from one segment is dropped "
+        "from the other), median over the pairs.\n"
     )
+
+
+def same_batch_text(row: Row) -> str:
+    speedup, matched = row.config.get("same_batch_speedup", math.nan), row.config.get("same_batch_steps", [])
+    if math.isnan(speedup):
+        return "– (no step matched: other shapes)" if matched else "–"
+    return f"{speedup:.3f}x ({', '.join(map(str, matched))})"
 
 
 def main(argv: list[str] | None = None) -> None:

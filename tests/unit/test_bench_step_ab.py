@@ -58,7 +58,8 @@ def test_smoke_alternates_variants_and_writes_rows_table_and_profiles(tmp_path, 
         assert len(row["config"]["segment_medians_ms"]) == 2 and row["p50"] > 0 and row["config"]["patched"]
         assert len(row["config"]["first_step_ms"]) == 2 and min(row["config"]["first_step_ms"]) > 0
         assert row["config"]["compiling_steps_dropped"] == 0 and row["config"]["pair_speedup"] > 0
-    assert rows["base"]["config"]["pair_speedup"] == 1.0
+        assert row["config"]["same_batch_steps"] == [2, 2] and row["config"]["same_batch_speedup"] > 0
+    assert rows["base"]["config"]["pair_speedup"] == 1.0 and rows["base"]["config"]["same_batch_speedup"] == 1.0
     assert rows["leantrain"]["config"]["patch_trainer"] == {"compile_layers": "False", "fused_ce": "False"}
     # both variants patched, each of its 3 segments (2 timed, 1 profiled) unpatched after it
     assert len(unpatched) == 6 and "leantrain_report" not in unpatched[-1].__dict__
@@ -83,7 +84,28 @@ def test_padding_free_benchmark_alternates_padded_and_padding_free_batches(tmp_p
     assert rows["base"]["config"]["patch_trainer"] == {"padding_free": "False"}
     assert rows["leantrain"]["config"]["patch_trainer"] == {"padding_free": "True"}
     assert rows["leantrain"]["x_value"] == "tiny-llama-varlen" and rows["leantrain"]["p50"] > 0
-    assert "peak alloc GiB" in (tmp_path / "padding_free.md").read_text()
+    # padded against packed batches: no step has the same input shapes in both, so no same-batch ratio
+    assert rows["leantrain"]["config"]["same_batch_steps"] == [0]
+    assert math.isnan(rows["leantrain"]["config"]["same_batch_speedup"])
+    text = (tmp_path / "padding_free.md").read_text()
+    assert "peak alloc GiB" in text and "no step matched" in text
+
+
+def test_each_segment_replays_the_same_varying_length_batches(tmp_path, monkeypatch):
+    """The same-batch ratio rests on every segment training the run's batches in the same order (the trainer's
+    seeded sampler restarts at each train()): on varying lengths each step's input shapes differ from the next
+    step's, and a pair's two segments see the same shapes step by step."""
+    for name in ("trl", "peft", "datasets"):
+        pytest.importorskip(name)
+    segments = []
+    real_steps = ab.StepTimes.steps
+    monkeypatch.setattr(ab.StepTimes, "steps", lambda self: segments.append(real_steps(self)) or segments[-1])
+    ab.main(["--smoke", "--case", "tiny-llama-varlen", "--pairs", "1", "--steps", "4", "--base-opt",
+             "compile_layers=False", "--opt", "compile_layers=False", "--out", str(tmp_path)])  # fmt: skip
+    first, second = ([step.batch for step in segment] for segment in segments)
+    assert first == second and len(first) == 4 and len(set(first)) > 1 and all(len(b) == 1 for b in first)
+    rows = {r["provider"]: r for r in json.loads((tmp_path / "step_ab.json").read_text())}
+    assert rows["leantrain"]["config"]["same_batch_steps"] == [3]
 
 
 def test_device_intervals_keep_kernels_and_copies_not_annotations():
@@ -239,6 +261,32 @@ def test_the_median_of_the_pairs_cancels_a_drift_the_pooled_median_keeps():
     assert "0.980x" in ab.table(rows)
 
 
+def test_the_same_batch_ratio_compares_what_the_pair_medians_confound():
+    """Varying lengths: a short and two long batches after the first step; the second variant is 2% slower on every
+    batch and compiled during its first long one (dropped). Its segment median then comes from other batches than
+    the first variant's and reads a 47% difference; the same-batch ratio drops that batch from both and reads 2%. A
+    step whose input shapes differ (another batch) is not compared."""
+    short, long_ = ((2, 100),), ((2, 900),)
+    step = ab.Step
+    base = [
+        [step(900.0, True, long_), step(100.0, False, short), step(300.0, False, long_), step(300.0, False, long_)]
+    ]
+    other = [
+        [step(950.0, True, long_), step(102.0, False, short), step(306.0, True, long_), step(306.0, False, long_)]
+    ]
+    times = {"stock": [[s.ms for s in base[0][1:]]], "leantrain": [[102.0, 306.0]]}
+    rows = ab.rows_of(
+        "case", {}, {}, times, {"stock": [1.0], "leantrain": [1.0]}, steps={"stock": base, "leantrain": other}
+    )
+    assert rows[1].config["pair_speedup"] == pytest.approx(300 / 204, rel=1e-12)  # the confounded reading
+    assert rows[1].config["same_batch_speedup"] == pytest.approx(400 / 408, rel=1e-12)
+    assert rows[1].config["same_batch_steps"] == [2] and rows[0].config["same_batch_speedup"] == 1.0
+    assert "0.980x (2)" in ab.table(rows)
+    moved = [[*other[0][:3], step(306.0, False, ((2, 800),))]]  # the last step trained another batch
+    ratios, matched = ab.same_batch_speedups(base, moved)
+    assert matched == [1] and ratios == [pytest.approx(100 / 102, rel=1e-12)]
+
+
 def test_opt_inductor_holds_in_the_second_variants_segments_only(tmp_path, monkeypatch):
     """--opt-inductor: the setting is on from each leantrain segment's patch (which compiles anew) to its unpatch,
     off in the base's segments and after the run; the rows and the table say which variant had it."""
@@ -247,7 +295,7 @@ def test_opt_inductor_holds_in_the_second_variants_segments_only(tmp_path, monke
     import leantrain
 
     seen: list[tuple[str, bool]] = []
-    trainer = types.SimpleNamespace(add_callback=lambda cb: None)
+    trainer = types.SimpleNamespace(add_callback=lambda cb: None, model=torch.nn.Linear(1, 1))
     monkeypatch.setattr(ab.vs, "prepare", lambda *a: None)
     monkeypatch.setattr(ab.vs, "hf_trainer", lambda *a: (trainer, {}))
     monkeypatch.setattr(leantrain, "patch_trainer", lambda t, **o: seen.append(("patch", config.triton.cudagraphs)))
