@@ -452,9 +452,21 @@ def rows_of(
             ratios, matched = same_batch_speedups(steps[VARIANTS[0]], steps[variant])
             config["same_batch_speedup"] = median_or_nan(ratios)
             config["same_batch_steps"] = matched
+            config["same_batch_pair_speedups"] = [round(r, 4) for r in ratios]
+            config["steps"] = [step_record(segment) for segment in steps[variant]]
         who = "base" if variant == "stock" and base else variant
         rows.append(Row(name, who, "step", "speed", "ms", "case", case, statistics.median(flat), qs[1], qs[7], config))
     return rows
+
+
+def step_record(segment: list[Step]) -> dict[str, list[Any]]:
+    """One segment's steps for the JSON: each step's time, whether it compiled, and the tokens it trained on (the
+    input_ids elements over its micro-batches), so a reader can see which batches a variant's cost falls on."""
+    return {
+        "ms": [round(step.ms, 2) for step in segment],
+        "compiled": [step.compiled for step in segment],
+        "tokens": [sum(math.prod(shape) for shape in step.batch) for step in segment],
+    }
 
 
 def median_or_nan(values: list[float]) -> float:

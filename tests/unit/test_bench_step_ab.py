@@ -282,6 +282,11 @@ def test_the_same_batch_ratio_compares_what_the_pair_medians_confound():
     assert rows[1].config["same_batch_speedup"] == pytest.approx(400 / 408, rel=1e-12)
     assert rows[1].config["same_batch_steps"] == [2] and rows[0].config["same_batch_speedup"] == 1.0
     assert "0.980x (2)" in ab.table(rows)
+    assert rows[1].config["same_batch_pair_speedups"] == [pytest.approx(400 / 408, abs=1e-4)]
+    # every step of the segment kept for the JSON, its first and the compiling ones included, with its tokens
+    assert rows[1].config["steps"] == [
+        {"ms": [950.0, 102.0, 306.0, 306.0], "compiled": [True, False, True, False], "tokens": [1800, 200, 1800, 1800]}
+    ]
     moved = [[*other[0][:3], step(306.0, False, ((2, 800),))]]  # the last step trained another batch
     ratios, matched = ab.same_batch_speedups(base, moved)
     assert matched == [1] and ratios == [pytest.approx(100 / 102, rel=1e-12)]
