@@ -92,7 +92,7 @@ class HostOffload:
         self.stats = OffloadStats()
         self.failed = False
         self._newest: weakref.ref[Offloaded] | None = None
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
 
     def context(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -131,8 +131,7 @@ class HostOffload:
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type != "cuda":
             return tensor.detach().clone()
-        side = self._side_stream(tensor.device)
-        side.wait_stream(torch.cuda.current_stream(tensor.device))  # the input is computed before it is copied
+        side = self._side_after_compute(tensor.device)  # the input is computed before it is copied
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         with torch.cuda.stream(side):
             host.copy_(tensor, non_blocking=True)
@@ -166,10 +165,8 @@ class HostOffload:
     def _fetch(self, item: Offloaded) -> None:
         if item.device.type != "cuda":
             return
-        side = self._side_stream(item.device)
-        current = torch.cuda.current_stream(item.device)
         tensor = torch.empty(item.host.shape, dtype=item.host.dtype, device=item.device)  # on the compute stream
-        side.wait_stream(current)  # the block's earlier users on the compute stream are done with it
+        side = self._side_after_compute(item.device)  # the block's earlier users on the compute stream are done
         with torch.cuda.stream(side):
             tensor.copy_(item.host, non_blocking=True)
             item.ready = torch.cuda.Event()
@@ -177,10 +174,16 @@ class HostOffload:
         tensor.record_stream(side)
         item.fetched = tensor
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+    def _side_after_compute(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream, made to wait for what the compute stream has queued so far. One event per device,
+        recorded anew each time (a wait takes the record current when it is queued): ``Stream.wait_stream`` would
+        create one per call, host work on every layer of a host-bound step."""
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Event())
+        side, compute_done = self._streams[device]
+        compute_done.record(torch.cuda.current_stream(device))
+        side.wait_event(compute_done)
+        return side
 
     def _fail(self, reason: str) -> None:
         self.failed = True
