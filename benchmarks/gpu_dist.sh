@@ -14,7 +14,8 @@
 # Every launch has its own timeout (LAUNCH_TIMEOUT, 120 s) and the whole script a time budget (BUDGET seconds from
 # its start, default 500): a launch that would not fit is skipped and listed so. One failing launch never stops the
 # others. Per-rank JSON rows go to /tmp/dist/<recipe>.<engine>.<variant>/, each launch's log beside them, and
-# launches.tsv lists every launch (rc, seconds, why). After every launch $OUT/dist.tgz (all of /tmp/dist) and
+# launches.tsv lists every launch (rc, seconds, why; a launch that exits with an error after every rank wrote its row,
+# such as a rank aborting in a library's teardown, is kept and noted so). After every launch $OUT/dist.tgz (all of /tmp/dist) and
 # $OUT/launches.tsv are rewritten (a call cut off at its limit keeps what finished); at the end
 # benchmarks/dist_table.py writes the table ($OUT/dist_table.md) and the script prints it.
 #
@@ -80,6 +81,14 @@ pack() {
   tar czf "$OUT/dist.tgz" --exclude=init-model --exclude=compare_run -C "$BENCH_RESULTS" . 2>/dev/null
   cp "$BENCH_RESULTS/launches.tsv" "$OUT/launches.tsv" 2>/dev/null
 }
+all_ranks_wrote() {  # all_ranks_wrote <run dir>: every rank of the launch wrote its <example>_rank<r>.json
+  $PY - "$1" <<'PYEOF'
+import json, sys
+from pathlib import Path
+rows = [json.loads(p.read_text()) for p in Path(sys.argv[1]).glob("*_rank*.json")]
+sys.exit(0 if rows and len({r["rank"] for r in rows}) == rows[0]["world_size"] else 1)
+PYEOF
+}
 record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$BENCH_RESULTS/launches.tsv"; }
 
 run() {  # run <name> <command...>: one launch in its own process group, under its own timeout
@@ -100,8 +109,18 @@ run() {  # run <name> <command...>: one launch in its own process group, under i
   if [ $rc = 0 ]; then tail -n 1 "$log"
   else
     [ $rc = 124 ] && why="timed out after $limit s" || why=$(grep -v -i "warn" "$log" | grep -E "Error|error:|Traceback" | grep -v "^ *File" | tail -n 1 | cut -c1-300 | tr '\t' ' ')
+    # a rank that aborts with no Python error ("terminate called without an active exception", a signal) leaves
+    # only the launcher's traceback above: its exit code and signal lines name the cause
     grep -v -i warn "$log" | grep -B2 -A8 -m3 -E "Error|error:" | tail -n 30
-    status=1
+    grep -E "terminate called|exitcode|Signal [0-9]" "$log" | head -n 6
+    if [ $rc != 124 ] && all_ranks_wrote "$BENCH_RESULTS/$name"; then
+      # every rank finished its steps and wrote its row before exiting: an abort in a library's teardown after
+      # training (gloo / DeepSpeed threads at interpreter exit) costs nothing measured; the launch is kept, so noted
+      why="exit $rc after every rank wrote its row (teardown): $(grep -m1 -E "terminate called|Signal [0-9]" "$log" | cut -c1-120 | tr '\t' ' ')"
+      echo "=== $name: $why"
+    else
+      status=1
+    fi
   fi
   record "$name" "$rc" "$secs" "$why"
   echo "=== $name rc=$rc in $secs s"

