@@ -82,3 +82,10 @@ def fresh_dynamo():
         torch._dynamo.reset()
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def own_inductor_cache(tmp_path, monkeypatch):
+    """Inductor's caches in a directory of the test's own (child processes inherit it): a cache hit there can only
+    be an entry the test made."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))

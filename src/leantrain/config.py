@@ -211,6 +211,14 @@ class LeantrainConfig:
         "through each projection",
         lambda v: None if 0 <= v <= 64 else f"must be in [0, 64], got {v!r}",
     )
+    compile_layers_background: bool = _opt(
+        False,
+        "bool",
+        "compile the layers in a child process while training goes on: the first steps run the traced layers "
+        "uncompiled (stock speed) and the compiled code takes over at the first step boundary after it is ready, "
+        "instead of the first step waiting for the whole compile (inductor backend, static shapes: "
+        "compile_layers_dynamic='auto'; a graph with dynamic shapes still compiles in the training process)",
+    )
     compile_layers_max_recompiles: int = _opt(
         4,
         "int",
@@ -401,6 +409,7 @@ def resolve_config(
         sources[name] = source
     resolved = ResolvedConfig(LeantrainConfig(**values), sources)
     _contradiction(resolved)
+    _background_needs(resolved.config)
     return resolved
 
 
@@ -421,6 +430,23 @@ def _contradiction(cfg: ResolvedConfig) -> None:
         f"{both}: the kill switch and a required optimization contradict each other; drop one (with "
         f"LEANTRAIN_DISABLE=1 in the environment, {wins} wins)"
     )
+
+
+def _background_needs(cfg: LeantrainConfig) -> None:
+    """``compile_layers_background`` hands inductor's work to a child process: with another backend there is no
+    such work, and with dynamic shapes from the start every graph would compile in the training process anyway."""
+    if not cfg.compile_layers_background:
+        return
+    if cfg.compile_layers_backend != "inductor":
+        raise ValueError(
+            f"compile_layers_background=True needs compile_layers_backend='inductor' (got "
+            f"{cfg.compile_layers_backend!r}: no inductor lowering for a child process to take over)"
+        )
+    if cfg.compile_layers_dynamic != "auto":
+        raise ValueError(
+            f"compile_layers_background=True needs compile_layers_dynamic='auto' (got {cfg.compile_layers_dynamic!r}: "
+            "graphs with dynamic shapes compile in the training process, so nothing would run in the background)"
+        )
 
 
 # --- the docs' generated blocks (testkit/doc_blocks.py writes them; a test keeps them equal) -----------------------

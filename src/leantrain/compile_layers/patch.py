@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 from ..compiling import CountingBackend, private_copy, warm_compile_workers
+from ..compiling.background import BackgroundBackend
 from ..fallback import EAGER_CHECK_ATTR, TRACEABLE_ATTR, RuntimeFallback, recomputing
 from ..undo import Undo
 from .ops import (
@@ -41,6 +43,10 @@ class RecompileLimit(RuntimeError):
     """Strict mode: the layers recompiled more often than ``compile_layers_max_recompiles`` allows."""
 
 
+class BackgroundCompileError(RuntimeError):
+    """Strict mode: the child process compiling the layers failed."""
+
+
 class CompileStats(CountingBackend):
     """Counts the graphs compiled for the layer code (its backend is the counting wrapper): the first compile(s)
     plus recompiles on new shapes or guards; past the limit the eager layers serve the rest of training."""
@@ -49,10 +55,30 @@ class CompileStats(CountingBackend):
 
     def __init__(self, plan: CompilePlan, fallback: RuntimeFallback) -> None:
         backend = torch._dynamo.lookup_backend(plan.backend)
+        # the child compiles what this process would: the recompute switch is set around the hand-over too
+        self.background = None
+        if plan.background:
+            self.background = BackgroundBackend(backend, self.retrace, self.background_failed)
+            backend = self.background.backend
         if plan.recompute == "elementwise":
             backend = recomputing_elementwise(backend)
         super().__init__(backend, plan.max_recompiles)
         self.plan, self.fallback = plan, fallback
+        self.code: types.CodeType | None = None  # the compiled code object (install sets it)
+        if self.background is not None:
+            self.seen = self.background.seen
+
+    def retrace(self) -> None:
+        """A child finished: Dynamo's entries for the layer code go, so the next call traces again and compiles
+        the finished graphs here from the warm cache (``seen``: not counted as recompiles)."""
+        if self.code is not None:
+            torch._dynamo.eval_frame.remove_from_cache(self.code)
+
+    def background_failed(self, reason: str) -> None:
+        """A child's compile failed (its graph ran uncompiled so far): the eager layers serve from here on."""
+        if self.fallback.strict:
+            raise BackgroundCompileError(reason)
+        self.fallback.fail(reason)
 
     def past_limit(self, recompiles: int) -> None:
         reason = (
@@ -79,8 +105,14 @@ def install(
     stats = CompileStats(plan, fallback)
     inner = checkpointing_inner(plan.stock) or plan.stock
     dynamic = None if plan.dynamic == "auto" else True  # None: static first, dynamic dims from the first change
-    compiled = torch.compile(private_copy(inner), backend=stats.backend, dynamic=dynamic)
-    warm_compile_workers(plan.backend, plan.layers[0][1])
+    code = private_copy(inner)
+    stats.code = code.__code__
+    compiled = torch.compile(code, backend=stats.backend, dynamic=dynamic)
+    if stats.background is None:  # the child starts its own
+        warm_compile_workers(plan.backend, plan.layers[0][1])
+    else:
+        undo.add_callback(trainer, PromoteAtStepBegin(stats.background))
+        undo.push(stats.background.close)
     checks = {id(layer): eager_checks(layer) for _, layer in plan.layers}
 
     capture = TraceableCapture()
@@ -107,6 +139,18 @@ def install(
         undo.set_attr(module, "forward", types.MethodType(chunked_mlp(plan.mlp_chunks, plan.mlp_min_rows), module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken), len(folded), len(mlps)
+
+
+class PromoteAtStepBegin(TrainerCallback):
+    """The background compile's code takes over at the start of an optimizer step: every forward of the step before
+    has had its backward (and its checkpoints' recomputes), so no recompute runs another path than its forward."""
+
+    def __init__(self, background: BackgroundBackend) -> None:
+        self.background = background
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.background.pending:
+            self.background.promote()
 
 
 class TraceableCapture:

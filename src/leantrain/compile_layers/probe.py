@@ -39,6 +39,7 @@ class CompilePlan:
     mlp_chunks: int  # row chunks of a gated LoRA MLP's backward (ops.gated_lora_mlp); 0: autograd's per projection
     mlp_min_rows: int  # the micro-batch rows from which the chunks apply (ops.mlp_min_rows); 0: every micro-batch
     max_recompiles: int
+    background: bool  # inductor's lowering in a child process while the traced layers run (compiling.background)
     cache: str  # where inductor's FX-graph and AOTAutograd caches live, and whether they are on
     why: str
 
@@ -73,6 +74,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         mlp_chunks=cfg.compile_layers_mlp_chunks,
         mlp_min_rows=mlp_min_rows(cfg.compile_layers_mlp_chunks, tokens_per_micro_batch(trainer)),
         max_recompiles=cfg.compile_layers_max_recompiles,
+        background=cfg.compile_layers_background,
         cache=cache_description(cfg.compile_layers_backend),
         why="",
     )
@@ -255,9 +257,15 @@ def describe(plan: CompilePlan) -> str:
         if plan.recompute == "elementwise"
         else ""
     )
+    background = (
+        "; compiled in a child process while the first steps run the traced layers uncompiled (the compiled code "
+        "takes over at a step boundary)"
+        if plan.background
+        else ""
+    )
     return (
         f"torch.compile ({plan.backend}, {dynamic}) of {type(plan.layers[0][1]).__name__}.forward, one compiled code "
-        f"for {len(plan.layers)} layers, at most {plan.max_recompiles} recompiles{lean}; {plan.cache}"
+        f"for {len(plan.layers)} layers, at most {plan.max_recompiles} recompiles{lean}{background}; {plan.cache}"
         + (f"; {plan.why}" if plan.why else "")
     )
 

@@ -1,0 +1,122 @@
+"""The child process of ``background.py``: ``python -m leantrain.compiling._child <job directory>``.
+
+Reads ``job.pkl`` (the graph, its inputs' specs, the parent's settings and state, the modules defining its custom
+ops) and compiles the graph with inductor, forward and backward, into inductor's on-disk cache; exit code 0 when
+done. Runs at a lower CPU priority than the training process it serves. Imports nothing of
+leantrain beyond the modules the job names."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import operator
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def main(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.nice(10)  # the training process's host thread comes first
+    job = pickle.loads((directory / "job.pkl").read_bytes())
+    import torch
+
+    for name in job["imports"]:
+        importlib.import_module(name)
+    torch._inductor.config.load_config(job["inductor"])
+    torch._functorch.config.load_config(job["functorch"])
+    gm = load_graph(job["graph"])
+    dynamo_metadata(gm, job["static"])
+    inputs = [make_input(spec) for spec in job["inputs"]]
+    with parent_state(job["state"]):
+        fake_values(gm, inputs)
+        compile_into_cache(gm, inputs)
+
+
+def compile_into_cache(gm: Any, inputs: list[Any]) -> None:
+    """Inductor's compile of the graph, as Dynamo's backend call runs it (a tracing context whose fake mode has a
+    shape env: without one the caches are bypassed), with the backward lowered now rather than at a first backward
+    that never comes here. Its FX graphs land in the on-disk cache; the compiled function is dropped."""
+    import torch
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    context = torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+    with torch._guards.tracing(context), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        # static shapes, as Dynamo traced them (its inputs' symbolic contexts say so in the parent)
+        compile_fx(gm, inputs, ignore_shape_env=True)
+
+
+def load_graph(data: bytes) -> Any:
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    gm.recompile()
+    return gm
+
+
+def dynamo_metadata(gm: Any, static: list[str | None]) -> None:
+    """What AOTAutograd reads from a Dynamo graph to tell its static inputs (parameters): a compile id, a source
+    per parameter and per placeholder (unique stand-ins: their names never reach the compiled code) and each
+    placeholder's static-input mark as the parent had it."""
+    from torch._dynamo.source import LocalSource
+
+    gm.meta.setdefault("dynamo_compile_id", None)
+    names = [n for n, _ in gm.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in gm.named_buffers(remove_duplicate=False)]
+    gm._param_name_to_source = {name: LocalSource(f"param {name}") for name in names}
+    for i, (node, mark) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), static, strict=True)):
+        node._dynamo_source = LocalSource(f"input {i}")
+        if mark:
+            node.meta["tensor_dict"] = {"_dynamo_static_input_type": mark}
+
+
+def fake_values(gm: Any, inputs: list[Any]) -> None:
+    """Every node's ``example_value`` again (the parent leaves Dynamo's fakes behind), as Dynamo's graphs carry them:
+    AOTAutograd reads them (its cache tells a tensor's method call from another object's by them)."""
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*inputs)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["example_value"] = node.meta.pop("val")
+
+
+def make_input(spec: tuple[Any, ...]) -> Any:
+    """Zeros of the parent's input's shape, stride, dtype and device (values never reach the compiled code's
+    choices: inductor's tuning runs its own inputs)."""
+    import torch
+
+    if spec[0] != "tensor":
+        return spec[1]
+    _, shape, stride, dtype, device, requires_grad = spec
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_().requires_grad_(requires_grad)
+
+
+@contextlib.contextmanager
+def parent_state(state: dict[str, Any]):
+    import torch
+
+    if torch.are_deterministic_algorithms_enabled() != state["deterministic"]:
+        torch.use_deterministic_algorithms(state["deterministic"])
+    torch.set_default_dtype(state["default_dtype"])
+    for path, name, value in state["flags"]:  # in order, each set only where it differs: a setter moves others
+        owner = operator.attrgetter(path)(torch)
+        if getattr(owner, name) != value:
+            setattr(owner, name, value)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(state["grad"]))
+        for device, dtype in state["autocast"].items():
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,327 @@
+"""Inductor's compile in a child process while training goes on: a ``torch.compile`` backend that does not block.
+
+A cold compile of a decoder layer takes 10-25 s, and the first step waits for all of it. With this backend Dynamo
+still traces in the training process (the guards and the graph stay here), but the graph goes to a child process
+(``_child.py``) that compiles it with inductor, forward and backward, into inductor's on-disk FX-graph cache (the
+same directory: torch's per-user default or ``TORCHINDUCTOR_CACHE_DIR``); meanwhile every call runs the traced graph
+as is (the layer's own ops, stock speed). :meth:`BackgroundBackend.promote`, called at a step boundary, sees which
+children finished and drops Dynamo's entries for the compiled code (``on_ready``): the next call traces again and
+compiles here, where inductor finds both graphs' code in the cache and builds no kernel (a warm second launch's
+cost, seconds instead of the cold compile). Only at a step boundary, so a checkpoint's recompute in the backward
+runs the path its forward ran.
+
+The child gets what decides the compiled code: the graph (``GraphPickler``), each input's shape, stride, dtype,
+device and ``requires_grad``, the process's inductor and functorch settings (a patch active around the backend call
+included), the grad mode, autocast state and matmul precision, and the modules that define the graph's custom ops.
+A graph it cannot take (symbolic shapes, aliased or subclassed inputs, something that does not pickle) compiles
+here as before; a child that fails or runs past the deadline reports through ``on_failure`` (the owner's run-time
+fallback) and its graph keeps running uncompiled."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import operator
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+logger = logging.getLogger("leantrain")
+
+CHILD_MODULE = "leantrain.compiling._child"
+DEADLINE_S = 1800.0  # a child still compiling after this long is stopped (its graph stays uncompiled)
+# namespaces of ops that torch defines itself: the child has them without importing anything
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "higher_order", "_c10d_functional", "c10d", "profiler", "inductor"})
+# node meta the child does not need (fake values, module stacks): dropped before pickling, as torch's own
+# GraphModuleSerializableCallable does
+# precision settings the FX-graph cache's key reads, (owner under torch, name), set in this order in the child:
+# the global fp32 precision, then each backend's (torch's newer API only: reading a legacy allow_tf32 switch raises
+# where a process set the newer one)
+_FLAGS = (
+    ("backends", "fp32_precision"),
+    ("backends.cuda.matmul", "fp32_precision"),
+    ("backends.cudnn", "fp32_precision"),
+    ("backends.cudnn.conv", "fp32_precision"),
+    ("backends.cudnn.rnn", "fp32_precision"),
+    ("backends.mkldnn", "fp32_precision"),
+    ("backends.mkldnn.matmul", "fp32_precision"),
+    ("backends.mkldnn.conv", "fp32_precision"),
+    ("backends.mkldnn.rnn", "fp32_precision"),
+    ("backends.cuda.matmul", "allow_fp16_reduced_precision_reduction"),
+    ("backends.cuda.matmul", "allow_bf16_reduced_precision_reduction"),
+)
+_META_DROPPED = (
+    "nn_module_stack", "source_fn_stack", "example_value", "stack_trace", "val", "tensor_meta",
+    "grapharg", "tensor_dict",
+)  # fmt: skip
+
+
+class Job:
+    """One graph compiling in a child process; called as the compiled function, it runs the traced graph."""
+
+    def __init__(self, gm: torch.fx.GraphModule, directory: Path, process: subprocess.Popen[bytes]) -> None:
+        self.gm, self.directory, self.process = gm, directory, process
+        self.started = time.perf_counter()
+        self.done = False
+        self.failed: str | None = None
+        self.seconds: float | None = None  # from the hand-over to the step boundary that saw it finished
+
+    def __call__(self, *args: Any) -> Any:
+        return self.gm.forward(*args)
+
+    def error_line(self) -> str:
+        """The child's last error line, or its exit code."""
+        try:
+            lines = (self.directory / "child.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        errors = [line for line in lines if "Error" in line or "error" in line]
+        return (errors or lines or [f"exit code {self.process.returncode}"])[-1].strip()[:300]
+
+
+class BackgroundBackend:
+    """``backend`` for ``torch.compile``: each graph it can hand over compiles in a child while the traced graph
+    runs; any other graph goes to ``inner`` at once, as does a finished child's graph when Dynamo traces it again
+    after ``promote()`` (its code is in the cache then). ``close()`` stops the children and removes their files
+    (also when collected and at interpreter exit)."""
+
+    def __init__(
+        self,
+        inner: Callable[..., Any],
+        on_ready: Callable[[], None],
+        on_failure: Callable[[str], None],
+        deadline_s: float = DEADLINE_S,
+    ) -> None:
+        self.inner, self.on_ready, self.on_failure, self.deadline_s = inner, on_ready, on_failure, deadline_s
+        self.jobs: dict[str, Job] = {}  # by graph_key
+        self.in_process: list[str] = []  # why each graph compiled here at once
+        self.retraced = 0  # finished children's graphs compiled here from the warm cache
+        self._roots: list[Path] = []  # the job directories' parent, made at the first hand-over
+        # stops the children and removes their files on close(), when collected, or at interpreter exit
+        self._finalizer = weakref.finalize(self, _stop_all, self.jobs, self._roots)
+
+    # --- the backend ----------------------------------------------------------------------------------------------
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        reason = why_not_background(gm, example_inputs)
+        if reason is None:
+            key = graph_key(gm, example_inputs)
+            job = self.jobs.get(key)
+            if job is not None and job.done:  # traced again after promote(): the cache holds its code
+                self.retraced += 1
+                return self.inner(gm, example_inputs)
+            if job is not None:  # traced again while its child still compiles (another graph was ready)
+                return job
+            try:
+                job = self._submit(gm, example_inputs)
+            except Exception as error:  # noqa: BLE001 - anything the hand-over trips on: compile here as before
+                reason = f"the graph could not be handed to a child process ({type(error).__name__}: {error})"
+            else:
+                self.jobs[key] = job
+                logger.info(
+                    "leantrain: compiling in a child process (%s); the traced graph runs meanwhile", job.directory
+                )
+                return job
+        self.in_process.append(reason)
+        logger.info("leantrain: compiling in this process: %s", reason)
+        return self.inner(gm, example_inputs)
+
+    def seen(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> bool:
+        """Whether this graph was handed to a child before (Dynamo traced it again: not a new compile)."""
+        return why_not_background(gm, example_inputs) is None and graph_key(gm, example_inputs) in self.jobs
+
+    def _submit(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Job:
+        job = {
+            "graph": graph_bytes(gm),
+            "inputs": [input_spec(x) for x in example_inputs],
+            "static": static_inputs(gm),
+            "imports": op_modules(gm),
+            "inductor": torch._inductor.config.save_config_portable(),
+            "functorch": torch._functorch.config.save_config_portable(),
+            "state": global_state(),
+        }
+        directory = Path(tempfile.mkdtemp(prefix=f"job{len(self.jobs)}-", dir=self._directory()))
+        (directory / "job.pkl").write_bytes(pickle.dumps(job))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        with open(directory / "child.log", "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, str(directory)], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        return Job(gm, directory, process)
+
+    def _directory(self) -> Path:
+        if not self._roots:
+            self._roots.append(Path(tempfile.mkdtemp(prefix="leantrain-compile-")))
+        return self._roots[0]
+
+    # --- at a step boundary ---------------------------------------------------------------------------------------
+    @property
+    def pending(self) -> list[Job]:
+        return [j for j in self.jobs.values() if not j.done and j.failed is None]
+
+    def promote(self) -> int:
+        """Mark every child that finished; where any did, ``on_ready()`` (Dynamo traces again at the next call and
+        those graphs compile here from the cache). A failed or overdue child goes to ``on_failure``. How many
+        finished now."""
+        finished = 0
+        for job in self.pending:
+            code = job.process.poll()
+            if code is None and time.perf_counter() - job.started > self.deadline_s:
+                job.process.kill()
+                self._fail(job, f"still compiling after {self.deadline_s:.0f} s, stopped")
+            elif code is not None and code != 0:
+                self._fail(job, job.error_line())
+            elif code == 0:
+                job.done, job.seconds = True, time.perf_counter() - job.started
+                finished += 1
+                logger.info("leantrain: a background compile finished (%.1f s after the trace)", job.seconds)
+        if finished:
+            self.on_ready()
+        return finished
+
+    def _fail(self, job: Job, reason: str) -> None:
+        job.failed = reason
+        self.on_failure(f"the background compile failed: {reason}")
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every child has exited (tests, benchmarks); the next :meth:`promote` sees them finished."""
+        for job in self.pending:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.process.wait(timeout_s)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop_all(jobs: dict[str, Job], roots: list[Path]) -> None:
+    for job in jobs.values():
+        if job.process.poll() is None:
+            job.process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.process.wait(5)
+    for root in roots:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# --- what the child needs (plain values) -------------------------------------------------------------------------
+def why_not_background(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str | None:
+    """Why the child could not compile the same code for this graph, or None."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) or (
+            isinstance(value, torch.Tensor) and not all(isinstance(s, int) for s in value.shape)
+        ):
+            return "symbolic shapes (a dynamic graph compiles in the training process)"
+    storages = set()
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            if type(x) not in (torch.Tensor, torch.nn.Parameter):
+                return f"an input of type {type(x).__name__} (plain tensors only)"
+            storage = (x.device, x.untyped_storage().data_ptr())
+            if x.untyped_storage().nbytes() and storage in storages:
+                return "inputs sharing storage"
+            storages.add(storage)
+        elif not isinstance(x, (int, float, bool)):
+            return f"an input of type {type(x).__name__}"
+    return None
+
+
+def static_inputs(gm: torch.fx.GraphModule) -> list[str | None]:
+    """Dynamo's static-input mark of each placeholder (parameters): AOTAutograd's partitioner saves such an input
+    for the backward at no cost, so the mark decides what the compiled forward saves."""
+    return [
+        (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type")
+        for node in gm.graph.find_nodes(op="placeholder")
+    ]
+
+
+def input_spec(x: Any) -> tuple[Any, ...]:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device), x.requires_grad)
+    return ("value", x)
+
+
+def graph_bytes(gm: torch.fx.GraphModule) -> bytes:
+    """The graph pickled without its fake values, module stacks and Dynamo's bookkeeping of its inputs (a copy: the
+    caller's graph runs meanwhile). The child's lowering traces the graph again from real inputs: no node's meta
+    decides its code, and one that does not pickle (Dynamo's ``grapharg`` holds the fake input) is left out."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    options = Options(ops_filter=None)
+    clean = copy.deepcopy(gm)
+    for module in clean.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                for key in _META_DROPPED:
+                    node.meta.pop(key, None)
+                for key, value in list(node.meta.items()):
+                    try:
+                        GraphPickler.dumps(value, options)
+                    except Exception:  # noqa: BLE001 - whatever fails to pickle stays behind
+                        del node.meta[key]
+    return GraphPickler.dumps(clean, options)
+
+
+def op_modules(gm: torch.fx.GraphModule) -> list[str]:
+    """The modules the child imports so that the graph's custom ops exist there: a ``torch.library.custom_op``'s
+    defining module, else a loaded module named as the op's namespace (``bitsandbytes``)."""
+    from torch._library.custom_ops import OPDEFS
+
+    names: list[str] = []
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            op = node.target
+            if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                continue
+            packet = op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
+            qualified = packet._qualified_op_name  # "namespace::name"
+            namespace = qualified.split("::")[0]
+            if namespace in _TORCH_NAMESPACES:
+                continue
+            opdef = OPDEFS.get(qualified)
+            name = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+            name = name or (namespace if namespace in sys.modules else None)
+            if name is None:
+                raise LookupError(f"no module known to define the op {qualified}")
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def global_state() -> dict[str, Any]:
+    """What the trace and inductor's compile read from the process besides the graph and its inputs (the FX-graph
+    cache's key includes the matmul flags)."""
+    state: dict[str, Any] = {
+        "grad": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "default_dtype": torch.get_default_dtype(),
+        "autocast": {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)},
+        "flags": [(path, name, value) for path, name in _FLAGS if (value := _flag(path, name)) is not None],
+    }
+    return state
+
+
+def _flag(path: str, name: str) -> Any:
+    """A precision setting's value, or None where this torch has no such setting."""
+    try:
+        return getattr(operator.attrgetter(path)(torch), name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
+    """The same for the same graph traced again (its code, its inputs' specs, the state it compiles under)."""
+    return repr((gm.code, [input_spec(x) for x in example_inputs], global_state()))

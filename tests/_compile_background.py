@@ -1,0 +1,64 @@
+"""The background compile against its references, shared by the CPU and CUDA tests of
+``compile_layers_background`` (a helper module: a test module is never imported as one)."""
+
+from __future__ import annotations
+
+import torch
+
+import leantrain
+from leantrain.compile_layers import stats
+
+
+BACKGROUND = {"compile_layers": True, "compile_layers_background": True}
+
+
+def fx_cache_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+
+
+def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_equal(got, want) -> None:
+    assert torch.equal(got[0], want[0]), (got[0], want[0])
+    assert got[1].keys() == want[1].keys() and want[1]
+    for name, grad in want[1].items():
+        assert torch.equal(got[1][name], grad), name
+
+
+def background_against_references(make, make_trainer, options: dict, batches: tuple[dict, dict], tmp_path) -> None:
+    """Three copies of one model (``make()``, each in ``make_trainer(model, path)``): background-compiled, eager and
+    compiled in this process (each patched with ``options`` and its compile_layers switch). The first batch before
+    the switch equals eager; the second after it equals in-process inductor, and the switch compiled nothing (cache
+    hits only)."""
+    patched = {}
+    for name, switch in (("bg", BACKGROUND), ("eager", {"compile_layers": False}), ("here", {"compile_layers": True})):
+        model = make()
+        trainer = make_trainer(model, tmp_path / name)
+        report = leantrain.patch_trainer(trainer, **options, **switch)
+        patched[name] = model, trainer, report
+    model, trainer, report = patched["bg"]
+    assert "compiled in a child process" in report["compile_layers"].detail
+    assert_equal(loss_and_grads(model, batches[0]), loss_and_grads(patched["eager"][0], batches[0]))
+    live = stats(trainer).background
+    graphs = len(live.jobs)  # LoRA: the first layer's input needs no grad, the others' do (two graphs)
+    assert graphs >= 1 and not live.in_process and stats(trainer).compiles == graphs
+    live.wait(timeout_s=300)
+    assert live.promote() == graphs  # what the trainer's step-begin callback calls
+    before = fx_cache_counts()
+    switched = loss_and_grads(model, batches[1])
+    after = fx_cache_counts()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    # each graph's forward and backward from the child's cache entries, nothing compiled here
+    assert delta.get("fxgraph_cache_hit") == 2 * graphs and not delta.get("fxgraph_cache_miss"), delta
+    assert_equal(switched, loss_and_grads(patched["here"][0], batches[1]))
+    assert (stats(trainer).compiles, live.retraced) == (graphs, graphs)  # the switch's traces are no recompiles
+    # the comparison can tell them apart: inductor's kernels round differently from eager somewhere
+    eager = loss_and_grads(patched["eager"][0], batches[1])
+    assert not all(torch.equal(switched[1][n], g) for n, g in eager[1].items())

@@ -1,0 +1,67 @@
+"""``compile_layers_background=True`` on CUDA (inductor, Triton kernels): the layers compile in a child process
+while the traced layers run, and the compiled code takes over from inductor's cache at a step boundary.
+
+Exact comparisons, as on CPU (tests/parity/test_compile_layers_background.py): before the switch the traced graph
+runs the stock layer's CUDA kernels, so loss and gradients equal the eager run's bits; after it the layers run the
+kernels the child compiled, which an in-process ``compile_layers=True`` model finds in the same cache (so they equal
+its bits), and the switch compiled nothing (FX-graph cache hits only, in the test's own cache directory). Cases:
+tiny Llama with LoRA under bf16 autocast, and the tiny 4-bit Qwen3-MoE (moe4bit's custom ops, bf16) under
+non-reentrant checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import leantrain
+from leantrain.cli.tiny import tiny_model
+from testkit.optimizations import others_off
+from tests._compile_background import background_against_references
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo", "own_inductor_cache")]
+VOCAB, SEQ = 256, 32
+
+
+def cuda_trainer(model, tmp_path) -> Trainer:
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], save_strategy="no", seed=0,
+                             per_device_train_batch_size=2, max_steps=2, disable_tqdm=True)  # fmt: skip
+    ids = torch.randint(3, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    return Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r.clone()} for r in ids])
+
+
+def batches(device: torch.device) -> tuple[dict, dict]:
+    out = []
+    for seed in (0, 1):
+        ids = torch.randint(3, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed)).to(device)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return tuple(out)
+
+
+def test_lora_layers_under_bf16_autocast(cuda, tmp_path):
+    peft = pytest.importorskip("peft")
+
+    def make():
+        model = tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).to(cuda).train()
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+        return peft.get_peft_model(model, lora)
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        background_against_references(make, cuda_trainer, others_off("compile_layers"), batches(cuda), tmp_path)
+
+
+def test_moe4bit_layers_under_checkpointing(cuda, tmp_path):
+    pytest.importorskip("bitsandbytes")
+
+    def make():
+        model = tiny_model("qwen3_moe", seed=0, hidden=128, layers=2, vocab_size=VOCAB, dtype=torch.bfloat16)
+        model.set_experts_implementation("eager")
+        leantrain.quantize_experts_4bit(model)
+        model = model.to(cuda).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    options = {**others_off("compile_layers"), "moe4bit": True}
+    background_against_references(make, cuda_trainer, options, batches(cuda), tmp_path)

@@ -1,0 +1,116 @@
+"""``leantrain.compiling.background``'s plain parts: which graphs a child can take (and why not), the modules that
+define a graph's custom ops, the key that finds a graph again after Dynamo traces it anew, the process state a child
+copies, and the deadline. The compile itself is tested in tests/parity/test_compile_layers_background.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leantrain.compiling import _child, background
+
+
+def captured(fn, *args, dynamic: bool | None = False) -> tuple[torch.fx.GraphModule, list]:
+    """The graph and inputs Dynamo hands a backend for ``fn(*args)``."""
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, dynamic=dynamic)(*args)
+    torch._dynamo.reset()
+    return seen[0]
+
+
+def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x @ w).sum(-1)
+
+
+def test_a_static_graph_of_plain_tensors_can_be_handed_over():
+    gm, inputs = captured(layer, torch.randn(4, 8), torch.randn(8, 8, requires_grad=True))
+    assert background.why_not_background(gm, inputs) is None
+
+
+def test_what_stays_in_the_training_process():
+    gm, inputs = captured(layer, torch.randn(4, 8), torch.randn(8, 8), dynamic=True)
+    assert "symbolic shapes" in background.why_not_background(gm, inputs)
+    gm, inputs = captured(layer, torch.randn(4, 8), torch.randn(8, 8))
+    shared = torch.randn(8, 8)
+    assert background.why_not_background(gm, [shared, shared]) == "inputs sharing storage"
+    assert "an input of type object" in background.why_not_background(gm, [object(), shared])
+
+    class Marked(torch.Tensor):
+        pass
+
+    assert "type Marked" in background.why_not_background(gm, [torch.randn(2).as_subclass(Marked)])
+
+
+def test_the_modules_defining_a_graphs_custom_ops():
+    from leantrain.moe4bit import _custom_ops
+
+    def grouped(a, b, offs):
+        return _custom_ops.grouped_mm_op(a, b, offs)
+
+    a, b = torch.randn(4, 8), torch.randn(2, 8, 8)
+    gm, _ = captured(grouped, a, b, torch.tensor([2, 4], dtype=torch.int32))
+    assert background.op_modules(gm) == ["leantrain.moe4bit._custom_ops"]
+    gm, _ = captured(layer, torch.randn(4, 8), torch.randn(8, 8))
+    assert background.op_modules(gm) == []  # aten only
+
+
+def test_an_op_of_no_known_module_is_refused():
+    library = torch.library.Library("leantrain_test_ns", "DEF")  # noqa: TOR901 - a namespace no module is named after
+    library.define("twice(Tensor x) -> Tensor")
+    library.impl("twice", lambda x: 2 * x, "CompositeExplicitAutograd")
+    gm, _ = captured(lambda x: torch.ops.leantrain_test_ns.twice(x), torch.randn(3))
+    with pytest.raises(LookupError, match="leantrain_test_ns::twice"):
+        background.op_modules(gm)
+
+
+def test_the_key_finds_a_graph_traced_again_and_tells_others_apart():
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    first = background.graph_key(*captured(layer, x, w))
+    assert background.graph_key(*captured(layer, x, w)) == first
+    assert background.graph_key(*captured(layer, torch.randn(5, 8), w)) != first  # another shape
+    with torch.no_grad():
+        assert background.graph_key(*captured(layer, x, w)) != first  # another grad mode
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert background.graph_key(*captured(layer, x, w)) != first
+
+
+def test_the_child_takes_the_parents_state_and_flags():
+    state = background.global_state()
+    flags = {(path, name): value for path, name, value in state["flags"]}
+    matmul = torch.backends.cuda.matmul
+    assert flags[("backends.cuda.matmul", "fp32_precision")] == matmul.fp32_precision
+    old = matmul.fp32_precision
+    other = "tf32" if old != "tf32" else "ieee"
+    wanted = dict(state, grad=False, autocast={"cpu": torch.bfloat16})
+    wanted["flags"] = [
+        (p, n, other if (p, n) == ("backends.cuda.matmul", "fp32_precision") else v) for p, n, v in state["flags"]
+    ]
+    try:
+        with _child.parent_state(wanted):
+            assert not torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
+            assert matmul.fp32_precision == other
+            assert torch.backends.fp32_precision == flags[("backends", "fp32_precision")]  # the others untouched
+    finally:
+        matmul.fp32_precision = old
+
+
+def test_a_child_past_the_deadline_is_stopped_and_reported():
+    failures = []
+    ready = []
+    compiler = background.BackgroundBackend(
+        lambda gm, inputs: gm.forward, lambda: ready.append(1), failures.append, 0.0
+    )
+    gm, inputs = captured(layer, torch.randn(4, 8), torch.randn(8, 8, requires_grad=True))
+    job = compiler.backend(gm, inputs)
+    assert isinstance(job, background.Job) and torch.equal(job(*inputs)[0], gm.forward(*inputs)[0])
+    assert compiler.promote() == 0 and not ready
+    assert failures == ["the background compile failed: still compiling after 0 s, stopped"]
+    assert job.process.wait(10) is not None
+    compiler.close()
+    assert not job.directory.exists()
