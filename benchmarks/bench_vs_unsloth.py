@@ -2,7 +2,10 @@
 
 Providers: ``stock`` (TRL + PEFT as installed), ``leantrain`` (``patch_trainer(trainer)``), ``leantrain_compiled``
 (``patch_trainer(trainer, compile_layers=True)``; recorded as skipped when the installed leantrain has no such option),
-``leantrain_offload`` (``patch_trainer(trainer, offload_checkpoints=True)``; only when named in ``--providers``)
+``leantrain_offload`` (``patch_trainer(trainer, offload_checkpoints=True)``; only when named in ``--providers``),
+``leantrain_background`` (``patch_trainer(trainer, compile_layers=True, compile_layers_background=True)``: the layers
+compile in a child process while the first steps run uncompiled; only when named, with ``--timed-steps`` long enough
+for the switch, e.g. ``--cases moe-qlora --providers leantrain_compiled,leantrain_background --timed-steps 1000``)
 and ``unsloth`` (``FastLanguageModel.from_pretrained`` of the same random-init weights saved to a local directory,
 ``FastLanguageModel.get_peft_model`` with its own gradient checkpointing, then TRL's ``SFTTrainer``, which Unsloth
 patches). Unsloth patches transformers, TRL and PEFT for the whole process, so every provider runs in a fresh
@@ -72,7 +75,7 @@ HERE = Path(__file__).resolve().parent
 NAME = "vs_unsloth"
 PROVIDERS = ("stock", "leantrain", "leantrain_compiled", "unsloth")
 RUN_STEPS = 1000  # the run length every trainer is told (timing stops after warm-up + timed steps)
-OPT_IN = ("leantrain_offload",)  # run when named in --providers: patch_trainer(trainer, offload_checkpoints=True)
+OPT_IN = ("leantrain_offload", "leantrain_background")  # run only when named in --providers (see patch())
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = LORA_TARGETS[:4]
 STOCK_EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -294,6 +297,8 @@ def patch(trainer: Any, provider: str) -> tuple[Any, str | None]:
         return leantrain.patch_trainer(trainer), None
     if provider == "leantrain_offload":
         return leantrain.patch_trainer(trainer, offload_checkpoints=True), None
+    if provider == "leantrain_background":
+        return leantrain.patch_trainer(trainer, compile_layers=True, compile_layers_background=True), None
     if provider == "leantrain_compiled":
         try:
             return leantrain.patch_trainer(trainer, compile_layers=True), None
@@ -350,8 +355,7 @@ def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
         def on_step_end(self, args, state, control, **kwargs):
             clock.extra["graphs"] = graphs()
             clock.extra["peak_so_far_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-            if state.global_step == 1:
-                clock.extra["since_start_s"] = clock.now() - STARTED
+            clock.extra["since_start_s"] = clock.now() - STARTED  # process start to this step's end
 
     trainer.add_callback(Graphs())
     clock.install(trainer)
@@ -403,9 +407,24 @@ def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool, run_steps
     first = rec["steps"][0]
     rec["first_step_s"] = first["total_ms"] / 1e3
     rec["cold_start_s"] = first.get("since_start_s")
+    rec["to_last_step_s"] = rec["steps"][-1].get("since_start_s")  # process start to the last step's end
+    if provider == "leantrain_background":
+        rec["background"] = background_summary(trainer)
     rec["graphs_total"] = rec["steps"][-1].get("graphs", 0)
     rec["graphs_after_first_step"] = rec["graphs_total"] - first.get("graphs", 0)
     return rec
+
+
+def background_summary(trainer: Any) -> dict[str, Any]:
+    """The background compile's children (seconds from the trace to the step boundary that saw each finished, or
+    why it failed), the graphs compiled in the training process and why, and how many switched from the cache."""
+    from leantrain.compile_layers import stats
+
+    live = getattr(stats(trainer), "background", None)
+    if live is None:
+        return {}
+    jobs = [{"done": j.done, "seconds": j.seconds, "failed": j.failed} for j in live.jobs.values()]
+    return {"jobs": jobs, "in_process": list(live.in_process), "retraced": live.retraced}
 
 
 def device() -> str:
@@ -430,7 +449,7 @@ def stack_versions() -> dict[str, str]:
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    case = cases(args.smoke)[args.case]
+    case = cases(args.smoke, args.timed_steps)[args.case]
     cuda = not args.smoke
     if not cuda:
         import torch
@@ -452,8 +471,12 @@ def worker_main(args: argparse.Namespace) -> None:
 # -- the parent: one process per (case, provider), then rows, table and plot -----------------------------------------
 
 
-def cases(smoke: bool) -> dict[str, Case]:
-    return _smoke_cases() if smoke else _full_cases()
+def cases(smoke: bool, timed_steps: int = 0) -> dict[str, Case]:
+    """The cases; ``timed_steps`` > 0 replaces every case's timed step count (its warm-up kept)."""
+    known = _smoke_cases() if smoke else _full_cases()
+    if timed_steps > 0:
+        known = {k: dataclasses.replace(c, steps=(c.steps[0], timed_steps)) for k, c in known.items()}
+    return known
 
 
 def spawn(case: Case, who: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -479,6 +502,8 @@ def spawn(case: Case, who: str, model_dir: Path, args: argparse.Namespace) -> di
         str(out),
         "--run-steps",
         str(args.run_steps),
+        "--timed-steps",
+        str(args.timed_steps),
     ]
     command += ["--smoke"] if args.smoke else []  # fmt: skip
     print(f"=== {case.name} / {who}", flush=True)
@@ -556,7 +581,8 @@ def rows_of(recs: list[dict], all_cases: dict[str, Case]) -> list[Any]:
             continue
         sm = r["summary"]
         base = stock.get(case.name)
-        keys = ("first_step_s", "cold_start_s", "graphs_total", "graphs_after_first_step", "import_s", "build_s",
+        keys = ("first_step_s", "cold_start_s", "to_last_step_s", "background", "graphs_total",
+                "graphs_after_first_step", "import_s", "build_s",
                 "patch_s", "train_s", "trainable", "extra", "args")  # fmt: skip
         config |= {k: r.get(k) for k in keys}
         config |= {"losses": r["losses"], "report": r.get("report"), "parts_ms": sm["parts"]}
@@ -679,7 +705,7 @@ def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()
     the results directory, each (case, provider) from its latest run; then the table and the plot."""
     from _harness import RESULTS, previous_rows, write_results
 
-    all_cases = cases(args.smoke)
+    all_cases = cases(args.smoke, getattr(args, "timed_steps", 0))
     out_dir = Path(args.out or os.environ.get("BENCH_RESULTS", RESULTS))
     new = [*extra_rows, *rows_of(recs, all_cases)]
     done = {(r.mode, r.provider) for r in new}
@@ -745,6 +771,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--run-steps", type=int, default=RUN_STEPS, help="the run length every trainer is told (timing stops earlier)"
     )
+    parser.add_argument(
+        "--timed-steps", type=int, default=0, help="timed steps of every case instead of its own (0: the case's)"
+    )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     parser.add_argument("--log-chars", type=int, default=4000, help="tail of each worker's log to print")
     parser.add_argument(
@@ -773,7 +802,9 @@ def main(argv: list[str] | None = None) -> None:
 
         write([], args, [row for path in args.merge for row in read_rows(Path(path))])
         return None
-    known = cases(args.smoke)
+    if args.timed_steps < 0:
+        raise SystemExit(f"--timed-steps must be >= 0, got {args.timed_steps}")
+    known = cases(args.smoke, args.timed_steps)
     wanted = [c for c in args.cases.split(",") if c] or [c for c in DEFAULT_CASES if c in known] or list(known)
     providers = [p for p in args.providers.split(",") if p]
     unknown = [c for c in wanted if c not in known] + [p for p in providers if p not in PROVIDERS + OPT_IN]

@@ -75,12 +75,12 @@ def smoke(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, run_smoke(out, "tiny-llama,tiny-llama-varlen", "stock,leantrain,unsloth")
 
 
-def run_smoke(out: Path, cases: str, providers: str) -> list[dict]:
+def run_smoke(out: Path, cases: str, providers: str, *extra: str) -> list[dict]:
     """``bench_vs_unsloth.py --smoke`` in its own process (no LEANTRAIN_ settings): the rows it wrote to ``out``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEANTRAIN_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_vs_unsloth.py"), "--smoke", "--out", str(out),
-               "--cases", cases, "--providers", providers]  # fmt: skip
+               "--cases", cases, "--providers", providers, *extra]  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((out / "vs_unsloth.json").read_text())
@@ -174,3 +174,20 @@ def test_rounds_table_lists_each_run_of_one_case_in_its_order_and_the_header_the
         vs.main(["--smoke", "--rounds", *runs, "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="no rows of tiny-llama-varlen"):
         vs.main(["--smoke", "--rounds", *runs, "--cases", "tiny-llama-varlen", "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.slow
+def test_smoke_background_compile_records_its_children_and_the_time_to_the_last_step(tmp_path):
+    """``leantrain_background`` (opt-in) with ``--timed-steps``: the run's step count follows it, and the record
+    keeps the child's state and the time from process start to every step's end (the last one's as
+    ``to_last_step_s``), what a background compile is judged by."""
+    for name in ("trl", "peft", "datasets"):
+        pytest.importorskip(name)
+    rows = run_smoke(tmp_path, "tiny-llama", "leantrain_background", "--timed-steps", "4")
+    config = speed(rows, "tiny-llama", "leantrain_background")["config"]
+    assert len(config["losses"]) == vs.cases(smoke=True)["tiny-llama"].steps[0] + 4
+    (compile_layers,) = [o for o in config["report"]["outcomes"] if o["name"] == "compile_layers"]
+    assert compile_layers["status"] == "applied" and "child process" in compile_layers["detail"]
+    background = config["background"]
+    assert len(background["jobs"]) >= 1 and background["in_process"] == []
+    assert config["to_last_step_s"] > config["cold_start_s"] > 0
