@@ -114,3 +114,16 @@ def test_a_child_past_the_deadline_is_stopped_and_reported():
     assert job.process.wait(10) is not None
     compiler.close()
     assert not job.directory.exists()
+
+
+def test_the_child_rebuilds_each_inputs_layout():
+    """Shape, stride, storage offset, dtype, device and requires_grad (the cache key reads them all), for a plain
+    tensor, a slice, a transpose and an empty one."""
+    base = torch.randn(10, 8)
+    empty = torch.empty(0, 4, dtype=torch.bfloat16)
+    for x in (torch.randn(3, 4, requires_grad=True), base[2:5, 1:4], base.t(), empty):
+        spec = background.input_spec(x)
+        y = _child.make_input(spec)
+        assert background.input_spec(y) == spec and y.storage_offset() == x.storage_offset()
+        assert not y.any()
+    assert _child.make_input(background.input_spec(3)) == 3

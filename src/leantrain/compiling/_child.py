@@ -90,14 +90,16 @@ def fake_values(gm: Any, inputs: list[Any]) -> None:
 
 
 def make_input(spec: tuple[Any, ...]) -> Any:
-    """Zeros of the parent's input's shape, stride, dtype and device (values never reach the compiled code's
-    choices: inductor's tuning runs its own inputs)."""
+    """Zeros in the parent's input's shape, stride, storage offset, dtype and device (values never reach the compiled
+    code's choices: inductor's tuning runs its own inputs)."""
     import torch
 
     if spec[0] != "tensor":
         return spec[1]
-    _, shape, stride, dtype, device, requires_grad = spec
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_().requires_grad_(requires_grad)
+    _, shape, stride, offset, dtype, device, requires_grad = spec
+    span = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else 0
+    storage = torch.zeros(offset + span, dtype=dtype, device=device)
+    return storage.as_strided(shape, stride, offset).requires_grad_(requires_grad)
 
 
 @contextlib.contextmanager

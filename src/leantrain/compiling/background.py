@@ -247,8 +247,10 @@ def static_inputs(gm: torch.fx.GraphModule) -> list[str | None]:
 
 
 def input_spec(x: Any) -> tuple[Any, ...]:
+    """What the compiled code (and the FX-graph cache's key) reads of an input: a tensor's layout, not its values."""
     if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device), x.requires_grad)
+        layout = (tuple(x.shape), tuple(x.stride()), x.storage_offset())
+        return ("tensor", *layout, x.dtype, str(x.device), x.requires_grad)
     return ("value", x)
 
 
