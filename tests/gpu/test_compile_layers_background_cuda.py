@@ -5,8 +5,8 @@ Exact comparisons, as on CPU (tests/parity/test_compile_layers_background.py): b
 runs the stock layer's CUDA kernels, so loss and gradients equal the eager run's bits; after it the layers run the
 kernels the child compiled, which an in-process ``compile_layers=True`` model finds in the same cache (so they equal
 its bits), and the switch compiled nothing (FX-graph cache hits only, in the test's own cache directory). Cases:
-tiny Llama with LoRA under bf16 autocast, and the tiny 4-bit Qwen3-MoE (moe4bit's custom ops, bf16) under
-non-reentrant checkpointing."""
+tiny Llama with LoRA under bf16 autocast, the same in QLoRA (bitsandbytes nf4 linears), and the tiny 4-bit
+Qwen3-MoE (moe4bit's custom ops, bf16) under non-reentrant checkpointing."""
 
 from __future__ import annotations
 
@@ -44,6 +44,26 @@ def test_lora_layers_under_bf16_autocast(cuda, tmp_path):
 
     def make():
         model = tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).to(cuda).train()
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+        return peft.get_peft_model(model, lora)
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        background_against_references(make, cuda_trainer, others_off("compile_layers"), batches(cuda), tmp_path)
+
+
+def test_qlora_layers_under_bf16_autocast(cuda, tmp_path):
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    path = tmp_path / "tiny"
+    tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).save_pretrained(path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+
+    def make():
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map={"": cuda.index or 0})
         torch.manual_seed(1)
         lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
         return peft.get_peft_model(model, lora)

@@ -78,6 +78,26 @@ def test_lora_layers_compile_in_a_child_under_autocast(tmp_path):
         background_against_references(make, make_trainer, others_off("compile_layers"), batches, tmp_path)
 
 
+@pytest.mark.slow
+def test_qlora_layers_compile_in_a_child(tmp_path):
+    """bitsandbytes 4-bit linears under LoRA: their ``Params4bit`` weights reach the graph as parameters that add
+    attributes only, which the child stands in for with plain tensors (the same compiled code, the same cache keys)."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from leantrain.cli.tiny import tiny_model
+    from testkit.moe4bit_models import load_in_4bit_like
+
+    def make():
+        model = tiny_model("llama", vocab_size=256, hidden=64, layers=2).train()
+        load_in_4bit_like(model)
+        torch.manual_seed(1)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+        return peft.get_peft_model(model, lora)
+
+    batches = (token_batch(4), token_batch(5))
+    background_against_references(make, make_trainer, others_off("compile_layers"), batches, tmp_path)
+
+
 class WaitAfterFirstStep(TrainerCallback):
     """Holds the run after its first step until the children have finished: the switch comes at step 2's start."""
 

@@ -46,6 +46,11 @@ def test_what_stays_in_the_training_process():
 
     assert "type Marked" in background.why_not_background(gm, [torch.randn(2).as_subclass(Marked)])
 
+    class Quantized(torch.nn.Parameter):  # adds attributes only, as bitsandbytes' Params4bit does
+        pass
+
+    assert background.why_not_background(gm, [Quantized(torch.randn(2)), torch.randn(2)]) is None
+
 
 def test_the_modules_defining_a_graphs_custom_ops():
     from leantrain.moe4bit import _custom_ops

@@ -226,8 +226,8 @@ def why_not_background(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> s
     storages = set()
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
-            if type(x) not in (torch.Tensor, torch.nn.Parameter):
-                return f"an input of type {type(x).__name__} (plain tensors only)"
+            if not _plain(x):
+                return f"an input of type {type(x).__name__} (a tensor subclass: plain tensors and parameters only)"
             storage = (x.device, x.untyped_storage().data_ptr())
             if x.untyped_storage().nbytes() and storage in storages:
                 return "inputs sharing storage"
@@ -244,6 +244,18 @@ def static_inputs(gm: torch.fx.GraphModule) -> list[str | None]:
         (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type")
         for node in gm.graph.find_nodes(op="placeholder")
     ]
+
+
+def _plain(x: torch.Tensor) -> bool:
+    """A tensor whose compiled code a plain tensor's stands for: torch's own classes, or a parameter subclass that
+    adds attributes only (bitsandbytes' ``Params4bit``); not one with its own ``__torch_dispatch__`` (a DTensor,
+    a wrapper subclass), which AOTAutograd traces through."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if type(x) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    own_dispatch = type(x).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+    return isinstance(x, torch.nn.Parameter) and not own_dispatch and not is_traceable_wrapper_subclass(x)
 
 
 def input_spec(x: Any) -> tuple[Any, ...]:
