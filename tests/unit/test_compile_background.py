@@ -132,3 +132,21 @@ def test_the_child_rebuilds_each_inputs_layout():
         assert background.input_spec(y) == spec and y.storage_offset() == x.storage_offset()
         assert not y.any()
     assert _child.make_input(background.input_spec(3)) == 3
+
+
+def test_how_a_child_ended_names_its_exit_and_its_last_error(tmp_path):
+    import subprocess
+    import sys
+
+    def job(code: str) -> background.Job:
+        with open(tmp_path / "child.log", "wb") as log:
+            process = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+        return background.Job(None, tmp_path, process)
+
+    failed = job("print('compiling'); print('ValueError: boom'); print('done'); raise SystemExit(3)")
+    failed.process.wait(30)
+    assert failed.error_line() == "exit code 3: ValueError: boom"
+    killed = job("import time; time.sleep(60)")
+    killed.process.kill()
+    killed.process.wait(30)
+    assert killed.error_line() == "killed by signal 9"

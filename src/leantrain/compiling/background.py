@@ -82,13 +82,16 @@ class Job:
         return self.gm.forward(*args)
 
     def error_line(self) -> str:
-        """The child's last error line, or its exit code."""
+        """How the child ended: its exit code or signal, and its last error line (or last line)."""
         try:
             lines = (self.directory / "child.log").read_text(errors="replace").strip().splitlines()
         except OSError:
             lines = []
+        code = self.process.returncode
+        how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
         errors = [line for line in lines if "Error" in line or "error" in line]
-        return (errors or lines or [f"exit code {self.process.returncode}"])[-1].strip()[:300]
+        last = (errors or lines or [""])[-1].strip()[:300]
+        return f"{how}: {last}" if last else how
 
 
 class BackgroundBackend:
