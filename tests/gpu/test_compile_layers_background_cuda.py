@@ -39,21 +39,29 @@ def batches(device: torch.device) -> tuple[dict, dict]:
     return tuple(out)
 
 
-def test_lora_layers_under_bf16_autocast(cuda, tmp_path):
-    peft = pytest.importorskip("peft")
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    import peft
 
-    def make():
-        model = tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).to(cuda).train()
-        torch.manual_seed(1)
-        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
-        return peft.get_peft_model(model, lora)
+    torch.manual_seed(1)
+    return peft.get_peft_model(
+        model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+    )
 
+
+def lora_under_autocast(make, cuda, tmp_path) -> None:
     with torch.autocast("cuda", dtype=torch.bfloat16):
         background_against_references(make, cuda_trainer, others_off("compile_layers"), batches(cuda), tmp_path)
 
 
+def test_lora_layers_under_bf16_autocast(cuda, tmp_path):
+    pytest.importorskip("peft")
+    lora_under_autocast(
+        lambda: with_lora(tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).to(cuda)), cuda, tmp_path
+    )
+
+
 def test_qlora_layers_under_bf16_autocast(cuda, tmp_path):
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -61,15 +69,9 @@ def test_qlora_layers_under_bf16_autocast(cuda, tmp_path):
     tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).save_pretrained(path)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
-
-    def make():
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map={"": cuda.index or 0})
-        torch.manual_seed(1)
-        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
-        return peft.get_peft_model(model, lora)
-
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        background_against_references(make, cuda_trainer, others_off("compile_layers"), batches(cuda), tmp_path)
+    place = {"": cuda.index or 0}
+    make = lambda: with_lora(AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map=place))  # noqa: E731
+    lora_under_autocast(make, cuda, tmp_path)
 
 
 def test_moe4bit_layers_under_checkpointing(cuda, tmp_path):
