@@ -10,9 +10,10 @@ compiles here, where inductor finds both graphs' code in the cache and builds no
 cost, seconds instead of the cold compile). Only at a step boundary, so a checkpoint's recompute in the backward
 runs the path its forward ran.
 
-The child gets what decides the compiled code: the graph (``GraphPickler``), each input's shape, stride, dtype,
-device and ``requires_grad``, the process's inductor and functorch settings (a patch active around the backend call
-included), the grad mode, autocast state and matmul precision, and the modules that define the graph's custom ops.
+The child gets what decides the compiled code: the graph (``GraphPickler``), each input's shape, stride, storage
+offset, dtype, device and ``requires_grad``, which inputs Dynamo marked static (parameters), the process's inductor
+and functorch settings (a patch active around the backend call included), the grad mode, autocast state and fp32
+precision settings, and the modules that define the graph's custom ops.
 A graph it cannot take (symbolic shapes, aliased or subclassed inputs, something that does not pickle) compiles
 here as before; a child that fails or runs past the deadline reports through ``on_failure`` (the owner's run-time
 fallback) and its graph keeps running uncompiled."""
@@ -44,8 +45,6 @@ CHILD_MODULE = "leantrain.compiling._child"
 DEADLINE_S = 1800.0  # a child still compiling after this long is stopped (its graph stays uncompiled)
 # namespaces of ops that torch defines itself: the child has them without importing anything
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "higher_order", "_c10d_functional", "c10d", "profiler", "inductor"})
-# node meta the child does not need (fake values, module stacks): dropped before pickling, as torch's own
-# GraphModuleSerializableCallable does
 # precision settings the FX-graph cache's key reads, (owner under torch, name), set in this order in the child:
 # the global fp32 precision, then each backend's (torch's newer API only: reading a legacy allow_tf32 switch raises
 # where a process set the newer one)
@@ -62,6 +61,8 @@ _FLAGS = (
     ("backends.cuda.matmul", "allow_fp16_reduced_precision_reduction"),
     ("backends.cuda.matmul", "allow_bf16_reduced_precision_reduction"),
 )
+# node meta the child does not need (fake values, module stacks, Dynamo's input bookkeeping): dropped before
+# pickling, as torch's own GraphModuleSerializableCallable does
 _META_DROPPED = (
     "nn_module_stack", "source_fn_stack", "example_value", "stack_trace", "val", "tensor_meta",
     "grapharg", "tensor_dict",
