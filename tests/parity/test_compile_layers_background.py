@@ -94,8 +94,15 @@ def test_qlora_layers_compile_in_a_child(tmp_path):
         lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
         return peft.get_peft_model(model, lora)
 
-    batches = (token_batch(4), token_batch(5))
-    background_against_references(make, make_trainer, others_off("compile_layers"), batches, tmp_path)
+    # and with another intra-op thread count than a fresh process's (a test before may leave one): inductor's CPU
+    # code is built for it, so the child must build for the same
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        batches = (token_batch(4), token_batch(5))
+        background_against_references(make, make_trainer, others_off("compile_layers"), batches, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class WaitAfterFirstStep(TrainerCallback):

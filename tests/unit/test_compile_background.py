@@ -92,17 +92,19 @@ def test_the_child_takes_the_parents_state_and_flags():
     assert flags[("backends.cuda.matmul", "fp32_precision")] == matmul.fp32_precision
     old = matmul.fp32_precision
     other = "tf32" if old != "tf32" else "ieee"
-    wanted = dict(state, grad=False, autocast={"cpu": torch.bfloat16})
+    threads = torch.get_num_threads()
+    wanted = dict(state, grad=False, autocast={"cpu": torch.bfloat16}, threads=threads + 1)
     wanted["flags"] = [
         (p, n, other if (p, n) == ("backends.cuda.matmul", "fp32_precision") else v) for p, n, v in state["flags"]
     ]
     try:
         with _child.parent_state(wanted):
             assert not torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
-            assert matmul.fp32_precision == other
+            assert matmul.fp32_precision == other and torch.get_num_threads() == threads + 1
             assert torch.backends.fp32_precision == flags[("backends", "fp32_precision")]  # the others untouched
     finally:
         matmul.fp32_precision = old
+        torch.set_num_threads(threads)
 
 
 def test_a_child_past_the_deadline_is_stopped_and_reported():

@@ -21,12 +21,11 @@ def main(directory: Path) -> None:
     with contextlib.suppress(OSError):
         os.nice(10)  # the training process's host thread comes first
     job = pickle.loads((directory / "job.pkl").read_bytes())
-    import torch
 
     for name in job["imports"]:
         importlib.import_module(name)
-    torch._inductor.config.load_config(job["inductor"])
-    torch._functorch.config.load_config(job["functorch"])
+    for name, settings in job["configs"].items():
+        importlib.import_module(name).load_config(settings)
     gm = load_graph(job["graph"])
     dynamo_metadata(gm, job["static"])
     inputs = [make_input(spec) for spec in job["inputs"]]
@@ -106,9 +105,14 @@ def make_input(spec: tuple[Any, ...]) -> Any:
 def parent_state(state: dict[str, Any]):
     import torch
 
-    if torch.are_deterministic_algorithms_enabled() != state["deterministic"]:
-        torch.use_deterministic_algorithms(state["deterministic"])
+    enabled, warn_only, fill = state["deterministic"]
+    now = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    if now != (enabled, warn_only):
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
     torch.set_default_dtype(state["default_dtype"])
+    if torch.get_num_threads() != state["threads"]:
+        torch.set_num_threads(state["threads"])
     for path, name, value in state["flags"]:  # in order, each set only where it differs: a setter moves others
         owner = operator.attrgetter(path)(torch)
         if getattr(owner, name) != value:

@@ -12,8 +12,8 @@ runs the path its forward ran.
 
 The child gets what decides the compiled code: the graph (``GraphPickler``), each input's shape, stride, storage
 offset, dtype, device and ``requires_grad``, which inputs Dynamo marked static (parameters), the process's inductor
-and functorch settings (a patch active around the backend call included), the grad mode, autocast state and fp32
-precision settings, and the modules that define the graph's custom ops.
+and functorch settings (a patch active around the backend call included), the grad mode, autocast state, fp32
+precision settings and intra-op thread count, and the modules that define the graph's custom ops.
 A graph it cannot take (symbolic shapes, aliased or subclassed inputs, something that does not pickle) compiles
 here as before; a child that fails or runs past the deadline reports through ``on_failure`` (the owner's run-time
 fallback) and its graph keeps running uncompiled."""
@@ -151,8 +151,7 @@ class BackgroundBackend:
             "inputs": [input_spec(x) for x in example_inputs],
             "static": static_inputs(gm),
             "imports": op_modules(gm),
-            "inductor": torch._inductor.config.save_config_portable(),
-            "functorch": torch._functorch.config.save_config_portable(),
+            "configs": configs(),
             "state": global_state(),
         }
         directory = Path(tempfile.mkdtemp(prefix=f"job{len(self.jobs)}-", dir=self._directory()))
@@ -324,12 +323,35 @@ def global_state() -> dict[str, Any]:
     cache's key includes the matmul flags)."""
     state: dict[str, Any] = {
         "grad": torch.is_grad_enabled(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory,
+        ),
         "default_dtype": torch.get_default_dtype(),
+        "threads": torch.get_num_threads(),  # inductor's C++ code for the CPU is built for this many
         "autocast": {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)},
         "flags": [(path, name, value) for path, name in _FLAGS if (value := _flag(path, name)) is not None],
     }
     return state
+
+
+# the config modules whose settings decide the compiled code (the FX-graph cache's key reads the first two)
+CONFIG_MODULES = ("torch._inductor.config", "torch._inductor.config_comms", "torch._functorch.config")
+
+
+def configs() -> dict[str, dict[str, Any]]:
+    """Each config module's settings, private ones included (the key includes them), where this torch has it."""
+    import importlib
+
+    out = {}
+    for name in CONFIG_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        out[name] = module.save_config_portable(ignore_private_configs=False)
+    return out
 
 
 def _flag(path: str, name: str) -> Any:
