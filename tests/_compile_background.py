@@ -32,11 +32,28 @@ def assert_equal(got, want) -> None:
         assert torch.equal(got[1][name], grad), name
 
 
-def background_against_references(make, make_trainer, options: dict, batches: tuple[dict, dict], tmp_path) -> None:
+def background_against_references(
+    make, make_trainer, options: dict, batches: tuple[dict, dict], tmp_path, monkeypatch
+) -> None:
     """Three copies of one model (``make()``, each in ``make_trainer(model, path)``): background-compiled, eager and
-    compiled in this process (each patched with ``options`` and its compile_layers switch). The first batch before
-    the switch equals eager; the second after it equals in-process inductor, and the switch compiled nothing (cache
-    hits only)."""
+    compiled in this process (each patched with ``options`` and its compile_layers switch). The child is held
+    (``tests._held_child``) until the eager phase was seen. The first batch (the trace: the traced graph runs) equals
+    eager; at a step boundary with the child still compiling the eager layers serve the second batch (no call of
+    the traced graph) and equal eager; after the switch the second batch equals in-process inductor, and the switch
+    compiled nothing (cache hits only)."""
+    from leantrain.compiling import background
+
+    release = tmp_path / "release"
+    monkeypatch.setenv("HELD_CHILD_RELEASE", str(release))
+    monkeypatch.setattr(background, "CHILD_MODULE", "tests._held_child")
+    traced: list = []
+    run_traced = background.Job.__call__
+
+    def spy(job, *args):
+        traced.append(1)
+        return run_traced(job, *args)
+
+    monkeypatch.setattr(background.Job, "__call__", spy)
     patched = {}
     for name, switch in (("bg", BACKGROUND), ("eager", {"compile_layers": False}), ("here", {"compile_layers": True})):
         model = make()
@@ -48,9 +65,15 @@ def background_against_references(make, make_trainer, options: dict, batches: tu
     assert_equal(loss_and_grads(model, batches[0]), loss_and_grads(patched["eager"][0], batches[0]))
     live = stats(trainer).background
     graphs = len(live.jobs)  # LoRA: the first layer's input needs no grad, the others' do (two graphs)
-    assert graphs >= 1 and not live.in_process and stats(trainer).compiles == graphs
+    assert graphs >= 1 and not live.in_process and stats(trainer).compiles == graphs and traced
+    assert live.promote() == 0 and live.eager  # a step boundary, the child held: the eager layers serve
+    calls = len(traced)
+    eager = loss_and_grads(patched["eager"][0], batches[1])
+    assert_equal(loss_and_grads(model, batches[1]), eager)
+    assert len(traced) == calls
+    release.touch()
     live.wait(timeout_s=300)
-    assert live.promote() == graphs  # what the trainer's step-begin callback calls
+    assert live.promote() == graphs and not live.eager  # what the trainer's step-begin callback calls
     before = fx_cache_counts()
     switched = loss_and_grads(model, batches[1])
     after = fx_cache_counts()
@@ -60,5 +83,4 @@ def background_against_references(make, make_trainer, options: dict, batches: tu
     assert_equal(switched, loss_and_grads(patched["here"][0], batches[1]))
     assert (stats(trainer).compiles, live.retraced) == (graphs, graphs)  # the switch's traces are no recompiles
     # the comparison can tell them apart: inductor's kernels round differently from eager somewhere
-    eager = loss_and_grads(patched["eager"][0], batches[1])
     assert not all(torch.equal(switched[1][n], g) for n, g in eager[1].items())

@@ -48,19 +48,24 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     )
 
 
-def lora_under_autocast(make, cuda, tmp_path) -> None:
+def lora_under_autocast(make, cuda, tmp_path, monkeypatch) -> None:
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        background_against_references(make, cuda_trainer, others_off("compile_layers"), batches(cuda), tmp_path)
+        background_against_references(
+            make, cuda_trainer, others_off("compile_layers"), batches(cuda), tmp_path, monkeypatch
+        )
 
 
-def test_lora_layers_under_bf16_autocast(cuda, tmp_path):
+def test_lora_layers_under_bf16_autocast(cuda, tmp_path, monkeypatch):
     pytest.importorskip("peft")
     lora_under_autocast(
-        lambda: with_lora(tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).to(cuda)), cuda, tmp_path
+        lambda: with_lora(tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).to(cuda)),
+        cuda,
+        tmp_path,
+        monkeypatch,
     )
 
 
-def test_qlora_layers_under_bf16_autocast(cuda, tmp_path):
+def test_qlora_layers_under_bf16_autocast(cuda, tmp_path, monkeypatch):
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -71,10 +76,10 @@ def test_qlora_layers_under_bf16_autocast(cuda, tmp_path):
                                bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
     place = {"": cuda.index or 0}
     make = lambda: with_lora(AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map=place))  # noqa: E731
-    lora_under_autocast(make, cuda, tmp_path)
+    lora_under_autocast(make, cuda, tmp_path, monkeypatch)
 
 
-def test_moe4bit_layers_under_checkpointing(cuda, tmp_path):
+def test_moe4bit_layers_under_checkpointing(cuda, tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
 
     def make():
@@ -86,4 +91,4 @@ def test_moe4bit_layers_under_checkpointing(cuda, tmp_path):
         return model
 
     options = {**others_off("compile_layers"), "moe4bit": True}
-    background_against_references(make, cuda_trainer, options, batches(cuda), tmp_path)
+    background_against_references(make, cuda_trainer, options, batches(cuda), tmp_path, monkeypatch)

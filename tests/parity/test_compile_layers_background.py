@@ -45,7 +45,7 @@ def token_batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_moe_layers_compile_in_a_child_while_the_traced_layers_run(tmp_path):
+def test_moe_layers_compile_in_a_child_while_the_traced_layers_run(tmp_path, monkeypatch):
     """MoE layers with moe4bit's grouped 4-bit experts (its custom ops: the child imports their module) under
     non-reentrant checkpointing: a recompute in the same step runs the path its forward ran."""
     pytest.importorskip("bitsandbytes")
@@ -57,11 +57,11 @@ def test_moe_layers_compile_in_a_child_while_the_traced_layers_run(tmp_path):
         return model
 
     options = {**others_off("compile_layers"), "moe4bit": True}
-    background_against_references(make, make_trainer, options, (token_batch(0), token_batch(1)), tmp_path)
+    background_against_references(make, make_trainer, options, (token_batch(0), token_batch(1)), tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_lora_layers_compile_in_a_child_under_autocast(tmp_path):
+def test_lora_layers_compile_in_a_child_under_autocast(tmp_path, monkeypatch):
     """Dense LoRA layers, their forward under bf16 autocast as the trainer would run it: the child compiles under
     the same autocast state, so the cache entries are the ones this process looks up."""
     peft = pytest.importorskip("peft")
@@ -75,11 +75,11 @@ def test_lora_layers_compile_in_a_child_under_autocast(tmp_path):
 
     batches = tuple({"input_ids": b["input_ids"], "labels": b["labels"]} for b in (token_batch(2), token_batch(3)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        background_against_references(make, make_trainer, others_off("compile_layers"), batches, tmp_path)
+        background_against_references(make, make_trainer, others_off("compile_layers"), batches, tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_qlora_layers_compile_in_a_child(tmp_path):
+def test_qlora_layers_compile_in_a_child(tmp_path, monkeypatch):
     """bitsandbytes 4-bit linears under LoRA: their ``Params4bit`` weights reach the graph as parameters that add
     attributes only, which the child stands in for with plain tensors (the same compiled code, the same cache keys)."""
     peft = pytest.importorskip("peft")
@@ -100,7 +100,7 @@ def test_qlora_layers_compile_in_a_child(tmp_path):
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
         batches = (token_batch(4), token_batch(5))
-        background_against_references(make, make_trainer, others_off("compile_layers"), batches, tmp_path)
+        background_against_references(make, make_trainer, others_off("compile_layers"), batches, tmp_path, monkeypatch)
     finally:
         torch.set_num_threads(threads)
 
@@ -148,6 +148,55 @@ def test_a_trainer_run_switches_at_a_step_boundary_and_trains_as_stock(tmp_path)
     assert losses[0] == want[0]  # step 1 ran the traced graph: stock's bits
     # then inductor's fused kernels (fp32 reductions reordered, ~1e-7 relative per op; see test_compile_layers.py)
     assert losses[1:] == pytest.approx(want[1:], rel=1e-5)
+
+
+class HoldTheChild(TrainerCallback):
+    """Records, per step, the traced graph's calls and whether the eager layers served; releases the held child
+    after step 2 and waits for it, so the switch comes at step 3's start."""
+
+    def __init__(self, trainer: Trainer, release, traced: list) -> None:
+        self.trainer, self.release, self.traced, self.steps = trainer, release, traced, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        live = stats(self.trainer).background
+        self.steps.append((len(self.traced), live.eager))
+        if state.global_step == 2:
+            self.release.touch()
+            live.wait(timeout_s=300)
+
+
+@pytest.mark.slow
+def test_while_the_child_compiles_the_eager_layers_serve(tmp_path, monkeypatch):
+    """The step that traced runs the traced graph; the steps after it, until the child has finished, run the eager
+    layers (what a run without compile runs); then the compiled code. Exact where the math is."""
+    release = tmp_path / "release"
+    monkeypatch.setenv("HELD_CHILD_RELEASE", str(release))
+    monkeypatch.setattr(background, "CHILD_MODULE", "tests._held_child")
+    traced: list = []
+    run_traced = background.Job.__call__
+
+    def spy(job, *args):
+        traced.append(1)
+        return run_traced(job, *args)
+
+    monkeypatch.setattr(background.Job, "__call__", spy)
+    stock = tiny_trainer(tmp_path / "stock", steps=4)
+    stock.train()
+    trainer = tiny_trainer(tmp_path / "bg", steps=4)
+    hold = HoldTheChild(trainer, release, traced)
+    trainer.add_callback(hold)
+    leantrain.patch_trainer(trainer, **others_off("compile_layers"), **BACKGROUND)
+    trainer.train()
+    step1, step2, step3, step4 = hold.steps
+    assert step1 == (step1[0], False) and step1[0] > 0  # the traced graph
+    assert step2 == (step1[0], True)  # the eager layers: no traced call
+    assert step3 == step4 == (step1[0], False)  # the compiled code: called by Dynamo, not through the job
+    live = stats(trainer).background
+    assert live.eager_steps == 1 and live.retraced == len(live.jobs) and all(j.done for j in live.jobs.values())
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    want = [h["loss"] for h in stock.state.log_history if "loss" in h]
+    assert losses[:2] == want[:2]  # the traced graph and the eager layers: stock's bits
+    assert losses[2:] == pytest.approx(want[2:], rel=1e-5)  # inductor's kernels (see the test above)
 
 
 def failing_child_trainer(tmp_path, monkeypatch, **patch) -> Trainer:

@@ -152,3 +152,86 @@ def test_how_a_child_ended_names_its_exit_and_its_last_error(tmp_path):
     killed.process.kill()
     killed.process.wait(30)
     assert killed.error_line() == "killed by signal 9"
+
+
+class ScaledGate(torch.autograd.Function):
+    """An autograd.Function as the compiled layers' are: one tensor through ``save_for_backward``, one stashed on
+    ``ctx``, a non-differentiable second output."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        h = x @ w
+        gate = torch.sigmoid(h)
+        ctx.save_for_backward(x, w)
+        ctx.gate = gate
+        mask = (h > 0).to(x.dtype)
+        ctx.mark_non_differentiable(mask)
+        return h * gate, mask
+
+    @staticmethod
+    def backward(ctx, grad, _grad_mask):
+        x, w = ctx.saved_tensors
+        gate = ctx.gate
+        h = x @ w
+        dh = grad * (gate + h * gate * (1 - gate))
+        return dh @ w.T, x.T @ dh
+
+
+def gated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out, mask = ScaledGate.apply(torch.tanh(x), w)
+    return (out * 2 + mask).sum()
+
+
+def grads_of(fn, x, w):
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = fn(x, w)
+    out.backward()
+    return out.detach(), x.grad, w.grad
+
+
+def test_the_traced_graph_runs_its_autograd_functions_without_torchs_class_per_call(monkeypatch):
+    """``eager_graph`` swaps the traced graph's ``autograd_function_apply`` calls for ``TracedFunction``: the same
+    bits forward and backward as the function run eagerly, and what it saved goes with the autograd graph (torch's
+    eager form keeps it in a class per call until the cycle collector runs: checked with the collector off)."""
+    import gc
+    import weakref
+
+    from torch._functorch.autograd_function import AutogradFunctionApply, autograd_function_apply
+
+    x, w = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), torch.randn(8, 8)
+    gm, _ = captured(gated, x.requires_grad_(), w.requires_grad_())
+    assert gm.graph.find_nodes(op="call_function", target=autograd_function_apply)
+    assert background.eager_graph(gm) == 1
+    assert not gm.graph.find_nodes(op="call_function", target=autograd_function_apply)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch's eager autograd_function_apply ran")
+
+    monkeypatch.setattr(AutogradFunctionApply, "__call__", refused)
+    got, want = grads_of(lambda a, b: gm(a, b)[0], x, w), grads_of(gated, x, w)
+    for g, e in zip(got, want, strict=True):
+        assert torch.equal(g, e)
+
+    gc.disable()
+    try:
+        out = gm(x.detach().requires_grad_(), w.detach().requires_grad_())[0]
+        ctx = out.grad_fn
+        while type(ctx).__name__ != "TracedFunctionBackward":
+            ctx = ctx.next_functions[0][0]
+        stashed = [weakref.ref(v) for v in ctx.stashed if isinstance(v, torch.Tensor)]
+        assert stashed  # the gate, stashed on ctx by the original function
+        out.backward()
+        del out, ctx
+        assert all(ref() is None for ref in stashed)
+    finally:
+        gc.enable()
+
+
+def test_an_autograd_function_call_of_another_form_stays_as_traced():
+    from torch._functorch.autograd_function import autograd_function_apply
+
+    gm, _ = captured(gated, torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True))
+    (node,) = gm.graph.find_nodes(op="call_function", target=autograd_function_apply)
+    node.kwargs = {**node.kwargs, "args_tensor_mask": [True, True]}
+    assert background.eager_graph(gm) == 0
+    assert node.target is autograd_function_apply

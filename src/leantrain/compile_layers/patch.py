@@ -108,11 +108,13 @@ def install(
     code = private_copy(inner)
     stats.code = code.__code__
     compiled = torch.compile(code, backend=stats.backend, dynamic=dynamic)
+    fast: Callable[..., Any] = compiled
     if stats.background is None:  # the child starts its own
         warm_compile_workers(plan.backend, plan.layers[0][1])
     else:
         undo.add_callback(trainer, PromoteAtStepBegin(stats.background))
         undo.push(stats.background.close)
+        fast = while_compiling(stats.background, compiled, inner)
     checks = {id(layer): eager_checks(layer) for _, layer in plan.layers}
 
     capture = TraceableCapture()
@@ -122,7 +124,7 @@ def install(
             for check in checks.get(id(self), ()):
                 check()
         with capture.around(self):
-            return fallback.call_at(self, compiled, inner, self, *args, **kwargs)
+            return fallback.call_at(self, fast, inner, self, *args, **kwargs)
 
     forward = guarded if inner is plan.stock else with_inner(plan.stock, guarded)
     forward.__leantrain_original__ = plan.stock  # type: ignore[attr-defined]
@@ -139,6 +141,17 @@ def install(
         undo.set_attr(module, "forward", types.MethodType(chunked_mlp(plan.mlp_chunks, plan.mlp_min_rows), module))
     undo.set_attr(trainer, STATS_ATTR, stats)
     return tuple(name for name, _ in plan.layers), len(taken), len(folded), len(mlps)
+
+
+def while_compiling(background: BackgroundBackend, compiled: Callable[..., Any], eager: Callable[..., Any]):
+    """The compiled forward, except while a child compiles after the step that traced: then the eager forward (not
+    the traced graph, whose autograd.Function calls hold their saved tensors until the cycle collector runs).
+    ``background.eager`` changes only at a step boundary, so a checkpoint's recompute takes its forward's path."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return (eager if background.eager else compiled)(*args, **kwargs)
+
+    return forward
 
 
 class PromoteAtStepBegin(TrainerCallback):

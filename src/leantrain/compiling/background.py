@@ -3,12 +3,14 @@
 A cold compile of a decoder layer takes 10-25 s, and the first step waits for all of it. With this backend Dynamo
 still traces in the training process (the guards and the graph stay here), but the graph goes to a child process
 (``_child.py``) that compiles it with inductor, forward and backward, into inductor's on-disk FX-graph cache (the
-same directory: torch's per-user default or ``TORCHINDUCTOR_CACHE_DIR``); meanwhile every call runs the traced graph
-as is (the layer's own ops, stock speed). :meth:`BackgroundBackend.promote`, called at a step boundary, sees which
-children finished and drops Dynamo's entries for the compiled code (``on_ready``): the next call traces again and
-compiles here, where inductor finds both graphs' code in the cache and builds no kernel (a warm second launch's
-cost, seconds instead of the cold compile). Only at a step boundary, so a checkpoint's recompute in the backward
-runs the path its forward ran.
+same directory: torch's per-user default or ``TORCHINDUCTOR_CACHE_DIR``). The step that traced runs the traced graph
+(the layer's own ops, stock speed; its ``autograd.Function`` calls through ``run_function``, see ``eager_graph``);
+from the next step boundary until the children finish, :attr:`eager` tells the owner to call its uncompiled code
+instead, which is what a run without compile runs. :meth:`BackgroundBackend.promote`,
+called at a step boundary, sees which children finished and drops Dynamo's entries for the compiled code
+(``on_ready``): the next call traces again and compiles here, where inductor finds both graphs' code in the cache and
+builds no kernel (a warm second launch's cost, seconds instead of the cold compile). Only at a step boundary, so a
+checkpoint's recompute in the backward runs the path its forward ran.
 
 The child gets what decides the compiled code: the graph (``GraphPickler``), each input's shape, stride, storage
 offset, dtype, device and ``requires_grad``, which inputs Dynamo marked static (parameters), the process's inductor
@@ -112,6 +114,9 @@ class BackgroundBackend:
         self.jobs: dict[str, Job] = {}  # by graph_key
         self.in_process: list[str] = []  # why each graph compiled here at once
         self.retraced = 0  # finished children's graphs compiled here from the warm cache
+        # the owner's uncompiled code serves the calls: from the step after a trace until every child has finished
+        self.eager = False
+        self.eager_steps = 0  # steps that began with a child still compiling
         self._roots: list[Path] = []  # the job directories' parent, made at the first hand-over
         # stops the children and removes their files on close(), when collected, or at interpreter exit
         self._finalizer = weakref.finalize(self, _stop_all, self.jobs, self._roots)
@@ -154,6 +159,7 @@ class BackgroundBackend:
             "configs": configs(),
             "state": global_state(),
         }
+        eager_graph(gm)  # the child has its copy (pickled above): this one only runs here
         directory = Path(tempfile.mkdtemp(prefix=f"job{len(self.jobs)}-", dir=self._directory()))
         (directory / "job.pkl").write_bytes(pickle.dumps(job))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -191,6 +197,8 @@ class BackgroundBackend:
                 logger.info("leantrain: a background compile finished (%.1f s after the trace)", job.seconds)
         if finished:
             self.on_ready()
+        self.eager = bool(self.pending)
+        self.eager_steps += self.eager
         return finished
 
     def _fail(self, job: Job, reason: str) -> None:
@@ -215,6 +223,76 @@ def _stop_all(jobs: dict[str, Job], roots: list[Path]) -> None:
                 job.process.wait(5)
     for root in roots:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# --- running the traced graph here ---------------------------------------------------------------------------------
+# the keyword arguments of autograd_function_apply that run_function implements, in its ``indices`` order (torch 2.11
+# passes the last two)
+_FUNCTION_KWARGS = ("dirty_idx", "non_differentiable_idx", "saved_for_backward_idx")
+
+
+def eager_graph(gm: torch.fx.GraphModule) -> int:
+    """Make the traced graph's ``autograd.Function`` calls run through :class:`TracedFunction` (in place; every
+    graph module inside included); how many calls. Dynamo records them as the higher-order op
+    ``autograd_function_apply``, whose eager form makes a class per call and keeps the call's saved tensors in that
+    class's closure: past the backward, until Python's cycle collector frees them, and the tensors' autograd history
+    chains each call's class to the one before, so each collection frees one more link (measured on an H200: an MoE
+    layer's peak grew by its saved activations every step, to 103 GiB after 467 steps). A call with keyword
+    arguments this does not know (another torch's form) stays as it is."""
+    from torch._functorch.autograd_function import autograd_function_apply
+
+    replaced = 0
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in module.graph.find_nodes(op="call_function", target=autograd_function_apply):
+            if not set(node.kwargs) <= set(_FUNCTION_KWARGS):
+                continue
+            fwd, bwd, *args = node.args
+            indices = tuple(tuple(node.kwargs.get(k) or ()) for k in _FUNCTION_KWARGS)
+            node.target, node.args, node.kwargs = run_function, (fwd, bwd, indices, *args), {}
+            changed = True
+            replaced += 1
+        if changed:
+            module.recompile()
+    return replaced
+
+
+def run_function(fwd: Any, bwd: Any, indices: tuple[tuple[int, ...], ...], *args: Any) -> Any:
+    """``autograd_function_apply(fwd, bwd, *args, ...)`` as :class:`TracedFunction` (the graph's call target)."""
+    return TracedFunction.apply(fwd, bwd, indices, *args)
+
+
+class TracedFunction(torch.autograd.Function):
+    """A traced ``autograd.Function``: ``fwd`` returns the output and the values its backward reads, ``bwd`` takes
+    the output gradients and those values. Kept as the original function keeps them: what it passed to
+    ``save_for_backward`` is saved so (freed after the backward, dropped and recomputed under non-reentrant
+    checkpointing, version-checked), what it stashed on ``ctx`` is stashed on ``ctx``. ``indices``: the outputs
+    marked dirty, the non-differentiable ones, the saved values that went through ``save_for_backward``."""
+
+    @staticmethod
+    def forward(ctx: Any, fwd: Any, bwd: Any, indices: tuple[tuple[int, ...], ...], *args: Any) -> Any:
+        dirty, non_differentiable, saved_for_backward = indices
+        output, saved = fwd(*args)
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        ctx.bwd = bwd
+        ctx.through_save = [i for i in saved_for_backward if isinstance(saved[i], torch.Tensor)]
+        ctx.save_for_backward(*(saved[i] for i in ctx.through_save))
+        ctx.stashed = [None if i in ctx.through_save else value for i, value in enumerate(saved)]
+        if dirty:
+            ctx.mark_dirty(*(outputs[i] for i in dirty))
+        if non_differentiable:
+            ctx.mark_non_differentiable(*(outputs[i] for i in non_differentiable))
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        saved = list(ctx.stashed)
+        for i, tensor in zip(ctx.through_save, ctx.saved_tensors, strict=True):
+            saved[i] = tensor
+        result = ctx.bwd(*grads, *saved)
+        return (None, None, None, *(result if isinstance(result, (tuple, list)) else (result,)))
 
 
 # --- what the child needs (plain values) -------------------------------------------------------------------------
