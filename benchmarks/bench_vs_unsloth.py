@@ -426,7 +426,12 @@ def background_summary(trainer: Any) -> dict[str, Any]:
     if live is None:
         return {}
     jobs = [{"done": j.done, "seconds": j.seconds, "failed": j.failed} for j in live.jobs.values()]
-    return {"jobs": jobs, "in_process": list(live.in_process), "retraced": live.retraced}
+    return {
+        "jobs": jobs,
+        "in_process": list(live.in_process),
+        "retraced": live.retraced,
+        "eager_steps": live.eager_steps,
+    }
 
 
 def device() -> str:
@@ -682,6 +687,15 @@ def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()
     return out
 
 
+WHOLE_RUN = "process start to last step s (steps)"
+
+
+def whole_run(config: dict) -> str:
+    """What a user waits for the run measured: process start (imports, load, compile) to the last step's end."""
+    end, steps = config.get("to_last_step_s"), len(config.get("losses") or ())
+    return f"{end:.1f} ({steps})" if end is not None else "–"
+
+
 def write_rounds(paths: list[str], case: str, args: argparse.Namespace) -> Path:
     """``<name>_rounds_<case>``: the case's rows from several runs (e.g. the same providers in alternating order, each
     run a round), a line per (round, provider) in run order; the rows keep their round in ``config``."""
@@ -700,13 +714,14 @@ def write_rounds(paths: list[str], case: str, args: argparse.Namespace) -> Path:
         for provider in dict.fromkeys(r.provider for r in mine if r.metric in ("speed", "status")):
             speed = by.get((provider, "speed"))
             if speed is None:
-                lines.append([k, provider, by[(provider, "status")].config.get("reason", "")[:120], "–", "–"])
+                lines.append([k, provider, by[(provider, "status")].config.get("reason", "")[:120], "–", "–", "–"])
                 continue
             memory, first = by[(provider, "memory")].p50, by[(provider, "first step")].p50
             cells = f"{speed.p50:.1f} ({speed.p20:.1f}-{speed.p80:.1f})", f"{memory:.3f}", f"{first:.1f}"
-            lines.append([k, provider, *cells])
+            lines.append([k, provider, *cells, whole_run(speed.config)])
         rows += mine
-    text = markdown_table(["round", "provider", "median step ms (p20-p80)", "peak alloc GiB", "first step s"], lines)
+    header = ["round", "provider", "median step ms (p20-p80)", "peak alloc GiB", "first step s", WHOLE_RUN]
+    text = markdown_table(header, lines)
     text += (f"\n\n{case}: each round a run of bench_vs_unsloth.py (one process per provider, in the order listed), "
              f"the trainer told a {RUN_STEPS}-step run.\n")  # fmt: skip
     out = write_results(f"{NAME}_rounds_{case}", rows, text, Path(args.out) if args.out else None)

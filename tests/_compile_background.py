@@ -32,15 +32,9 @@ def assert_equal(got, want) -> None:
         assert torch.equal(got[1][name], grad), name
 
 
-def background_against_references(
-    make, make_trainer, options: dict, batches: tuple[dict, dict], tmp_path, monkeypatch
-) -> None:
-    """Three copies of one model (``make()``, each in ``make_trainer(model, path)``): background-compiled, eager and
-    compiled in this process (each patched with ``options`` and its compile_layers switch). The child is held
-    (``tests._held_child``) until the eager phase was seen. The first batch (the trace: the traced graph runs) equals
-    eager; at a step boundary with the child still compiling the eager layers serve the second batch (no call of
-    the traced graph) and equal eager; after the switch the second batch equals in-process inductor, and the switch
-    compiled nothing (cache hits only)."""
+def held_child(tmp_path, monkeypatch) -> tuple:
+    """Children that wait for the returned release file (``tests._held_child``), and a list that grows by one at
+    every call of a traced graph (a job)."""
     from leantrain.compiling import background
 
     release = tmp_path / "release"
@@ -54,6 +48,19 @@ def background_against_references(
         return run_traced(job, *args)
 
     monkeypatch.setattr(background.Job, "__call__", spy)
+    return release, traced
+
+
+def background_against_references(
+    make, make_trainer, options: dict, batches: tuple[dict, dict], tmp_path, monkeypatch
+) -> None:
+    """Three copies of one model (``make()``, each in ``make_trainer(model, path)``): background-compiled, eager and
+    compiled in this process (each patched with ``options`` and its compile_layers switch). The child is held
+    (``tests._held_child``) until the eager phase was seen. The first batch (the trace: the traced graph runs) equals
+    eager; at a step boundary with the child still compiling the eager layers serve the second batch (no call of
+    the traced graph) and equal eager; after the switch the second batch equals in-process inductor, and the switch
+    compiled nothing (cache hits only)."""
+    release, traced = held_child(tmp_path, monkeypatch)
     patched = {}
     for name, switch in (("bg", BACKGROUND), ("eager", {"compile_layers": False}), ("here", {"compile_layers": True})):
         model = make()

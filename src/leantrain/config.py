@@ -214,8 +214,8 @@ class LeantrainConfig:
     compile_layers_background: bool = _opt(
         False,
         "bool",
-        "compile the layers in a child process while training goes on: the first steps run the traced layers "
-        "uncompiled (stock speed) and the compiled code takes over at the first step boundary after it is ready, "
+        "compile the layers in a child process while training goes on: the first steps run the layers "
+        "uncompiled (eager speed) and the compiled code takes over at the first step boundary after it is ready, "
         "instead of the first step waiting for the whole compile (inductor backend, static shapes: "
         "compile_layers_dynamic='auto'; a graph with dynamic shapes still compiles in the training process)",
     )

@@ -26,7 +26,7 @@ from leantrain.compile_layers.patch import BackgroundCompileError
 from leantrain.compiling import background
 from testkit.batches import pad_right, random_rows
 from testkit.optimizations import others_off
-from tests._compile_background import BACKGROUND, background_against_references
+from tests._compile_background import BACKGROUND, background_against_references, held_child
 from tests._moe4bit_model import make_trainer
 
 
@@ -169,17 +169,7 @@ class HoldTheChild(TrainerCallback):
 def test_while_the_child_compiles_the_eager_layers_serve(tmp_path, monkeypatch):
     """The step that traced runs the traced graph; the steps after it, until the child has finished, run the eager
     layers (what a run without compile runs); then the compiled code. Exact where the math is."""
-    release = tmp_path / "release"
-    monkeypatch.setenv("HELD_CHILD_RELEASE", str(release))
-    monkeypatch.setattr(background, "CHILD_MODULE", "tests._held_child")
-    traced: list = []
-    run_traced = background.Job.__call__
-
-    def spy(job, *args):
-        traced.append(1)
-        return run_traced(job, *args)
-
-    monkeypatch.setattr(background.Job, "__call__", spy)
+    release, traced = held_child(tmp_path, monkeypatch)
     stock = tiny_trainer(tmp_path / "stock", steps=4)
     stock.train()
     trainer = tiny_trainer(tmp_path / "bg", steps=4)

@@ -156,6 +156,7 @@ def test_rounds_table_lists_each_run_of_one_case_in_its_order_and_the_header_the
         recs = [_record(p, 100.0 * (i + 1) + k, [5.0, 4.0]) for i, p in enumerate(order)]
         for r in recs:
             r["args"] = {"max_steps": "1000"}
+        recs[0]["to_last_step_s"] = 40.0 + k  # round k's first provider: process start to its last step
         out = tmp_path / f"r{k}"
         vs.write(recs, argparse.Namespace(smoke=True, out=str(out)))
         runs.append(str(out / "vs_unsloth.json"))
@@ -167,7 +168,8 @@ def test_rounds_table_lists_each_run_of_one_case_in_its_order_and_the_header_the
     text = (tmp_path / "all" / "vs_unsloth_rounds_tiny-llama.md").read_text()
     lines = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert [(int(a), b.strip()) for a, b in lines] == [(1, "leantrain"), (1, "stock"), (2, "stock"), (2, "leantrain")]
-    assert "| 2 | leantrain | 202.0 (202.0-202.0) | 2.000 | 1.5 |" in text
+    assert "| 2 | leantrain | 202.0 (202.0-202.0) | 2.000 | 1.5 | – |" in text
+    assert "| 2 | stock | 102.0 (102.0-102.0) | 2.000 | 1.5 | 42.0 (2) |" in text
     rows = json.loads((tmp_path / "all" / "vs_unsloth_rounds_tiny-llama.json").read_text())
     assert {r["config"]["round"] for r in rows} == {1, 2}
     with pytest.raises(SystemExit, match="one case"):
@@ -190,4 +192,5 @@ def test_smoke_background_compile_records_its_children_and_the_time_to_the_last_
     assert compile_layers["status"] == "applied" and "child process" in compile_layers["detail"]
     background = config["background"]
     assert len(background["jobs"]) >= 1 and background["in_process"] == []
+    assert 0 <= background["eager_steps"] < len(config["losses"])
     assert config["to_last_step_s"] > config["cold_start_s"] > 0

@@ -258,8 +258,8 @@ def describe(plan: CompilePlan) -> str:
         else ""
     )
     background = (
-        "; compiled in a child process while the first steps run the traced layers uncompiled (the compiled code "
-        "takes over at a step boundary)"
+        "; compiled in a child process while the first steps run the layers uncompiled (the compiled code takes "
+        "over at a step boundary)"
         if plan.background
         else ""
     )
