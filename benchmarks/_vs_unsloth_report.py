@@ -1,11 +1,21 @@
-"""The vs-Unsloth benchmark's presentation beside its table: the trainer settings unlike stock's, the plot, and the
-run length the trainers were told (``bench_vs_unsloth.py`` writes them; rows are ``_harness.Row``)."""
+"""The vs-Unsloth benchmark's presentation beside its table: the trainer settings unlike stock's, the plot, the
+whole run's time (a rounds table's column), and the run length the trainers were told (``bench_vs_unsloth.py``
+writes them; rows are ``_harness.Row``)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 from typing import Any
+
+
+WHOLE_RUN = "process start to last step s (steps)"
+
+
+def whole_run(config: dict) -> str:
+    """What a user waits for the run measured: process start (imports, load, compile) to the last step's end."""
+    end, steps = config.get("to_last_step_s"), len(config.get("losses") or ())
+    return f"{end:.1f} ({steps})" if end is not None else "–"
 
 
 def unlike_stock(rows: list[Any], providers: list[str]) -> list[str]:

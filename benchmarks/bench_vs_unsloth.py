@@ -69,7 +69,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from _vs_unsloth_report import plot, told, unlike_stock
+from _vs_unsloth_report import WHOLE_RUN, plot, told, unlike_stock, whole_run
 
 
 STARTED = time.perf_counter()  # a worker's cold start is measured from here (interpreter start excluded)
@@ -339,7 +339,8 @@ def graphs() -> int:
 
 def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
     """The recipes' step clock (benchmarks/recipes/runner.py: CUDA-synchronized, per-step split), counting real
-    (non-pad) tokens, and per step: the Dynamo graph count, the first step's end (cold start), the peak so far."""
+    (non-pad) tokens, and per step: the Dynamo graph count, the first step's end (cold start), the step's own peak
+    (the allocator's peak is reset at each step's end) and the peak so far."""
     import torch
     from recipes.runner import StepClock
     from transformers import TrainerCallback
@@ -354,9 +355,15 @@ def install_clock(trainer: Any, cuda: bool, label: str) -> Any:
     clock = Clock(cuda, label)
 
     class Graphs(TrainerCallback):  # added before the clock's own: sits between its First and Last callbacks
+        so_far = 0.0  # the clock's extra is new each step
+
         def on_step_end(self, args, state, control, **kwargs):
             clock.extra["graphs"] = graphs()
-            clock.extra["peak_so_far_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            if cuda:  # this step's peak (since the last step's end), then the reset for the next
+                step_peak = torch.cuda.max_memory_allocated() / 2**30
+                torch.cuda.reset_peak_memory_stats()
+                self.so_far = max(self.so_far, step_peak)
+                clock.extra["step_peak_gib"], clock.extra["peak_so_far_gib"] = step_peak, self.so_far
             clock.extra["since_start_s"] = clock.now() - STARTED  # process start to this step's end
 
     trainer.add_callback(Graphs())
@@ -404,7 +411,9 @@ def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool, run_steps
         transformers.set_seed(0)
         trainer.train()
         collect(rec, trainer, clock, case.steps)
-    rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    # the steps' peaks (the clock resets the allocator's at each step's end) and whatever ran after the last
+    so_far = [st.get("peak_so_far_gib") or 0.0 for st in rec["steps"]]
+    rec["peak_gib"] = max([torch.cuda.max_memory_allocated() / 2**30, *so_far]) if cuda else None
     rec["summary"] = summary(rec)
     first = rec["steps"][0]
     rec["first_step_s"] = first["total_ms"] / 1e3
@@ -595,7 +604,8 @@ def rows_of(recs: list[dict], all_cases: dict[str, Case]) -> list[Any]:
         config |= {"losses": r["losses"], "report": r.get("report"), "parts_ms": sm["parts"]}
         config |= {"real_tokens": [st["tokens"] for st in r["steps"]],
                    "padded_tokens": [st.get("padded_tokens") for st in r["steps"]],
-                   "peak_so_far_gib": [st.get("peak_so_far_gib") for st in r["steps"]]}  # fmt: skip
+                   "peak_so_far_gib": [st.get("peak_so_far_gib") for st in r["steps"]],
+                   "step_peak_gib": [st.get("step_peak_gib") for st in r["steps"]]}  # fmt: skip
         if base is not None:
             pairs = [(a, b) for a, b in zip(r["losses"], base["losses"]) if a is not None and b is not None]
             config["max_abs_loss_diff_vs_stock"] = max((abs(a - b) for a, b in pairs), default=None)
@@ -685,15 +695,6 @@ def write(recs: list[dict], args: argparse.Namespace, extra_rows: list[Any] = ()
         print(f"plot failed: {error}")
     print(text)
     return out
-
-
-WHOLE_RUN = "process start to last step s (steps)"
-
-
-def whole_run(config: dict) -> str:
-    """What a user waits for the run measured: process start (imports, load, compile) to the last step's end."""
-    end, steps = config.get("to_last_step_s"), len(config.get("losses") or ())
-    return f"{end:.1f} ({steps})" if end is not None else "–"
 
 
 def write_rounds(paths: list[str], case: str, args: argparse.Namespace) -> Path:

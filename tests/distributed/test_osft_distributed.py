@@ -4,12 +4,9 @@ Shard(0) V-coefficient bug (mini_trainer PR #75): these run the real thing."""
 
 from __future__ import annotations
 
-import socket
-
 import _osft_worker as worker  # noqa: E402
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 
 pytestmark = [
@@ -18,16 +15,8 @@ pytestmark = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(scenario: str, tmp_path) -> dict:
-    out = str(tmp_path / f"{scenario}.pt")
-    mp.spawn(worker.run, args=(2, free_port(), scenario, out), nprocs=2, join=True)
-    return torch.load(out, weights_only=False)
+    return worker.spawn_two(worker.run, scenario, tmp_path / f"{scenario}.pt")
 
 
 def single() -> dict:

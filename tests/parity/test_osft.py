@@ -4,7 +4,6 @@ export (merge → save → from_pretrained), undo by identity, torch.compile. CP
 from __future__ import annotations
 
 import functools
-import socket
 
 import pytest
 import torch
@@ -361,16 +360,9 @@ def _emulated_worker(rank: int, world: int, port: int, scenario: str, out: str, 
 def test_split_precision_under_fsdp2_both_layouts(tmp_path):
     """Shard(1) (coefficients all-reduced: per-rank partial products in split precision) and Shard(0) (V_high
     gathered) with emulated tf32x3 match the single-process emulated run."""
-    import torch.multiprocessing as mp
-
     from tests.distributed import _osft_worker as worker
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = str(tmp_path / "fsdp.pt")
-    mp.spawn(_emulated_worker, args=(2, port, "fsdp", out, "tf32x3"), nprocs=2, join=True)
-    results = torch.load(out, weights_only=False)
+    results = worker.spawn_two(_emulated_worker, "fsdp", tmp_path / "fsdp.pt", "tf32x3")
     original = worker.Projector
     worker.Projector = functools.partial(Projector, precision="tf32x3", emulate=True)
     try:

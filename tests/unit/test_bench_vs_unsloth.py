@@ -122,8 +122,9 @@ def test_smoke_counts_every_real_token_once_and_only_real_tokens(smoke):
             assert sum(config["real_tokens"]) == real  # one epoch: each row trained once, pads never counted
             padded = sum(config["padded_tokens"])
             assert padded == real if case.kind == "fixed" else padded > real
-            # the peak so far, per step: CUDA's allocator counters, none on the CPU
-            assert config["peak_so_far_gib"] == [None] * len(config["real_tokens"])
+            # the step's own peak and the peak so far, per step: CUDA's allocator counters, none on the CPU
+            nothing = [None] * len(config["real_tokens"])
+            assert config["peak_so_far_gib"] == config["step_peak_gib"] == nothing
 
 
 def test_table_lists_trainer_settings_unlike_stock_per_case():
