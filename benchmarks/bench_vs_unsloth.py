@@ -32,7 +32,8 @@ Recorded per provider: median step (p20/p80), peak allocated GiB over training (
 and the cold start (process start to the end of the first step: imports, load, LoRA, compile), the loss of every
 step (agreement with stock), the collator's padding mode, the dynamo graph counts. A provider that fails is a row
 with its error (e.g. Unsloth on Gemma-2). Rows go to ``vs_unsloth.json`` / ``.md`` / ``.png`` in ``$BENCH_RESULTS``
-(or ``benchmarks/results``); a run of a subset replaces only its own rows.
+(or ``benchmarks/results``); a run of a subset replaces only its own rows. ``BENCH_TRACE_STEP=N``: what is alive at
+step N's peak (1-based), by the code that allocated it, in each record's ``peak_trace`` (``memory_peak.py``).
 
 GPU: stage the repo (src, tests, benchmarks, examples, pyproject.toml) in a folder at the checkout root, carry it
 with ``.whl_unsloth`` (``benchmarks/wheels_unsloth.sh``, 9 MB) and ``.whl_bnb`` (bitsandbytes), one GPU, and run from
@@ -69,6 +70,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import memory_peak
 from _vs_unsloth_report import WHOLE_RUN, plot, told, unlike_stock, whole_run
 
 
@@ -404,6 +406,8 @@ def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool, run_steps
         rec["extra"] = {**extra, "padding_free": bool(packed)}  # the trainer's setting, or leantrain's padding_free
         rec["args"] = trainer_settings(trainer)
         rec["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        if cuda and os.environ.get("BENCH_TRACE_STEP"):  # what is alive at that step's peak (memory_peak.py)
+            trainer.add_callback(memory_peak.step_peaks_callback(rec, int(os.environ["BENCH_TRACE_STEP"])))
         clock = install_clock(trainer, cuda, f"{case.name} {provider}")
         if cuda:
             torch.cuda.synchronize()

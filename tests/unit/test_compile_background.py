@@ -235,3 +235,67 @@ def test_an_autograd_function_call_of_another_form_stays_as_traced():
     node.kwargs = {**node.kwargs, "args_tensor_mask": [True, True]}
     assert background.eager_graph(gm) == 0
     assert node.target is autograd_function_apply
+
+
+class Aside(torch.autograd.Function):
+    """Two differentiable outputs, the second unused by the caller (as the intermediates Dynamo may return as extra
+    outputs of a traced function); its backward does not read the second's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        h = x @ w
+        ctx.save_for_backward(x, w)
+        return torch.sin(h), h * 3
+
+    @staticmethod
+    def backward(ctx, grad, grad_aside):
+        x, w = ctx.saved_tensors
+        dh = grad * torch.cos(x @ w)
+        return dh @ w.T, x.T @ dh
+
+
+class AsideRead(Aside):
+    """:class:`Aside` whose backward reads the second output's gradient."""
+
+    @staticmethod
+    def backward(ctx, grad, grad_aside):
+        x, w = ctx.saved_tensors
+        dh = grad * torch.cos(x @ w) + 3 * grad_aside
+        return dh @ w.T, x.T @ dh
+
+
+def aside(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return Aside.apply(torch.tanh(x), w)[0].sum()
+
+
+def aside_read(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return AsideRead.apply(torch.tanh(x), w)[0].sum()
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["unread", "read"])
+def test_an_output_no_gradient_reached_gets_zeros_only_where_the_backward_reads_them(reads):
+    """Autograd makes zeros for an output no gradient reached; the traced graph's functions make them only where
+    the backward graph reads that gradient (an unread one stays None: no intermediate-sized zeros), with the same
+    bits as the function run eagerly either way."""
+    fn = aside_read if reads else aside
+    x, w = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
+    gm, _ = captured(fn, x.requires_grad_(), w.requires_grad_())
+    assert background.eager_graph(gm) == 1
+    (node,) = gm.graph.find_nodes(op="call_function", target=background.run_function)
+    assert node.args[2][3] is not None and (1 in node.args[2][3]) == reads  # the aside's gradient: read or not
+    seen = []
+    bwd = getattr(gm, node.args[1].target)
+
+    class Recorder(torch.nn.Module):
+        def forward(self, *args):
+            seen.append(args[1])
+            return bwd(*args)
+
+    setattr(gm, node.args[1].target, Recorder())
+    got, want = grads_of(lambda a, b: gm(a, b)[0], x, w), grads_of(fn, x, w)
+    for g, e in zip(got, want, strict=True):
+        assert torch.equal(g, e)
+    (aside_grad,) = seen
+    assert (aside_grad is None) != reads
+    if reads:
+        assert torch.equal(aside_grad, torch.zeros(4, 8))

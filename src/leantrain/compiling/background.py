@@ -250,7 +250,7 @@ def eager_graph(gm: torch.fx.GraphModule) -> int:
             if not set(node.kwargs) <= set(_FUNCTION_KWARGS):
                 continue
             fwd, bwd, *args = node.args
-            indices = tuple(tuple(node.kwargs.get(k) or ()) for k in _FUNCTION_KWARGS)
+            indices = (*(tuple(node.kwargs.get(k) or ()) for k in _FUNCTION_KWARGS), read_placeholders(module, bwd))
             node.target, node.args, node.kwargs = run_function, (fwd, bwd, indices, *args), {}
             changed = True
             replaced += 1
@@ -259,7 +259,16 @@ def eager_graph(gm: torch.fx.GraphModule) -> int:
     return replaced
 
 
-def run_function(fwd: Any, bwd: Any, indices: tuple[tuple[int, ...], ...], *args: Any) -> Any:
+def read_placeholders(module: torch.fx.GraphModule, bwd: Any) -> tuple[int, ...] | None:
+    """The positions of the backward graph's inputs that it reads (its first inputs are the output gradients), or
+    None where ``bwd`` is not a graph module of ``module`` (every gradient then counts as read)."""
+    graph = getattr(module, bwd.target, None) if isinstance(bwd, torch.fx.Node) and bwd.op == "get_attr" else None
+    if not isinstance(graph, torch.fx.GraphModule):
+        return None
+    return tuple(i for i, node in enumerate(graph.graph.find_nodes(op="placeholder")) if node.users)
+
+
+def run_function(fwd: Any, bwd: Any, indices: tuple[Any, ...], *args: Any) -> Any:
     """``autograd_function_apply(fwd, bwd, *args, ...)`` as :class:`TracedFunction` (the graph's call target)."""
     return TracedFunction.apply(fwd, bwd, indices, *args)
 
@@ -268,18 +277,24 @@ class TracedFunction(torch.autograd.Function):
     """A traced ``autograd.Function``: ``fwd`` returns the output and the values its backward reads, ``bwd`` takes
     the output gradients and those values. Kept as the original function keeps them: what it passed to
     ``save_for_backward`` is saved so (freed after the backward, dropped and recomputed under non-reentrant
-    checkpointing, version-checked), what it stashed on ``ctx`` is stashed on ``ctx``. ``indices``: the outputs
-    marked dirty, the non-differentiable ones, the saved values that went through ``save_for_backward``."""
+    checkpointing, version-checked), what it stashed on ctx is stashed on ctx. ``indices``: the outputs marked
+    dirty, the non-differentiable ones, the saved values that went through ``save_for_backward``, and the gradients
+    ``bwd`` reads (None: all). An output no gradient reached gets zeros only where ``bwd`` reads its gradient: Dynamo
+    may return a function's intermediates as extra outputs (torch 2.11 does where the forward sets ``ctx``
+    attributes), whose zero gradients autograd would otherwise make, each an intermediate's size, at every
+    backward (measured on an H200: three of 128 MiB in an MoE layer's backward)."""
 
     @staticmethod
-    def forward(ctx: Any, fwd: Any, bwd: Any, indices: tuple[tuple[int, ...], ...], *args: Any) -> Any:
-        dirty, non_differentiable, saved_for_backward = indices
+    def forward(ctx: Any, fwd: Any, bwd: Any, indices: tuple[Any, ...], *args: Any) -> Any:
+        dirty, non_differentiable, saved_for_backward, ctx.read_grads = indices
         output, saved = fwd(*args)
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         ctx.bwd = bwd
         ctx.through_save = [i for i in saved_for_backward if isinstance(saved[i], torch.Tensor)]
         ctx.save_for_backward(*(saved[i] for i in ctx.through_save))
         ctx.stashed = [None if i in ctx.through_save else value for i, value in enumerate(saved)]
+        ctx.layouts = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outputs]
+        ctx.set_materialize_grads(False)
         if dirty:
             ctx.mark_dirty(*(outputs[i] for i in dirty))
         if non_differentiable:
@@ -291,8 +306,17 @@ class TracedFunction(torch.autograd.Function):
         saved = list(ctx.stashed)
         for i, tensor in zip(ctx.through_save, ctx.saved_tensors, strict=True):
             saved[i] = tensor
+        grads = tuple(_zeros_if_read(ctx, i, g) for i, g in enumerate(grads))
         result = ctx.bwd(*grads, *saved)
         return (None, None, None, *(result if isinstance(result, (tuple, list)) else (result,)))
+
+
+def _zeros_if_read(ctx: Any, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradient autograd would have made for output ``i`` (zeros), where none reached it and ``bwd`` reads it."""
+    if grad is not None or ctx.layouts[i] is None or (ctx.read_grads is not None and i not in ctx.read_grads):
+        return grad
+    shape, dtype, device = ctx.layouts[i]
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 # --- what the child needs (plain values) -------------------------------------------------------------------------
