@@ -28,22 +28,32 @@ def main(directory: Path) -> None:
         importlib.import_module(name).load_config(settings)
     gm = load_graph(job["graph"])
     dynamo_metadata(gm, job["static"])
-    inputs = [make_input(spec) for spec in job["inputs"]]
+    mode = fake_mode()
+    with mode:  # fake inputs: nothing of the layer is allocated on the parent's GPU
+        inputs = [make_input(spec) for spec in job["inputs"]]
     with parent_state(job["state"]):
-        fake_values(gm, inputs)
-        compile_into_cache(gm, inputs)
+        fake_values(gm, inputs, mode)
+        compile_into_cache(gm, inputs, mode)
 
 
-def compile_into_cache(gm: Any, inputs: list[Any]) -> None:
-    """Inductor's compile of the graph, as Dynamo's backend call runs it (a tracing context whose fake mode has a
-    shape env: without one the caches are bypassed), with the backward lowered now rather than at a first backward
-    that never comes here. Its FX graphs land in the on-disk cache; the compiled function is dropped."""
-    import torch
-    from torch._inductor.compile_fx import compile_fx
+def fake_mode() -> Any:
+    """The fake mode of the child's inputs and of its compile's tracing context (one: AOTAutograd takes the inputs'
+    mode and checks it against the context's), with a shape env (without one the caches are bypassed)."""
     from torch._subclasses import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    context = torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def compile_into_cache(gm: Any, inputs: list[Any], mode: Any) -> None:
+    """Inductor's compile of the graph, as Dynamo's backend call runs it (in a tracing context of the inputs' fake
+    mode), with the backward lowered now rather than at a first backward that never comes here. Its FX graphs land
+    in the on-disk cache; the compiled function is dropped. Nothing runs on the device: inductor tunes a kernel when
+    it first runs, which is in the training process."""
+    import torch
+    from torch._inductor.compile_fx import compile_fx
+
+    context = torch._guards.TracingContext(mode)
     with torch._guards.tracing(context), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         # static shapes, as Dynamo traced them (its inputs' symbolic contexts say so in the parent)
         compile_fx(gm, inputs, ignore_shape_env=True)
@@ -75,22 +85,20 @@ def dynamo_metadata(gm: Any, static: list[str | None]) -> None:
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": mark}
 
 
-def fake_values(gm: Any, inputs: list[Any]) -> None:
+def fake_values(gm: Any, inputs: list[Any], mode: Any) -> None:
     """Every node's ``example_value`` again (the parent leaves Dynamo's fakes behind), as Dynamo's graphs carry them:
     AOTAutograd reads them (its cache tells a tensor's method call from another object's by them)."""
-    from torch._subclasses import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    FakeTensorProp(gm, mode).propagate(*inputs)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     for node in gm.graph.nodes:
         if "val" in node.meta:
             node.meta["example_value"] = node.meta.pop("val")
 
 
 def make_input(spec: tuple[Any, ...]) -> Any:
-    """Zeros in the parent's input's shape, stride, storage offset, dtype and device (values never reach the compiled
-    code's choices: inductor's tuning runs its own inputs)."""
+    """An input in the parent's input's shape, stride, storage offset, dtype and device (made under a fake mode: no
+    memory; values never reach the compiled code's choices)."""
     import torch
 
     if spec[0] != "tensor":
