@@ -9,8 +9,9 @@ without and with an option).
 The case is one of ``bench_vs_unsloth.py``'s (its shapes, data, LoRA and trainer settings; a MoE case builds its
 experts in 4-bit as leantrain's provider does there, so it compares two ``--base-opt`` / ``--opt`` variants);
 ``--opt name=value`` passes options to ``patch_trainer`` (e.g. ``--opt compile_layers=False`` for what a short run
-gets). ``--profile`` adds one profiled segment per variant and writes its kernels by GPU time and the GPU's timeline
-over the segment's steps (``step_ab_<case>_<variant>_profile.txt``): time with a kernel running, idle time (the GPU
+gets; with ``compile_layers=True`` the layers compile in the process unless ``compile_layers_background`` is given).
+``--profile`` adds one profiled segment per variant and writes its kernels by GPU time and the GPU's timeline over
+the segment's steps (``step_ab_<case>_<variant>_profile.txt``): time with a kernel running, idle time (the GPU
 waited on the host), and the copies each way with the part no kernel ran beside (a copy that did not hide);
 ``--trace`` also writes the Chrome trace. ``--memory`` adds a segment of ``--memory-steps`` steps (2 by default) per
 variant and writes the peak allocated memory of each phase (each layer's forward and backward, the head and loss, the
@@ -322,6 +323,9 @@ def run(args: argparse.Namespace) -> list[Row]:
     cuda = not args.smoke
     case = vs.cases(args.smoke)[args.case or ("tiny-llama" if args.smoke else "qwen2.5-1.5b")]
     opts, base = parse_opts(args.opt), parse_opts(args.base_opt)
+    for given in (opts, base):  # compiled layers compile in the process: an A/B of steps, not of a run's first minute
+        if given.get("compile_layers") is True:
+            given.setdefault("compile_layers_background", False)
     opt_inductor = inductor_settings(args.opt_inductor)
     out_dir = Path(args.out) if args.out else None
     times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}

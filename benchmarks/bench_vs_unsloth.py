@@ -1,7 +1,8 @@
 """leantrain against Unsloth on the same TRL ``SFTTrainer`` runs: each (case, provider) in its own Python process.
 
 Providers: ``stock`` (TRL + PEFT as installed), ``leantrain`` (``patch_trainer(trainer)``), ``leantrain_compiled``
-(``patch_trainer(trainer, compile_layers=True)``; recorded as skipped when the installed leantrain has no such option),
+(``patch_trainer(trainer, compile_layers=True, compile_layers_background=False)``: compiled in the training process;
+recorded as skipped when the installed leantrain has no compile_layers option),
 ``leantrain_offload`` (``patch_trainer(trainer, offload_checkpoints=True)``; only when named in ``--providers``),
 ``leantrain_background`` (``patch_trainer(trainer, compile_layers=True, compile_layers_background=True)``: the layers
 compile in a child process while the first steps run uncompiled; only when named, with ``--timed-steps`` long enough
@@ -297,16 +298,16 @@ def patch(trainer: Any, provider: str) -> tuple[Any, str | None]:
     """(report or None, skip reason or None): leantrain's call for the provider."""
     import leantrain
 
-    if provider == "leantrain":
-        return leantrain.patch_trainer(trainer), None
-    if provider == "leantrain_offload":
-        return leantrain.patch_trainer(trainer, offload_checkpoints=True), None
-    if provider == "leantrain_background":
-        return leantrain.patch_trainer(trainer, compile_layers=True, compile_layers_background=True), None
+    options = {"leantrain": {}, "leantrain_offload": {"offload_checkpoints": True},
+               "leantrain_background": {"compile_layers": True, "compile_layers_background": True}}  # fmt: skip
+    if provider in options:
+        return leantrain.patch_trainer(trainer, **options[provider]), None
     if provider == "leantrain_compiled":
         try:
-            return leantrain.patch_trainer(trainer, compile_layers=True), None
+            return leantrain.patch_trainer(trainer, compile_layers=True, compile_layers_background=False), None
         except TypeError as error:  # an older leantrain: the option does not exist (unknown names raise TypeError)
+            if "compile_layers_background" in str(error):
+                return leantrain.patch_trainer(trainer, compile_layers=True), None
             if "compile_layers" not in str(error):
                 raise
             return None, f"the installed leantrain has no compile_layers option ({error})"

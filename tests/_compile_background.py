@@ -52,14 +52,16 @@ def held_child(tmp_path, monkeypatch) -> tuple:
 
 
 def background_against_references(
-    make, make_trainer, options: dict, batches: tuple[dict, dict], tmp_path, monkeypatch
+    make, make_trainer, options: dict, batches: tuple[dict, dict], tmp_path, monkeypatch, rounds_apart: bool = True
 ) -> None:
     """Three copies of one model (``make()``, each in ``make_trainer(model, path)``): background-compiled, eager and
     compiled in this process (each patched with ``options`` and its compile_layers switch). The child is held
     (``tests._held_child``) until the eager phase was seen. The first batch (the trace: the traced graph runs) equals
     eager; at a step boundary with the child still compiling the eager layers serve the second batch (no call of
     the traced graph) and equal eager; after the switch the second batch equals in-process inductor, and the switch
-    compiled nothing (cache hits only)."""
+    compiled nothing (cache hits only). ``rounds_apart``: the compiled kernels are known to round differently from
+    eager somewhere in this model (checked: the comparisons can tell the two apart); where they may not, what ran
+    after the switch is told by the cache hits and the retrace count alone."""
     release, traced = held_child(tmp_path, monkeypatch)
     patched = {}
     for name, switch in (("bg", BACKGROUND), ("eager", {"compile_layers": False}), ("here", {"compile_layers": True})):
@@ -89,5 +91,5 @@ def background_against_references(
     assert delta.get("fxgraph_cache_hit") == 2 * graphs and not delta.get("fxgraph_cache_miss"), delta
     assert_equal(switched, loss_and_grads(patched["here"][0], batches[1]))
     assert (stats(trainer).compiles, live.retraced) == (graphs, graphs)  # the switch's traces are no recompiles
-    # the comparison can tell them apart: inductor's kernels round differently from eager somewhere
-    assert not all(torch.equal(switched[1][n], g) for n, g in eager[1].items())
+    if rounds_apart:  # the comparison can tell them apart: inductor's kernels round differently from eager somewhere
+        assert not all(torch.equal(switched[1][n], g) for n, g in eager[1].items())

@@ -48,10 +48,10 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     )
 
 
-def lora_under_autocast(make, cuda, tmp_path, monkeypatch) -> None:
+def lora_under_autocast(make, cuda, tmp_path, monkeypatch, rounds_apart: bool = True) -> None:
     with torch.autocast("cuda", dtype=torch.bfloat16):
         background_against_references(
-            make, cuda_trainer, others_off("compile_layers"), batches(cuda), tmp_path, monkeypatch
+            make, cuda_trainer, others_off("compile_layers"), batches(cuda), tmp_path, monkeypatch, rounds_apart
         )
 
 
@@ -76,7 +76,9 @@ def test_qlora_layers_under_bf16_autocast(cuda, tmp_path, monkeypatch):
                                bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
     place = {"": cuda.index or 0}
     make = lambda: with_lora(AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map=place))  # noqa: E731
-    lora_under_autocast(make, cuda, tmp_path, monkeypatch)
+    # the tiny QLoRA layer's compiled kernels round as eager's do in some runs (its 4-bit dequantize and matmuls
+    # run the same kernels either way; the Triton configs tuned for the rest vary between runs): seen on an H200
+    lora_under_autocast(make, cuda, tmp_path, monkeypatch, rounds_apart=False)
 
 
 def test_moe4bit_layers_under_checkpointing(cuda, tmp_path, monkeypatch):
@@ -92,3 +94,22 @@ def test_moe4bit_layers_under_checkpointing(cuda, tmp_path, monkeypatch):
 
     options = {**others_off("compile_layers"), "moe4bit": True}
     background_against_references(make, cuda_trainer, options, batches(cuda), tmp_path, monkeypatch)
+
+
+def test_auto_mode_compiles_only_moe4bit_layers_in_a_child(cuda, tmp_path):
+    """Without the option: on CUDA the MoE layers whose 4-bit experts moe4bit serves compile in a child (auto mode's
+    measured choice, quoted in the report); dense LoRA layers compile in the training process."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    moe = tiny_model("qwen3_moe", seed=0, hidden=128, layers=2, vocab_size=VOCAB, dtype=torch.bfloat16)
+    moe.set_experts_implementation("eager")
+    leantrain.quantize_experts_4bit(moe)
+    moe = moe.to(cuda).train()
+    options = {**others_off("compile_layers"), "compile_layers": True}
+    detail = leantrain.patch_trainer(cuda_trainer(moe, tmp_path / "moe"), **{**options, "moe4bit": True})[
+        "compile_layers"
+    ].detail
+    assert "compiled in a child process" in detail and "auto: H200" in detail
+    dense = with_lora(tiny_model("llama", vocab_size=VOCAB, hidden=128, layers=2).to(cuda))
+    report = leantrain.patch_trainer(cuda_trainer(dense, tmp_path / "dense"), **options)
+    assert "child process" not in report["compile_layers"].detail

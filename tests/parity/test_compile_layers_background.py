@@ -229,6 +229,23 @@ def test_a_graph_that_cannot_be_handed_over_compiles_here(tmp_path, monkeypatch)
     assert live.in_process == ["the graph could not be handed to a child process (TypeError: not picklable here)"]
 
 
+def test_without_room_for_a_child_the_layers_compile_here(tmp_path, monkeypatch):
+    """The device has too little free memory after the first step: no child starts, the next step compiles in the
+    training process (as without the background option) and training goes on, nothing failed."""
+    reason = "0.50 GiB free on cuda:0 after the first step (a test's stand-in)"
+    checked = []
+    monkeypatch.setattr(background, "room_for_child", lambda devices: checked.append(devices) or reason)
+    trainer = tiny_trainer(tmp_path, steps=3)
+    leantrain.patch_trainer(trainer, **others_off("compile_layers"), **BACKGROUND)
+    trainer.train()
+    live = stats(trainer).background
+    assert checked and live.jobs and live.in_process == [reason] * len(live.jobs)
+    assert all(j.process is None and j.done and j.here == reason for j in live.jobs.values())
+    assert (live.retraced, live.eager_steps, live.eager) == (0, 0, False)
+    assert trainer.leantrain_report["compile_layers"].status is Status.APPLIED
+    assert trainer.state.global_step == 3 and not list(tmp_path.glob("**/child.log"))
+
+
 def test_unpatch_stops_the_children_and_removes_their_files(tmp_path):
     trainer = tiny_trainer(tmp_path)
     leantrain.patch_trainer(trainer, **others_off("compile_layers"), **BACKGROUND)
@@ -236,6 +253,7 @@ def test_unpatch_stops_the_children_and_removes_their_files(tmp_path):
     trainer.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
     live = stats(trainer).background
     (job,) = live.jobs.values()
+    assert job.process is None and live.start() == 1  # the child starts at a step boundary (here: by hand)
     assert job.process.poll() is None and job.directory.exists()
     leantrain.unpatch_trainer(trainer)
     assert job.process.poll() is not None and not job.directory.parent.exists()

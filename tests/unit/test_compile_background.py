@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses import FakeTensor
 
 from leantrain.compiling import _child, background
 
@@ -133,6 +134,9 @@ def test_the_child_rebuilds_each_inputs_layout():
         y = _child.make_input(spec)
         assert background.input_spec(y) == spec and y.storage_offset() == x.storage_offset()
         assert not y.any()
+        with _child.fake_mode():  # as the child makes them: the same layout, no memory
+            fake = _child.make_input(spec)
+        assert isinstance(fake, FakeTensor) and background.input_spec(fake) == spec
     assert _child.make_input(background.input_spec(3)) == 3
 
 
@@ -299,3 +303,17 @@ def test_an_output_no_gradient_reached_gets_zeros_only_where_the_backward_reads_
     assert (aside_grad is None) != reads
     if reads:
         assert torch.equal(aside_grad, torch.zeros(4, 8))
+
+
+def test_a_child_starts_only_where_its_gpu_has_room_for_it(monkeypatch):
+    """Twice a child's CUDA context free on each of the job's GPUs, read after a step; nothing to check on the host."""
+    gib = background.GIB
+    free = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 80 * gib))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert background.room_for_child((cpu,)) is None and background.room_for_child(()) is None
+    free["bytes"] = 2 * background.CHILD_GPU_BYTES - 1
+    reason = background.room_for_child((cpu, cuda))
+    assert reason is not None and f"{free['bytes'] / gib:.2f} GiB free on cuda:0" in reason
+    free["bytes"] = 2 * background.CHILD_GPU_BYTES
+    assert background.room_for_child((cuda,)) is None

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from leantrain.compile_layers.measured import MOE_4BIT, QUANTIZED_4BIT
-from leantrain.compile_layers.probe import slower_reason
+from leantrain.compile_layers.measured import BACKGROUND_MOE_4BIT, MOE_4BIT, QUANTIZED_4BIT
+from leantrain.compile_layers.probe import background_choice, slower_reason
 
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results" / "vs_unsloth.json"
@@ -75,3 +75,47 @@ def test_the_moe_row_is_the_committed_in_process_measurement():
     assert MOE_4BIT.compile_s == pytest.approx(first, abs=0.05)
     for base, compiled in runs:
         assert f"{base['p50']:.1f} -> {compiled['p50']:.1f} ms" in MOE_4BIT.evidence.detail
+
+
+def _first_steps(name: str, provider: str) -> list[float]:
+    rows = json.loads((RESULTS.parent / f"vs_unsloth_rounds_moe-qlora_{name}.json").read_text())
+    return [r["p50"] for r in rows if r["provider"] == provider and r["metric"] == "first step"]
+
+
+def test_the_background_evidence_is_the_committed_rounds():
+    """Auto mode's background evidence quotes the committed runs' first steps: the background compile's and the
+    in-process compile's, in run order."""
+    background = _first_steps("background", "leantrain_background") + _first_steps(
+        "background_fake_inputs", "leantrain_background"
+    )
+    compiled = _first_steps("background", "leantrain_compiled")
+    assert len(background) == 3 and len(compiled) == 2
+    quoted = " / ".join(f"{s:.1f}" for s in background) + " s against " + " / ".join(f"{s:.1f}" for s in compiled)
+    assert f"first step {quoted} s compiled in the training process" in BACKGROUND_MOE_4BIT.detail
+    assert max(background) <= 10 < min(compiled)
+
+
+class Experts(nn.Module):  # holds a bitsandbytes 4-bit layer, by its class's module (the probe imports nothing)
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = type("Linear4bit", (nn.Module,), {"__module__": "bitsandbytes.nn.modules"})()
+
+
+def _cfg(**given) -> types.SimpleNamespace:
+    values = {"compile_layers_background": None, "compile_layers_backend": "inductor"}
+    return types.SimpleNamespace(**{**values, "compile_layers_dynamic": "auto", **given})
+
+
+def test_auto_compiles_in_the_background_only_the_measured_moe_layers():
+    moe, dense = nn.ModuleDict({"experts": Experts()}), nn.Sequential(nn.Linear(2, 2), Linear4bit())
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    chosen = background_choice(_cfg(), cuda, moe, moe4bit_serves=True)
+    assert chosen == f"auto: {BACKGROUND_MOE_4BIT}"
+    assert background_choice(_cfg(), cuda, moe, moe4bit_serves=False) is None  # moe4bit off: not what was measured
+    assert background_choice(_cfg(), cuda, dense, moe4bit_serves=True) is None  # dense layers: in the process
+    assert background_choice(_cfg(), cpu, moe, moe4bit_serves=True) is None
+    assert background_choice(_cfg(compile_layers_backend="aot_eager"), cuda, moe, moe4bit_serves=True) is None
+    assert background_choice(_cfg(compile_layers_dynamic="always"), cuda, moe, moe4bit_serves=True) is None
+    # asked for: on or off as asked, anywhere
+    assert background_choice(_cfg(compile_layers_background=True), cpu, dense, moe4bit_serves=False) == ""
+    assert background_choice(_cfg(compile_layers_background=False), cuda, moe, moe4bit_serves=True) is None

@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from ..compiling import unsupported_reason
 from ..models import data_parallel_reason, decoder_parts, planned_steps, tokens_per_micro_batch, unwrap_model
 from ..optimization import PatchContext, Readiness
-from .measured import KNOWN_FAILURES, MEASURED, MOE_4BIT, QUANTIZED_4BIT, Measured
+from .measured import BACKGROUND_MOE_4BIT, KNOWN_FAILURES, MEASURED, MOE_4BIT, QUANTIZED_4BIT, Measured
 from .ops import Payback, mlp_min_rows
 
 
@@ -40,6 +40,7 @@ class CompilePlan:
     mlp_min_rows: int  # the micro-batch rows from which the chunks apply (ops.mlp_min_rows); 0: every micro-batch
     max_recompiles: int
     background: bool  # inductor's lowering in a child process while the traced layers run (compiling.background)
+    background_why: str  # auto mode's evidence where it chose the child process; "" where asked or off
     cache: str  # where inductor's FX-graph and AOTAutograd caches live, and whether they are on
     why: str
 
@@ -64,6 +65,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         return Readiness.no(*reasons).with_auto_rule(rule)
     prefix = getattr(model, "base_model_prefix", "model")
     trunk = next((n for n, m in model.named_modules() if m is parts.layers), f"{prefix}.layers")
+    background = background_choice(cfg, trainer.args.device, layers[0], served)
     plan = CompilePlan(
         family=family,
         layers=tuple((f"{trunk}.{i}", layer) for i, layer in enumerate(layers)),
@@ -74,7 +76,8 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         mlp_chunks=cfg.compile_layers_mlp_chunks,
         mlp_min_rows=mlp_min_rows(cfg.compile_layers_mlp_chunks, tokens_per_micro_batch(trainer)),
         max_recompiles=cfg.compile_layers_max_recompiles,
-        background=cfg.compile_layers_background,
+        background=background is not None,
+        background_why=background or "",
         cache=cache_description(cfg.compile_layers_backend),
         why="",
     )
@@ -82,6 +85,22 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         return Readiness.slower(slower, describe(plan), plan)
     plan = dataclasses.replace(plan, why=slower[1])
     return Readiness(detail=describe(plan), plan=plan)
+
+
+def background_choice(cfg: Any, device: torch.device, layer: nn.Module, moe4bit_serves: bool) -> str | None:
+    """Whether the layers compile in a child process (``compile_layers_background``): None for no, "" where asked,
+    else auto mode's evidence. Auto: on CUDA, inductor with static shapes first, for MoE layers whose 4-bit experts
+    moe4bit serves (the longest compile: measured to move the first step from 18-23 s to 6-8 s, the run as long)."""
+    if cfg.compile_layers_background is not None:
+        return "" if cfg.compile_layers_background else None
+    auto = (
+        device.type == "cuda"
+        and cfg.compile_layers_backend == "inductor"
+        and cfg.compile_layers_dynamic == "auto"
+        and moe4bit_serves
+        and _has_4bit_experts(layer)
+    )
+    return f"auto: {BACKGROUND_MOE_4BIT}" if auto else None
 
 
 def slower_reason(
@@ -259,7 +278,7 @@ def describe(plan: CompilePlan) -> str:
     )
     background = (
         "; compiled in a child process while the first steps run the layers uncompiled (the compiled code takes "
-        "over at a step boundary)"
+        "over at a step boundary" + (f"; {plan.background_why})" if plan.background_why else ")")
         if plan.background
         else ""
     )

@@ -45,6 +45,11 @@ logger = logging.getLogger("leantrain")
 
 CHILD_MODULE = "leantrain.compiling._child"
 DEADLINE_S = 1800.0  # a child still compiling after this long is stopped (its graph stays uncompiled)
+GIB = 1024**3
+# What a child holds on a GPU: its CUDA context, nothing of the layer (it compiles from fake inputs). Measured on an
+# H200 (torch 2.11, CUDA 13.0, 2026-12-02; nvidia-smi's per-process memory, one Qwen3-30B-A3B MoE layer in QLoRA):
+# 0.60 GiB at most. A child starts only where twice that is free after the first step.
+CHILD_GPU_BYTES = int(0.6 * GIB)
 # namespaces of ops that torch defines itself: the child has them without importing anything
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "higher_order", "_c10d_functional", "c10d", "profiler", "inductor"})
 # precision settings the FX-graph cache's key reads, (owner under torch, name), set in this order in the child:
@@ -72,17 +77,33 @@ _META_DROPPED = (
 
 
 class Job:
-    """One graph compiling in a child process; called as the compiled function, it runs the traced graph."""
+    """One graph to compile in a child process (``start()``); called as the compiled function, it runs the traced
+    graph."""
 
-    def __init__(self, gm: torch.fx.GraphModule, directory: Path, process: subprocess.Popen[bytes]) -> None:
-        self.gm, self.directory, self.process = gm, directory, process
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        directory: Path,
+        process: subprocess.Popen[bytes] | None = None,
+        devices: tuple[torch.device, ...] = (),
+    ) -> None:
+        self.gm, self.directory, self.process, self.devices = gm, directory, process, devices
         self.started = time.perf_counter()
         self.done = False
         self.failed: str | None = None
-        self.seconds: float | None = None  # from the hand-over to the step boundary that saw it finished
+        self.here: str | None = None  # why it compiles in the training process instead (no room for a child)
+        self.seconds: float | None = None  # from the child's start to the step boundary that saw it finished
 
     def __call__(self, *args: Any) -> Any:
         return self.gm.forward(*args)
+
+    def start(self) -> None:
+        """The child process, compiling the job's files (written at the hand-over)."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        with open(self.directory / "child.log", "wb") as log:
+            command = [sys.executable, "-m", CHILD_MODULE, str(self.directory)]
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.started = time.perf_counter()
 
     def error_line(self) -> str:
         """How the child ended: its exit code or signal, and its last error line (or last line)."""
@@ -90,7 +111,7 @@ class Job:
             lines = (self.directory / "child.log").read_text(errors="replace").strip().splitlines()
         except OSError:
             lines = []
-        code = self.process.returncode
+        code = self.process.returncode if self.process is not None else None
         how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
         errors = [line for line in lines if "Error" in line or "error" in line]
         last = (errors or lines or [""])[-1].strip()[:300]
@@ -128,7 +149,7 @@ class BackgroundBackend:
             key = graph_key(gm, example_inputs)
             job = self.jobs.get(key)
             if job is not None and job.done:  # traced again after promote(): the cache holds its code
-                self.retraced += 1
+                self.retraced += job.here is None
                 return self.inner(gm, example_inputs)
             if job is not None:  # traced again while its child still compiles (another graph was ready)
                 return job
@@ -139,7 +160,9 @@ class BackgroundBackend:
             else:
                 self.jobs[key] = job
                 logger.info(
-                    "leantrain: compiling in a child process (%s); the traced graph runs meanwhile", job.directory
+                    "leantrain: a child process compiles this graph from the next step on (%s); the traced graph "
+                    "runs meanwhile",
+                    job.directory,
                 )
                 return job
         self.in_process.append(reason)
@@ -162,12 +185,8 @@ class BackgroundBackend:
         eager_graph(gm)  # the child has its copy (pickled above): this one only runs here
         directory = Path(tempfile.mkdtemp(prefix=f"job{len(self.jobs)}-", dir=self._directory()))
         (directory / "job.pkl").write_bytes(pickle.dumps(job))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        with open(directory / "child.log", "wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, str(directory)], stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        return Job(gm, directory, process)
+        devices = tuple(dict.fromkeys(x.device for x in example_inputs if isinstance(x, torch.Tensor)))
+        return Job(gm, directory, devices=devices)
 
     def _directory(self) -> Path:
         if not self._roots:
@@ -179,10 +198,32 @@ class BackgroundBackend:
     def pending(self) -> list[Job]:
         return [j for j in self.jobs.values() if not j.done and j.failed is None]
 
+    def start(self) -> int:
+        """Start the child of every job handed over since the last step boundary, where its device has room for
+        one (``room_for_child``: checked now, after a step, when the training process holds its step's memory);
+        a job without room compiles here instead (at the next call: ``on_ready()``). How many started."""
+        started, here = 0, 0
+        for job in self.pending:
+            if job.process is not None:
+                continue
+            job.here = room_for_child(job.devices)
+            if job.here is None:
+                job.start()
+                started += 1
+                continue
+            job.done = True
+            here += 1
+            self.in_process.append(job.here)
+            logger.info("leantrain: compiling in this process: %s", job.here)
+        if here:
+            self.on_ready()
+        return started
+
     def promote(self) -> int:
-        """Mark every child that finished; where any did, ``on_ready()`` (Dynamo traces again at the next call and
-        those graphs compile here from the cache). A failed or overdue child goes to ``on_failure``. How many
-        finished now."""
+        """Start the children of the graphs handed over since (``start``); mark every child that finished; where
+        any did, ``on_ready()`` (Dynamo traces again at the next call and those graphs compile here from the
+        cache). A failed or overdue child goes to ``on_failure``. How many finished now."""
+        self.start()
         finished = 0
         for job in self.pending:
             code = job.process.poll()
@@ -206,7 +247,9 @@ class BackgroundBackend:
         self.on_failure(f"the background compile failed: {reason}")
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until every child has exited (tests, benchmarks); the next :meth:`promote` sees them finished."""
+        """Start the children not started yet, then block until every child has exited (tests, benchmarks); the
+        next :meth:`promote` sees them finished."""
+        self.start()
         for job in self.pending:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 job.process.wait(timeout_s)
@@ -215,9 +258,25 @@ class BackgroundBackend:
         self._finalizer()
 
 
+def room_for_child(devices: tuple[torch.device, ...]) -> str | None:
+    """Why a child process would not fit beside training on the job's GPU (its CUDA context, ``CHILD_GPU_BYTES``,
+    twice over: later steps may need more than the first), or None. Nothing to check on the host."""
+    for device in devices:
+        if device.type != "cuda":
+            continue
+        free, _ = torch.cuda.mem_get_info(device)
+        if free < 2 * CHILD_GPU_BYTES:
+            return (
+                f"{free / GIB:.2f} GiB free on {device} after the first step, under twice a compiling child's "
+                f"{CHILD_GPU_BYTES / GIB:.1f} GiB (its CUDA context): compiled in the training process, so the "
+                "child cannot leave training short of memory"
+            )
+    return None
+
+
 def _stop_all(jobs: dict[str, Job], roots: list[Path]) -> None:
     for job in jobs.values():
-        if job.process.poll() is None:
+        if job.process is not None and job.process.poll() is None:
             job.process.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 job.process.wait(5)

@@ -87,7 +87,7 @@ def auto_reason(device: str) -> str | None:
         return None
     return (
         f"its step cost was not within {measured.MAX_COST:.0%} of the step on every measured case "
-        f"({measured.EVIDENCE}); pass offload_checkpoints=True for the memory"
+        f"({measured.EVIDENCE}), so it is an option here: it frees the checkpointed layer inputs' GPU memory"
     )
 
 
