@@ -424,8 +424,8 @@ def run_worker(case: Case, provider: str, model_dir: Path, cuda: bool, run_steps
     rec["first_step_s"] = first["total_ms"] / 1e3
     rec["cold_start_s"] = first.get("since_start_s")
     rec["to_last_step_s"] = rec["steps"][-1].get("since_start_s")  # process start to the last step's end
-    if provider == "leantrain_background":
-        rec["background"] = background_summary(trainer)
+    if provider.startswith("leantrain"):  # auto mode compiles MoE-4bit layers in a child too
+        rec["background"] = background_summary(trainer) or None
     rec["graphs_total"] = rec["steps"][-1].get("graphs", 0)
     rec["graphs_after_first_step"] = rec["graphs_total"] - first.get("graphs", 0)
     return rec

@@ -64,13 +64,16 @@ def background_against_references(
     after the switch is told by the cache hits and the retrace count alone."""
     release, traced = held_child(tmp_path, monkeypatch)
     patched = {}
-    for name, switch in (("bg", BACKGROUND), ("eager", {"compile_layers": False}), ("here", {"compile_layers": True})):
+    # "here" names the in-process compile: auto mode would compile MoE-4bit layers on CUDA in a child too
+    here = {"compile_layers": True, "compile_layers_background": False}
+    for name, switch in (("bg", BACKGROUND), ("eager", {"compile_layers": False}), ("here", here)):
         model = make()
         trainer = make_trainer(model, tmp_path / name)
         report = leantrain.patch_trainer(trainer, **options, **switch)
         patched[name] = model, trainer, report
     model, trainer, report = patched["bg"]
     assert "compiled in a child process" in report["compile_layers"].detail
+    assert "child process" not in patched["here"][2]["compile_layers"].detail  # the reference compiles here
     assert_equal(loss_and_grads(model, batches[0]), loss_and_grads(patched["eager"][0], batches[0]))
     live = stats(trainer).background
     graphs = len(live.jobs)  # LoRA: the first layer's input needs no grad, the others' do (two graphs)
