@@ -728,8 +728,8 @@ def write_rounds(paths: list[str], case: str, args: argparse.Namespace) -> Path:
         rows += mine
     header = ["round", "provider", "median step ms (p20-p80)", "peak alloc GiB", "first step s", WHOLE_RUN]
     text = markdown_table(header, lines)
-    text += (f"\n\n{case}: each round a run of bench_vs_unsloth.py (one process per provider, in the order listed), "
-             f"the trainer told a {RUN_STEPS}-step run.\n")  # fmt: skip
+    text += f"\n\n{case}: each round a run of bench_vs_unsloth.py (one process per provider, in the order listed). "
+    text += told(rows, [case]).rstrip() + "\n"  # what the rows' trainers were told, not this file's default
     out = write_results(f"{NAME}_rounds_{case}", rows, text, Path(args.out) if args.out else None)
     print(text)
     return out

@@ -1,0 +1,32 @@
+"""benchmarks/bench_offload_hooks.py: the smoke run on CPU times the checkpointed chain with and without the offload's
+hooks, the hooks moving every layer's input (a chain without them would time nothing of theirs), and rejects shapes
+that time nothing."""
+
+from __future__ import annotations
+
+import json
+
+import bench_offload_hooks as bench
+import pytest
+
+
+def test_smoke_times_both_variants_and_the_hooks_move_each_layer_input(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    assert bench.main(["--smoke"]) == 0
+    rows = json.loads((tmp_path / "offload_hooks_smoke.json").read_text())
+    chains = {(r["x_value"], r["provider"]): r for r in rows if r["mode"] == "chain"}
+    assert set(chains) == {(t, v) for t in (16, 32) for v in ("stock", "hooks")}
+    for (tokens, variant), row in chains.items():
+        assert row["p50"] > 0 and row["p20"] <= row["p50"] <= row["p80"], row
+        layers = row["config"]["layers"]
+        assert row["config"]["packed_per_chain"] == (layers if variant == "hooks" else 0), (tokens, variant)
+    text = (tmp_path / "offload_hooks_smoke.md").read_text()
+    assert "µs a layer" in text and (tmp_path / "offload_hooks_smoke.png").exists()
+
+
+@pytest.mark.parametrize("argv", [["--layers", "0"], ["--tokens", ""], ["--tokens", "2048,-1"]])
+def test_shapes_that_time_nothing_are_refused(argv, monkeypatch, tmp_path):
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)  # past the no-CUDA check to the shape check
+    with pytest.raises(SystemExit, match="must be positive"):
+        bench.main(argv)
