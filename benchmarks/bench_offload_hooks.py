@@ -9,11 +9,14 @@ hooks (``HostOffload.context()`` around each checkpoint call, as the patch enter
 sleep kernel on the GPU, so the host issues the whole chain while the GPU is busy: ``time.perf_counter`` around the
 issue is the host's time, CUDA events around the chain the GPU's. The variants alternate within each round;
 medians over ``--rounds`` x ``--reps``. Then the host cost of each CUDA call the hooks make (the same sleep first),
-which says where a layer's hook time goes.
+which says where a layer's hook time goes. ``--baseline-ops FILE`` adds a third variant, the ``HostOffload`` of another
+copy of ``offload_checkpoints/ops.py`` (e.g. ``git show REV:src/leantrain/offload_checkpoints/ops.py > old_ops.py``),
+timed in the same rounds: a change to the hooks against what it replaces, on the same host at the same time.
 
 Writes ``offload_hooks.json`` / ``.md`` / ``.png`` to ``$BENCH_RESULTS`` or ``benchmarks/results``:
 
     python benchmarks/bench_offload_hooks.py                  # CUDA, about a minute
+    python benchmarks/bench_offload_hooks.py --baseline-ops old_ops.py   # the hooks now against an older copy
     python benchmarks/bench_offload_hooks.py --smoke          # CPU, seconds (the hooks' host copies; no CUDA calls)
 """
 
@@ -21,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from _harness import Row, bar_plot, markdown_table, write_results
@@ -36,6 +42,7 @@ from leantrain.offload_checkpoints.probe import MIN_BYTES
 
 SLEEP_MS = 60.0  # the GPU's busy time before each repetition: longer than the host takes to issue a chain
 PRIMITIVE_CALLS = 400
+VARIANT_TEXT = {"hooks": "this checkout's", "baseline_hooks": "the baseline's (--baseline-ops)"}
 
 
 def trivial_layer(t: torch.Tensor) -> torch.Tensor:
@@ -88,30 +95,48 @@ def time_chain(x: torch.Tensor, layers: int, hooks: HostOffload | None, busy: Gp
     return host_ms, events[0].elapsed_time(events[1])
 
 
+def baseline_hooks(path: Path) -> type:
+    """``HostOffload`` of another copy of ``ops.py`` (a module of plain imports: torch and the standard library)."""
+    if not path.is_file():
+        raise SystemExit(f"--baseline-ops {path}: no such file")
+    spec = importlib.util.spec_from_file_location("baseline_offload_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - any import failure of that copy is the user's to see
+        raise SystemExit(f"--baseline-ops {path} does not import on its own: {type(error).__name__}: {error}")
+    if not hasattr(module, "HostOffload"):
+        raise SystemExit(f"--baseline-ops {path} has no HostOffload")
+    return module.HostOffload
+
+
 def chain_rows(args: argparse.Namespace, device: torch.device, busy: GpuBusy) -> list[Row]:
     rows = []
     min_bytes = MIN_BYTES if device.type == "cuda" else 0
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-        hooks = HostOffload(budget_bytes=1 << 40, min_bytes=min_bytes)
-        variants = {"stock": None, "hooks": hooks}
+        variants: dict[str, Any] = {"stock": None, "hooks": HostOffload(budget_bytes=1 << 40, min_bytes=min_bytes)}
+        if args.baseline_ops:
+            variants["baseline_hooks"] = baseline_hooks(Path(args.baseline_ops))(1 << 40, min_bytes)
         for variant in variants.values():  # warm-up: the allocators' blocks, the side stream, pinned memory
             time_chain(x, args.layers, variant, busy)
-        packed_before = hooks.stats.packed
+        packed_before = {name: v.stats.packed for name, v in variants.items() if v is not None}
         times: dict[str, list[tuple[float, float | None]]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for _ in range(args.reps):
                 for name, variant in variants.items():
                     times[name].append(time_chain(x, args.layers, variant, busy))
-        packed_per_chain = (hooks.stats.packed - packed_before) / (args.rounds * args.reps)
         for name, samples in times.items():
+            hooks = variants[name]
             host = sorted(t[0] for t in samples)
             gpu = [t[1] for t in samples if t[1] is not None]
+            packed = (hooks.stats.packed - packed_before[name]) / len(samples) if hooks is not None else 0
             config = {"layers": args.layers, "hidden": args.hidden, "dtype": "bfloat16", "samples": len(samples),
-                      "gpu_ms": statistics.median(gpu) if gpu else None,
-                      "packed_per_chain": packed_per_chain if name == "hooks" else 0,
-                      "fetched_ahead": hooks.stats.fetched_ahead if name == "hooks" else 0,
-                      "waited": hooks.stats.waited if name == "hooks" else 0}  # fmt: skip
+                      "gpu_ms": statistics.median(gpu) if gpu else None, "packed_per_chain": packed,
+                      "fetched_ahead": hooks.stats.fetched_ahead if hooks is not None else 0,
+                      "waited": hooks.stats.waited if hooks is not None else 0,
+                      "ops": args.baseline_ops if name == "baseline_hooks" else None}  # fmt: skip
             spread = percentile(host, 0.2), percentile(host, 0.8)
             rows.append(Row("offload_hooks", name, "chain", "host time", "ms", "tokens", tokens,
                             statistics.median(host), *spread, config))  # fmt: skip
@@ -179,21 +204,25 @@ def primitive_rows(device: torch.device, busy: GpuBusy, calls: int = PRIMITIVE_C
 def table(rows: list[Row]) -> str:
     chains = {(r.x_value, r.provider): r for r in rows if r.mode == "chain"}
     lines = []
-    for tokens in dict.fromkeys(t for t, _ in chains):
-        stock, hooks = chains[(tokens, "stock")], chains[(tokens, "hooks")]
-        layers = hooks.config["layers"]
+    for (tokens, variant), hooks in chains.items():
+        if variant == "stock":
+            continue
+        stock = chains[(tokens, "stock")]
         extra = hooks.p50 - stock.p50
-        gpu = [r.config["gpu_ms"] for r in (stock, hooks)]
-        lines.append([tokens, f"{stock.p50:.2f} ({stock.p20:.2f}-{stock.p80:.2f})",
+        lines.append([tokens, VARIANT_TEXT[variant], f"{stock.p50:.2f} ({stock.p20:.2f}-{stock.p80:.2f})",
                       f"{hooks.p50:.2f} ({hooks.p20:.2f}-{hooks.p80:.2f})", f"{extra:+.2f}",
-                      f"{extra / layers * 1e3:.0f}", f"{hooks.config['packed_per_chain']:g}",
-                      " / ".join("–" if g is None else f"{g:.3f}" for g in gpu)])  # fmt: skip
+                      f"{extra / hooks.config['layers'] * 1e3:.0f}", f"{hooks.config['packed_per_chain']:g}",
+                      " / ".join("–" if r.config["gpu_ms"] is None else f"{r.config['gpu_ms']:.3f}"
+                                 for r in (stock, hooks))])  # fmt: skip
     first = next(r for r in rows if r.mode == "chain").config
     text = markdown_table(
-        ["tokens", "stock checkpointing, host ms (p20-p80)", "with the hooks, host ms", "hooks' ms a step",
+        ["tokens", "hooks", "stock checkpointing, host ms (p20-p80)", "with the hooks, host ms", "hooks' ms a step",
          "µs a layer (forward and backward)", "inputs moved a step", "GPU ms stock / hooks"],
         lines,
     )  # fmt: skip
+    baseline = next((r.config["ops"] for r in rows if r.provider == "baseline_hooks"), None)
+    if baseline:
+        text += f"\n\nThe baseline hooks: `HostOffload` of `{baseline}`."
     text += (
         f"\n\n{first['layers']} checkpointed layers (a trivial layer), hidden {first['hidden']}, bf16, forward and "
         "backward; the host's time to issue the chain while a sleep kernel keeps the GPU busy, medians of "
@@ -214,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--baseline-ops", default="", help="another copy of offload_checkpoints/ops.py to time beside")
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -232,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "offload_hooks_smoke" if args.smoke else "offload_hooks"
     out = write_results(name, rows, table(rows), Path(args.out) if args.out else None)
     chains = [r for r in rows if r.mode == "chain"]
-    series = {p: [r.p50 for r in chains if r.provider == p] for p in ("stock", "hooks")}
+    series = {p: [r.p50 for r in chains if r.provider == p] for p in dict.fromkeys(r.provider for r in chains)}
     bar_plot(out / f"{name}.png", "host time to issue the checkpointed chain", [str(t) for t in args.tokens], series,
              "host ms (tokens of a layer input below)")  # fmt: skip
     print(table(rows))
