@@ -36,7 +36,7 @@ import torch
 from _harness import Row, bar_plot, markdown_table, write_results
 from torch.utils.checkpoint import checkpoint
 
-from leantrain.offload_checkpoints.ops import HostOffload
+from leantrain.offload_checkpoints.ops import HostOffload, SideStream
 from leantrain.offload_checkpoints.probe import MIN_BYTES
 
 
@@ -171,6 +171,13 @@ def primitives(device: torch.device) -> dict[str, Callable[[], object]]:
     def new_event() -> None:
         torch.cuda.Event().record(side)
 
+    lane = SideStream(device)
+    compute = lane.compute()
+
+    def set_stream_there_and_back() -> None:
+        torch.cuda.set_stream(lane.stream)
+        torch.cuda.set_stream(compute)
+
     return {
         "torch.cuda.current_stream(device)": lambda: torch.cuda.current_stream(device),
         "event.record(current stream) + side.wait_event (the side stream after the compute)": side_after_compute,
@@ -181,6 +188,9 @@ def primitives(device: torch.device) -> dict[str, Callable[[], object]]:
         "torch.empty on the device (a cached block)": lambda: torch.empty(x.shape, dtype=x.dtype, device=device),
         "torch.empty on the device + record_stream(side)": empty_and_record_stream,
         "torch.cuda.Event() + record": new_event,
+        "SideStream.compute() (the current stream, one object kept per raw stream)": lane.compute,
+        "torch.cuda.set_stream(side) + set_stream(compute) (SideStream.copy's switch)": set_stream_there_and_back,
+        "SideStream.copy(host, x) (the side after the compute, the copy there)": lambda: lane.copy(host, x, compute),
     }
 
 

@@ -116,6 +116,30 @@ def test_a_second_backward_copies_again():
     assert torch.equal(h.grad, stock)
 
 
+def test_a_copy_back_dropped_before_its_unpack_keeps_its_block_until_the_copy_ends():
+    """The graph dropped after a copy back started (an unpack fetches the input before it) and before that input's
+    own unpack: the copy may still be writing, so the next allocation of that size must get another block, and its
+    values must be its own. (A copy back that was waited for needs no such care, and gets none.)"""
+    offload = HostOffload(budget_bytes=GIB)
+    shape = (ROWS + 1, WIDTH)  # a size nothing else here frees: the allocator's best fit is the dropped block
+    inputs = [torch.empty(shape, device="cuda", dtype=torch.bfloat16).normal_() for _ in range(2)]  # kept alive
+    older, newest = offload.pack(inputs[0]), offload.pack(inputs[1])
+    torch.full((1,), 7.0, device="cuda", dtype=torch.bfloat16)  # loads the fill kernel now: a first load waits for
+    # the GPU to go idle, which would end the sleep below before the allocation it is there for
+    torch.cuda._sleep(2_000_000_000)  # about a second: the copy back queued next waits behind it
+    offload.unpack(newest)  # the newest is served from the device; the older one's copy back starts
+    assert older.fetched is not None and offload.stats.fetched_ahead == 1
+    fetched_block = older.fetched.data_ptr()
+    del older  # dropped unwaited (no cycle holds it): the block goes back to the allocator behind the copy
+    fresh = torch.full(shape, 7.0, device="cuda", dtype=torch.bfloat16)  # queued behind the sleep, like the copy
+    assert not torch.cuda.current_stream().query(), "the sleep ended before the allocation: nothing was tested"
+    assert fresh.data_ptr() != fetched_block
+    torch.cuda.synchronize()
+    assert bool((fresh == 7).all())
+    del newest
+    assert offload.stats.live_bytes == 0
+
+
 def lora_model(quantized: bool = False) -> torch.nn.Module:
     import peft
 

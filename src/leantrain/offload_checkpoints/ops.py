@@ -11,7 +11,11 @@ the most recent input until the next one is packed: the last layer's input is th
 never waits for a copy back. The unpack of one input starts the copy back of the input packed before it (the next the
 backward needs) on the side stream, so each copy hides under a layer's recompute and backward. Host memory is bounded:
 an input past the budget stays on the device (stock checkpointing for that layer) and is counted. On the host itself
-(a model on CPU) the pack keeps a copy, which is how the mechanism is tested without a GPU."""
+(a model on CPU) the pack keeps a copy, which is how the mechanism is tested without a GPU.
+
+Where the host issues the step about as fast as the GPU runs it, the hooks' own host work is the offload's cost, so
+each layer makes only the CUDA calls that queue work (:class:`SideStream`): no stream context manager, no new
+``Stream`` or ``Event`` object per call."""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ import torch
 
 
 GIB = 1024**3
+# The current stream's raw handle, without building a ``Stream`` object (the call inductor's generated code makes);
+# absent from builds without CUDA.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 @dataclass
@@ -60,7 +67,7 @@ class OffloadStats:
 class Offloaded:
     """One checkpointed input in host memory, and what the backward needs to bring it back."""
 
-    __slots__ = ("__weakref__", "device", "device_copy", "fetched", "host", "nbytes", "previous", "ready", "stats")
+    __slots__ = ("__weakref__", "device", "device_copy", "fetched", "host", "lane", "nbytes", "previous", "stats")
 
     def __init__(self, host: torch.Tensor, device: torch.device, stats: OffloadStats, previous: Any) -> None:
         self.host = host
@@ -70,11 +77,56 @@ class Offloaded:
         self.previous = previous  # weakref to the input packed before this one (the next the backward needs)
         self.device_copy: torch.Tensor | None = None  # the original, kept while this is the newest input (CUDA)
         self.fetched: torch.Tensor | None = None  # a copy back started ahead of the unpack
-        self.ready: Any = None  # the CUDA event that copy records
+        self.lane: SideStream | None = None  # the side stream that copy runs on
         stats.hold(self.nbytes)
 
     def __del__(self) -> None:
+        # A copy back that no unpack waited for (the graph dropped before its backward): the copy may still be
+        # writing, so the block must not go back to the compute stream's pool before it ends. A copy that was
+        # waited for needs nothing: every later use of the block is queued after that wait.
+        if self.fetched is not None and self.lane is not None:
+            self.fetched.record_stream(self.lane.stream)
         self.stats.release(self.nbytes)
+
+
+class SideStream:
+    """One device's side stream and the few CUDA calls a layer's copies need, each without the host work of torch's
+    conveniences: ``torch.cuda.current_stream`` builds a new ``Stream`` object per call (kept here per raw stream),
+    ``with torch.cuda.stream(...)`` looks up and sets streams on two devices (here one ``set_stream`` each way), and
+    a copy back records one event shared by all (a wait on it covers every copy queued before, in stream order)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.stream = torch.cuda.Stream(self.index)
+        self.compute_done = torch.cuda.Event()  # the compute stream's position, for the side stream to wait on
+        self.copied_back = torch.cuda.Event()  # the newest copy back, for the compute stream to wait on
+        self._compute: dict[int, torch.cuda.Stream] = {}
+
+    def compute(self) -> torch.cuda.Stream:
+        """The device's current stream: where the layer's work and the unpacked input's users run."""
+        if _raw_stream is None:
+            return torch.cuda.current_stream(self.index)
+        raw = _raw_stream(self.index)
+        stream = self._compute.get(raw)
+        if stream is None:
+            stream = self._compute[raw] = torch.cuda.current_stream(self.index)
+        return stream
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, compute: torch.cuda.Stream) -> None:
+        """``dst.copy_(src)`` on the side stream, after all the compute stream has queued so far (``src`` is
+        computed there; ``dst``'s block may have had users there). The event is recorded anew each time: a wait takes
+        the record current when it is queued, and ``Stream.wait_stream`` would create an event per call."""
+        self.compute_done.record(compute)
+        self.stream.wait_event(self.compute_done)
+        if torch.cuda.current_device() != self.index:  # set_stream would also switch the current device
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+            return
+        torch.cuda.set_stream(self.stream)
+        try:
+            dst.copy_(src, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(compute)
 
 
 class HostOffload:
@@ -92,10 +144,11 @@ class HostOffload:
         self.stats = OffloadStats()
         self.failed = False
         self._newest: weakref.ref[Offloaded] | None = None
-        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
+        self._lanes: dict[torch.device, SideStream] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)  # holds no state: reused
 
     def context(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return self._hooks
 
     # -- the forward
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -131,11 +184,10 @@ class HostOffload:
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type != "cuda":
             return tensor.detach().clone()
-        side = self._side_after_compute(tensor.device)  # the input is computed before it is copied
+        lane = self._lane(tensor.device)
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        with torch.cuda.stream(side):
-            host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(side)  # its block is not reused before the copy has read it
+        lane.copy(host, tensor, lane.compute())
+        tensor.record_stream(lane.stream)  # its block is not reused before the copy has read it
         return host
 
     # -- the backward
@@ -158,32 +210,25 @@ class HostOffload:
         if item.fetched is None:
             self.stats.waited += 1
             self._fetch(item)
-        torch.cuda.current_stream(item.device).wait_event(item.ready)
+        lane = item.lane
+        lane.compute().wait_event(lane.copied_back)  # recorded at or after this item's copy back
         tensor, item.fetched = item.fetched, None
         return tensor
 
     def _fetch(self, item: Offloaded) -> None:
         if item.device.type != "cuda":
             return
+        lane = self._lane(item.device)
         tensor = torch.empty(item.host.shape, dtype=item.host.dtype, device=item.device)  # on the compute stream
-        side = self._side_after_compute(item.device)  # the block's earlier users on the compute stream are done
-        with torch.cuda.stream(side):
-            tensor.copy_(item.host, non_blocking=True)
-            item.ready = torch.cuda.Event()
-            item.ready.record(side)
-        tensor.record_stream(side)
-        item.fetched = tensor
+        lane.copy(tensor, item.host, lane.compute())
+        lane.copied_back.record(lane.stream)
+        item.fetched, item.lane = tensor, lane
 
-    def _side_after_compute(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream, made to wait for what the compute stream has queued so far. One event per device,
-        recorded anew each time (a wait takes the record current when it is queued): ``Stream.wait_stream`` would
-        create one per call, host work on every layer of a host-bound step."""
-        if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Event())
-        side, compute_done = self._streams[device]
-        compute_done.record(torch.cuda.current_stream(device))
-        side.wait_event(compute_done)
-        return side
+    def _lane(self, device: torch.device) -> SideStream:
+        lane = self._lanes.get(device)
+        if lane is None:
+            lane = self._lanes[device] = SideStream(device)
+        return lane
 
     def _fail(self, reason: str) -> None:
         self.failed = True
