@@ -37,8 +37,10 @@ class Case:
 # +1.0%; the runs of fewer, longer segments measured up to +15% that way too (QLoRA, 6 pairs), so a slow host's
 # share is real: auto mode still reads the worst run of each case. Longer paired runs on 2026-12-02
 # (step_ab_offload_pairs_*.md: 16, 16 and 12 pairs, the same batches) put the padded cases within 3% at the median of
-# the pairs (Llama -1.1%, QLoRA +1.4%, Qwen +2.2%) but Qwen's matched steps summed to +3.3%, and padding-free varying
-# lengths has no such run of these hooks yet: not enough to turn it on.
+# the pairs (Llama -1.1%, QLoRA +1.4%, Qwen +2.2%) but Qwen's matched steps summed to +3.3%; with the hooks' host
+# work cut again (SideStream), padding-free varying lengths measured 1.034x over 8 pairs and QLoRA 0.956x over 12
+# (+4.4%; its GPU idle half the step, waiting on the host: step_ab_offload_qlora_profiled.md): not enough to turn it
+# on.
 MEASURED = {
     "llama-3.2-1b": Case(cost=0.075, saved_gib=0.37),
     "llama-3.2-1b-qlora": Case(cost=0.191, saved_gib=0.41),
