@@ -38,7 +38,9 @@ sampler, so a pair's steps at the same position where neither compiled train the
 their summed times is the cost on those batches, which with varying lengths the segment medians confound when one
 segment drops its compiling long batch) go to ``step_ab.json`` / ``.md`` in ``$BENCH_RESULTS`` or
 ``benchmarks/results``. With varying lengths, give ``--steps`` enough steps that each segment times some of the
-longest batches after the one that compiles their graph.
+longest batches after the one that compiles their graph. After each pair but the last, the pairs done so far are
+written under the same name (marked partial, in the JSON's ``config.partial`` and the markdown), so a run that its
+time limit stops keeps them; the finished run overwrites them.
 """
 
 from __future__ import annotations
@@ -377,14 +379,34 @@ def run(args: argparse.Namespace) -> list[Row]:
                     print(f"segment {k + 1}: {variant} {median_or_nan(kept):.1f} ms{first}{more}", flush=True)
                 if patched:
                     leantrain.unpatch_trainer(trainer)
+            if k % 2 and k < 2 * args.pairs - 1:  # a pair done and more to come: what a run cut short leaves
+                rows = rows_of(case.name, opts, base, times, peaks, args.name, steps)
+                write_partial(args, out_dir, with_run_config(rows, args, firsts, dropped, opt_inductor), (k + 1) // 2)
     rows = rows_of(case.name, opts, base, times, peaks, args.name, steps)
-    for row, variant in zip(rows, times, strict=True):
+    return with_run_config(rows, args, firsts, dropped, opt_inductor)
+
+
+def with_run_config(
+    rows: list[Row], args: argparse.Namespace, firsts: dict[str, list[float]], dropped: dict[str, int],
+    opt_inductor: dict[str, Any],
+) -> list[Row]:  # fmt: skip
+    """``rows`` (one a variant, in ``VARIANTS`` order) with the run's first steps, dropped steps and settings."""
+    for row, variant in zip(rows, VARIANTS, strict=True):
         row.config["first_step_ms"] = [round(ms, 1) for ms in firsts[variant]]
         row.config["compiling_steps_dropped"] = dropped[variant]
         own = opt_inductor if variant == "leantrain" else {}
         row.config["inductor"] = {k: repr(v) for k, v in {**inductor_settings(args.inductor), **own}.items()}
         row.config["own_inductor"] = {k: repr(v) for k, v in own.items()}
     return rows
+
+
+def write_partial(args: argparse.Namespace, out_dir: Path | None, rows: list[Row], done: int) -> None:
+    """The rows of the pairs done so far, under the run's name (the finished run overwrites them): a run that its
+    time limit stops keeps its pairs."""
+    for row in rows:
+        row.config["partial"] = f"{done} of {args.pairs} pairs"
+    note = f"\n**Partial: {done} of {args.pairs} pairs** (written while the run went on; it did not finish).\n"
+    write_results(args.name, rows, table(rows) + note, out_dir)
 
 
 def inductor_settings(pairs: list[str]) -> dict[str, Any]:

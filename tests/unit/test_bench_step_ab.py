@@ -74,6 +74,37 @@ def test_smoke_alternates_variants_and_writes_rows_table_and_profiles(tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_run_stopped_after_a_pair_keeps_that_pair_marked_partial(tmp_path, monkeypatch):
+    """A run its time limit stops (here: its third segment raises) has written the pairs it finished, marked partial;
+    a run that finishes leaves no such mark."""
+    for name in ("trl", "peft", "datasets"):
+        pytest.importorskip(name)
+    real_segment, calls = ab.segment, []
+
+    def segment_then_stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("the call's time limit")
+        return real_segment(*args, **kwargs)
+
+    monkeypatch.setattr(ab, "segment", segment_then_stop)
+    argv = ["--smoke", "--pairs", "3", "--steps", "2", "--base-opt", "compile_layers=False", "--opt",
+            "compile_layers=False", "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        ab.main(argv)
+    rows = {r["provider"]: r for r in json.loads((tmp_path / "step_ab.json").read_text())}
+    assert set(rows) == {"base", "leantrain"}
+    for row in rows.values():
+        assert row["config"]["partial"] == "1 of 3 pairs" and len(row["config"]["segment_medians_ms"]) == 1
+    assert "**Partial: 1 of 3 pairs**" in (tmp_path / "step_ab.md").read_text()
+    monkeypatch.setattr(ab, "segment", real_segment)
+    ab.main(argv)
+    rows = json.loads((tmp_path / "step_ab.json").read_text())
+    assert all("partial" not in r["config"] and len(r["config"]["segment_medians_ms"]) == 3 for r in rows)
+    assert "Partial" not in (tmp_path / "step_ab.md").read_text()
+
+
+@pytest.mark.slow
 def test_padding_free_benchmark_alternates_padded_and_padding_free_batches(tmp_path):
     for name in ("trl", "peft", "datasets"):
         pytest.importorskip(name)
