@@ -23,10 +23,10 @@ from transformers import Trainer, TrainingArguments
 import leantrain
 from leantrain import NotReadyError, Status
 from leantrain.cli.tiny import tiny_model
+from leantrain.offload_checkpoints import hooks, stats
 from leantrain.offload_checkpoints import measured as offload_measured
 from leantrain.offload_checkpoints import patch as offload_patch
 from leantrain.offload_checkpoints import probe as offload_probe
-from leantrain.offload_checkpoints import stats
 from leantrain.offload_checkpoints.ops import GIB, EmbeddingOutput, HostOffload, host_budget_bytes
 from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
@@ -332,6 +332,28 @@ def test_a_failed_host_copy_warns_once_and_training_goes_on(tmp_path, monkeypatc
     assert len([w for w in warned if "offload_checkpoints" in str(w.message)]) == 1
     outcome = ours[2].leantrain_report["offload_checkpoints"]
     assert outcome.status is Status.FAILED and "stock checkpointing" in outcome.reasons[0]
+
+
+def test_a_paused_offload_leaves_that_steps_inputs_on_the_device_and_trains_as_stock(tmp_path):
+    """``hooks(trainer).paused`` set before step 2 and cleared before step 3: step 2 moves nothing, the others move
+    every layer's input, and the run equals stock checkpointing's."""
+
+    class PauseSecondStep(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            hooks(trainer).paused = state.global_step == 1  # the second step (0-based before it runs)
+            packed_before.append(stats(trainer).packed)
+
+    stock = run(tiny, tmp_path, None, **checkpointed())
+    trainer = trainer_for(tiny(), tmp_path, **checkpointed())
+    leantrain.patch_trainer(trainer, **only("offload_checkpoints"))
+    packed_before: list[int] = []
+    trainer.add_callback(PauseSecondStep())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert_same_run(stock, (losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
+    assert packed_before == [0, LAYERS, LAYERS] and stats(trainer).packed == 2 * LAYERS
+    leantrain.unpatch_trainer(trainer)
+    assert hooks(trainer) is None
 
 
 def test_unpatch_restores_the_layers(tmp_path):

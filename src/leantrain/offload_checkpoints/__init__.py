@@ -38,4 +38,12 @@ def stats(trainer: Any) -> Any:
     return getattr(trainer, STATS_ATTR, None)
 
 
-__all__ = ["OffloadCheckpoints", "OffloadPlan", "stats"]
+def hooks(trainer: Any) -> Any:
+    """The patched trainer's ``HostOffload``, or None: ``hooks(trainer).paused = True`` keeps the checkpointed inputs
+    on the device (stock checkpointing) from the next layer on, ``False`` moves them again."""
+    from .patch import HOOKS_ATTR
+
+    return getattr(trainer, HOOKS_ATTR, None)
+
+
+__all__ = ["OffloadCheckpoints", "OffloadPlan", "hooks", "stats"]

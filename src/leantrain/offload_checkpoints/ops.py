@@ -135,7 +135,9 @@ class HostOffload:
 
     ``budget_bytes``: the most host bytes held at once; past it an input stays on the device. ``min_bytes``: inputs
     smaller than this stay on the device (a copy costs more than it frees). ``on_failure(reason)``: called once when
-    host memory cannot be had (pinned allocation fails); every later input then stays on the device."""
+    host memory cannot be had (pinned allocation fails); every later input then stays on the device. ``paused``: while
+    True, the patch calls the checkpoint outside the hooks (stock checkpointing), from the next layer on: the same
+    trainer's steps with and without the offload, a step apart (``benchmarks/bench_offload_toggle.py``)."""
 
     def __init__(self, budget_bytes: int, min_bytes: int = 0, on_failure: Callable[[str], None] | None = None) -> None:
         self.budget_bytes = budget_bytes
@@ -143,6 +145,7 @@ class HostOffload:
         self.on_failure = on_failure
         self.stats = OffloadStats()
         self.failed = False
+        self.paused = False
         self._newest: weakref.ref[Offloaded] | None = None
         self._lanes: dict[torch.device, SideStream] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)  # holds no state: reused

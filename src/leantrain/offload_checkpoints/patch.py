@@ -22,6 +22,7 @@ from .probe import OffloadPlan
 
 
 STATS_ATTR = "leantrain_offload_checkpoints"  # on the trainer: the live OffloadStats
+HOOKS_ATTR = "leantrain_offload_hooks"  # on the trainer: the HostOffload (its ``paused`` switch)
 FUNC_ATTR = "_gradient_checkpointing_func"  # transformers' per-layer checkpoint function
 INNER = "__leantrain_offload_inner__"  # on a wrapped function: the checkpoint function it wraps
 
@@ -39,18 +40,19 @@ def install(plan: OffloadPlan, undo: Undo, fallback: RuntimeFallback, trainer: A
     hook = plan.trunk.register_forward_pre_hook(lambda module, args: wrap_layers(layers, offload, embedding))
     undo.push(lambda: (hook.remove(), unwrap_layers(layers)))
     undo.set_attr(trainer, STATS_ATTR, offload.stats)
+    undo.set_attr(trainer, HOOKS_ATTR, offload)
     return tuple(name for name, _ in plan.layers)
 
 
 def offloading(
     offload: HostOffload, checkpoint_func: Callable[..., Any], embedding: EmbeddingOutput | None = None
 ) -> Callable[..., Any]:
-    """``checkpoint_func`` called inside the offload hooks (outside them once the offload failed); the embedding
-    output that only PEFT's input-gradient hook made require grad is handed on without that gradient
-    (``ops.GradientSink``), so autograd does not hold it through the backward."""
+    """``checkpoint_func`` called inside the offload hooks (outside them once the offload failed or while it is
+    paused); the embedding output that only PEFT's input-gradient hook made require grad is handed on without that
+    gradient (``ops.GradientSink``), so autograd does not hold it through the backward."""
 
     def checkpoint_offloaded(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if offload.failed or not torch.is_grad_enabled():
+        if offload.failed or offload.paused or not torch.is_grad_enabled():
             return checkpoint_func(function, *args, **kwargs)
         if embedding is not None and args and embedding.only_hook_made(args[0]):
             args = (embedding.sink(args[0]), *args[1:])
