@@ -14,16 +14,29 @@ reset at each step's start); on the offload's row the median of the pairs' ratio
 the offload is faster) with a bootstrap 90% interval, their geometric mean and the ratio of the summed times.
 Warm-up steps (both variants, alternating: the first compiles) and pairs where either step compiled a graph are
 dropped. Writes ``offload_toggle.json`` / ``.md`` / ``.png`` (each pair's ratio in run order, the median and the
-3% line) to ``--out``, ``$BENCH_RESULTS`` or ``benchmarks/results``:
+3% line) to ``--out``, ``$BENCH_RESULTS`` or ``benchmarks/results``; every ``PARTIAL_EVERY`` pairs the pairs done so
+far are written there, marked partial (a run its time limit stops keeps them).
+
+``--profile N`` adds, after the pairs, N paused steps then N offloaded ones, each window under torch.profiler, and
+writes ``offload_toggle_profile.md`` / ``.json`` (``trace_summary.py``): per step, the GPU's kernel time, idle time
+and copies (with the part of each copy a kernel ran beside), the host's waits on the GPU, and the host calls and ops
+whose time differs most between the two: where the offload's step cost goes.
+
+The cases log every step (``logging_steps=1``): each log reads the loss and the gradient norm, a wait for the GPU.
+``--logging-steps 10`` (TRL's default) measures the step a run with fewer logs takes.
 
     python benchmarks/bench_offload_toggle.py --case llama-3.2-1b-qlora --opt compile_layers=True --pairs 100  # CUDA
+    python benchmarks/bench_offload_toggle.py --case llama-3.2-1b --opt compile_layers=True --profile 3   # + where
     python benchmarks/bench_offload_toggle.py --smoke                                                         # CPU
+    python benchmarks/bench_offload_toggle.py --summary benchmarks/results/offload_toggle_*_run*.json  # runs, one plot
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import random
 import statistics
 import tempfile
@@ -33,6 +46,7 @@ from typing import Any
 import bench_step_ab as ab
 import bench_vs_unsloth as vs
 import torch
+import trace_summary
 from _harness import Row, markdown_table, write_results
 from recipes.runner import checkpointing
 from step_ab_pool import bootstrap_median
@@ -45,38 +59,80 @@ from leantrain.offload_checkpoints import hooks, stats
 NAME = "offload_toggle"
 COST_LINE = 0.97  # the ratio a step cost of 3% gives
 VARIANTS = ("paused", "offload")
+PARTIAL_EVERY = 20  # pairs between two partial writes
 
 
 class Toggle(TrainerCallback):
     """Pauses the offload's hooks on the steps ``plan`` marks True, before the step starts; each step's peak
-    allocated memory (CUDA) on ``peaks``, its packed inputs on ``packed``."""
+    allocated memory (CUDA) on ``peaks``, its packed inputs on ``packed``. ``windows``: (first step, steps) each run
+    under torch.profiler, its trace summarized (``trace_summary.summarize``) onto ``profiles``."""
 
-    def __init__(self, trainer: Any, plan: list[bool], cuda: bool) -> None:
-        self.trainer, self.plan, self.cuda = trainer, plan, cuda
+    def __init__(self, trainer: Any, plan: list[bool], cuda: bool, windows: tuple[tuple[int, int], ...] = ()) -> None:
+        self.trainer, self.plan, self.cuda, self.windows = trainer, plan, cuda, windows
         self.peaks: list[float] = []
         self.packed: list[int] = []
+        self.profiles: list[dict[str, Any]] = []
         self._packed_before = 0
+        self._profiler: Any = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         hooks(self.trainer).paused = self.plan[state.global_step]
         self._packed_before = stats(self.trainer).packed
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+        if any(state.global_step == first for first, _ in self.windows):
+            self._profiler = profiler(self.cuda)
+            self._profiler.start()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.peaks.append(torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan)
         self.packed.append(stats(self.trainer).packed - self._packed_before)
+        if any(state.global_step == first + steps for first, steps in self.windows):  # global_step counts this one
+            self.profiles.append(stop(self._profiler, self.cuda))
+            self._profiler = None
 
 
-def plan_steps(warmup: int, pairs: int, seed: int) -> list[bool]:
+def profiler(cuda: bool) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    if cuda:
+        torch.cuda.synchronize()  # the window starts with an empty queue
+    return profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+
+
+def stop(prof: Any, cuda: bool) -> dict[str, Any]:
+    """Stop ``prof`` and summarize its Chrome trace (written to a temporary file: the profiler's only full export)."""
+    if cuda:
+        torch.cuda.synchronize()
+    prof.stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return trace_summary.summarize(json.loads(path.read_text()))
+
+
+class Partial(TrainerCallback):
+    """Writes the pairs done so far every ``PARTIAL_EVERY`` pairs (after the step clock has timed the pair's second
+    step: add it after the clock)."""
+
+    def __init__(self, write: Any, warmup: int, pairs: int) -> None:
+        self.write, self.warmup, self.pairs = write, warmup, pairs
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        done, odd = divmod(state.global_step - self.warmup, 2)
+        if not odd and 0 < done < self.pairs and done % PARTIAL_EVERY == 0:
+            self.write(done)
+
+
+def plan_steps(warmup: int, pairs: int, seed: int, profile: int = 0) -> list[bool]:
     """Per step, whether the hooks are paused: the warm-up alternating (each variant's first steps compile), then
-    each pair in a coin's order."""
+    each pair in a coin's order, then ``profile`` paused steps and ``profile`` offloaded ones."""
     coin = random.Random(seed)
     plan = [k % 2 == 1 for k in range(warmup)]
     for _ in range(pairs):
         first = coin.random() < 0.5
         plan += [first, not first]
-    return plan
+    return plan + [True] * profile + [False] * profile
 
 
 def pair_ratios(plan: list[bool], ms: list[float], compiled: list[bool], warmup: int) -> list[float]:
@@ -90,13 +146,16 @@ def pair_ratios(plan: list[bool], ms: list[float], compiled: list[bool], warmup:
     return ratios
 
 
-def run(args: argparse.Namespace) -> list[Row]:
+def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str, Any]]:
+    """The rows (the pairs) and, with ``--profile``, the two profiled windows (``profile_record``; else empty)."""
     cuda = not args.smoke
     case = vs.cases(args.smoke)[args.case]
     options = {"offload_checkpoints": True, **ab.parse_opts(args.opt)}
     if options.get("compile_layers") is True:
         options.setdefault("compile_layers_background", False)  # compiled in the process: the steps, not a child
-    plan = plan_steps(args.warmup, args.pairs, args.seed)
+    plan = plan_steps(args.warmup, args.pairs, args.seed, args.profile)
+    pairs_end = args.warmup + 2 * args.pairs
+    windows = ((pairs_end, args.profile), (pairs_end + args.profile, args.profile)) if args.profile else ()
     with tempfile.TemporaryDirectory() as tmp:
         vs.prepare(case, Path(tmp) / "model", cuda)
         trainer, _ = vs.hf_trainer(case, "stock", Path(tmp) / "model", str(Path(tmp) / "run"), cuda)
@@ -107,24 +166,49 @@ def run(args: argparse.Namespace) -> list[Row]:
         print(report, flush=True)
         if hooks(trainer) is None:
             raise SystemExit(f"offload_checkpoints was not applied: {report['offload_checkpoints']}")
-        toggle, clock = Toggle(trainer, plan, cuda), ab.StepTimes(cuda)
+        toggle, clock = Toggle(trainer, plan, cuda, windows), ab.StepTimes(cuda)
         trainer.add_callback(toggle)  # before the clock: the switch is not timed
         trainer.add_callback(clock)
+
+        def write_partial(done: int) -> None:
+            write(rows_of(args, case.name, options, plan, clock, toggle, done), out, f"{done} of {args.pairs} pairs")
+
+        trainer.add_callback(Partial(write_partial, args.warmup, args.pairs))  # after the clock: the pair is timed
         trainer.args.max_steps = len(plan)
+        if args.logging_steps:
+            trainer.args.logging_steps = args.logging_steps
         trainer.train()
-    return rows_of(args, case.name, options, plan, clock, toggle)
+    rows = rows_of(args, case.name, options, plan, clock, toggle, args.pairs)
+    return rows, profile_record(toggle.profiles, [clock.ms[first : first + n] for first, n in windows])
+
+
+def profile_record(profiles: list[dict[str, Any]], ms: list[list[float]]) -> dict[str, Any]:
+    """The two profiled windows (paused, then offloaded) with their steps' times."""
+    if len(profiles) != 2:
+        return {}
+    return {"steps": len(ms[0]), **{v: {"step_ms": [round(m, 2) for m in t], **p}
+                                    for v, p, t in zip(VARIANTS, profiles, ms)}}  # fmt: skip
 
 
 def rows_of(
-    args: argparse.Namespace, case: str, options: dict[str, Any], plan: list[bool], clock: Any, toggle: Toggle
+    args: argparse.Namespace,
+    case: str,
+    options: dict[str, Any],
+    plan: list[bool],
+    clock: Any,
+    toggle: Toggle,
+    pairs_done: int,
 ) -> list[Row]:
-    ratios = pair_ratios(plan, clock.ms, clock.compiled, args.warmup)
-    kept = [k for k in range(args.warmup, len(clock.ms)) if not clock.compiled[k]]
+    """The two rows over the warm-up's end to the ``pairs_done``-th pair (the profiled steps after the pairs apart)."""
+    end = args.warmup + 2 * pairs_done
+    ratios = pair_ratios(plan[:end], clock.ms[:end], clock.compiled[:end], args.warmup)
+    kept = [k for k in range(args.warmup, end) if not clock.compiled[k]]
     rows = []
     for variant in VARIANTS:
         mine = [k for k in kept if plan[k] == (variant == "paused")]
         times = sorted(clock.ms[k] for k in mine)
         config = {"pairs": args.pairs, "pairs_kept": len(ratios), "warmup": args.warmup, "seed": args.seed,
+                  "logging_steps": args.logging_steps or 1,
                   "patch_trainer": {k: repr(v) for k, v in options.items()}, "steps_kept": len(mine),
                   "peak_gib": max((toggle.peaks[k] for k in mine), default=math.nan),
                   "packed_per_step": statistics.median(toggle.packed[k] for k in mine) if mine else 0,
@@ -137,6 +221,19 @@ def rows_of(
         rows.append(Row(NAME, variant, "step", "speed", "ms", "case", case, statistics.median(times),
                         percentile(times, 0.2), percentile(times, 0.8), config))  # fmt: skip
     return rows
+
+
+def write(rows: list[Row], out: Path | None, partial: str = "") -> Path:
+    """JSON and markdown (a partial run's marked so, in ``config.partial`` and the text), and the plot."""
+    for row in rows:
+        if partial:
+            row.config["partial"] = partial
+    text = table(rows)
+    if partial:
+        text = f"**Partial: {partial} (the run did not finish).**\n\n{text}"
+    where = write_results(NAME, rows, text, out)
+    plot(where / f"{NAME}.png", rows[1])
+    return where
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -162,7 +259,8 @@ def table(rows: list[Row]) -> str:
     return text + (
         f"\n\nOne trainer, `patch_trainer({options})`, the offload's hooks paused (stock checkpointing) on one step "
         f"of each pair, the order drawn by a seeded coin (seed {c['seed']}); {c['warmup']} warm-up steps and the "
-        "pairs where a step compiled a graph dropped; step times CUDA-synchronized at each step's start and end.\n"
+        "pairs where a step compiled a graph dropped; step times CUDA-synchronized at each step's start and end; "
+        f"the trainer logging every {c.get('logging_steps', 1)} step(s).\n"
     )
 
 
@@ -194,10 +292,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=6, help="steps before the pairs (even: both variants warm up)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--logging-steps",
+        type=int,
+        default=0,
+        help="the trainer logs every this many steps (default: the cases' 1; TRL's own default is 10); each log waits "
+        "for the GPU to read the loss",
+    )
     parser.add_argument("--opt", action="append", default=[], help="patch_trainer name=value (compile_layers=True)")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="after the pairs, this many paused then offloaded steps profiled"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny case on the CPU")
+    parser.add_argument(
+        "--summary", nargs="+", default=[], help="these runs' JSON files in one plot (offload_toggle_summary.png)"
+    )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.summary:
+        out = Path(args.out or os.environ.get("BENCH_RESULTS", "benchmarks/results"))
+        print(summary_plot([Path(f) for f in args.summary], out / f"{NAME}_summary.png"))
+        return 0
     if args.smoke:
         args.case, args.pairs, args.warmup = args.case or "tiny-llama", min(args.pairs, 4), min(args.warmup, 2)
         torch.set_num_threads(2)
@@ -207,15 +322,62 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown case {args.case!r}: {list(known)}")
     if known[args.case].kind == "moe":
         raise SystemExit(f"{args.case}: a MoE case builds 4-bit experts only leantrain trains; use a dense case")
-    if args.pairs < 1 or args.warmup < 0 or args.warmup % 2:
-        raise SystemExit("--pairs must be positive and --warmup even and not negative")
+    if args.pairs < 1 or args.warmup < 0 or args.warmup % 2 or args.profile < 0 or args.logging_steps < 0:
+        raise SystemExit(
+            "--pairs must be positive, --warmup even and not negative, --profile and --logging-steps not negative"
+        )
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")
-    rows = run(args)
-    out = write_results(NAME, rows, table(rows), Path(args.out) if args.out else None)
-    plot(out / f"{NAME}.png", rows[1])
+    rows, profiled = run(args, Path(args.out) if args.out else None)
+    out = write(rows, Path(args.out) if args.out else None)
     print(table(rows))
+    if profiled:
+        text = profile_text(profiled, rows[0])
+        (out / f"{NAME}_profile.json").write_text(json.dumps(profiled, indent=1))
+        (out / f"{NAME}_profile.md").write_text(text)
+        print(text)
     return 0
+
+
+def profile_text(profiled: dict[str, Any], row: Row) -> str:
+    steps = profiled["steps"]
+    times = " | ".join(f"{v}: {', '.join(f'{m:.1f}' for m in profiled[v]['step_ms'])} ms" for v in VARIANTS)
+    return (
+        f"# {NAME}: where the step time goes\n\nDevice: {row.device}. Date: {row.date}. Commit: {row.commit}. Case: "
+        f"{row.x_value}.\n\nAfter the pairs, {steps} paused steps then {steps} offloaded ones under torch.profiler "
+        f"(its host overhead slows both; compare them with each other, not with the rows): {times}.\n\n"
+        + trace_summary.compare_text(VARIANTS, (profiled["paused"], profiled["offload"]), steps)
+    )
+
+
+def summary_plot(paths: list[Path], path: Path) -> Path:
+    """Each run's pair ratios as a box (its name from the file: ``offload_toggle_<case>_<run>.json``), the summed
+    times' ratio as a dot, the 3% line: several cases and runs at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for file in paths:
+        offload = next((r for r in json.loads(file.read_text()) if r["provider"] == "offload"), None)
+        if offload is None or not offload["config"].get("pair_ratios"):
+            raise SystemExit(f"{file}: no offload row with pair ratios (an offload_toggle JSON?)")
+        runs.append((file.stem.removeprefix(f"{NAME}_"), offload["config"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(runs)), 4))
+    ax.boxplot([c["pair_ratios"] for _, c in runs], showfliers=False)
+    ax.plot(range(1, len(runs) + 1), [c["summed_ratio"] for _, c in runs], "D", color="C2", label="summed times")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(COST_LINE, color="C3", ls="--", lw=0.8, label="a 3% step cost")
+    ax.set_xticks(range(1, len(runs) + 1), [name for name, _ in runs], rotation=20, fontsize=8)
+    ax.set_ylabel("paused / offloaded step\n(above 1: the offload faster)", fontsize=9)
+    ax.set_title("The offload's step cost a step apart: each run's pair ratios")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from typing import Any, NamedTuple
 import bench_vs_unsloth as vs
 import torch
 from _harness import Row, markdown_table, write_results
+from trace_summary import union
 from transformers import TrainerCallback
 
 import leantrain
@@ -275,16 +276,6 @@ def device_intervals(events: Any) -> list[tuple[str, float, float]]:
         and not getattr(e, "is_user_annotation", False)
         and not e.name.startswith("ProfilerStep")
     ]
-
-
-def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 def uncovered(span: tuple[float, float], cover: list[tuple[float, float]]) -> float:

@@ -340,28 +340,20 @@ def test_merge_joins_runs_and_keeps_each_cases_latest(tmp_path, monkeypatch):
 
 
 def test_the_committed_results_give_the_cases_in_measured_py():
-    """offload_checkpoints/measured.py holds, per case, the worst committed in-process run of what auto mode would
-    apply (the offload alone: ``compile_layers_mlp_chunks=0``, or QLoRA, whose 4-bit MLPs have none to chunk): its
-    step cost (the offload's median step against the compiled layers') and the peak memory it saved."""
+    """offload_checkpoints/measured.py holds, per case, the worst committed run of the offload a step apart
+    (``offload_toggle_<case>_run*.json``): its step cost (paused over offloaded: the pairs' median ratio, or on
+    varying lengths, where a pair's steps train different batches, the summed times' ratio) and the peak memory it
+    saved."""
     from leantrain.offload_checkpoints.measured import MEASURED
 
     results = Path(bench.__file__).resolve().parent / "results"
     runs: dict[str, list[tuple[float, float]]] = {}
-    names = (
-        "offload_ab.json",
-        "step_ab_llama_offload_chunks0.json",
-        "offload_ab_short_segments.json",
-        "offload_ab_sink.json",
-        "offload_ab_qlora_varlen.json",
-    )
-    for name in names:
-        rows = _harness.read_rows(results / name)
-        for base, ours in zip(rows[::2], rows[1::2], strict=True):
-            assert (base.provider, ours.provider, base.x_value) == ("base", "leantrain", ours.x_value)
-            alone = ours.config["patch_trainer"].get("compile_layers_mlp_chunks") == "0" or "qlora" in ours.x_value
-            if alone and ours.config["patch_trainer"].get("offload_checkpoints") == "True":
-                saved = base.config["peak_gib"] - ours.config["peak_gib"]
-                runs.setdefault(ours.x_value, []).append((ours.p50 / base.p50 - 1, saved))
+    for path in sorted(results.glob("offload_toggle_*_run*.json")):
+        paused, offload = _harness.read_rows(path)
+        assert (paused.provider, offload.provider, paused.x_value) == ("paused", "offload", offload.x_value)
+        ratio = offload.config["summed_ratio" if "varlen" in offload.x_value else "pair_median"]
+        saved = paused.config["peak_gib"] - offload.config["peak_gib"]
+        runs.setdefault(offload.x_value, []).append((1 / ratio - 1, saved))
     assert sorted(runs) == sorted(MEASURED)
     for case, measured in runs.items():
         cost, saved = max(measured)

@@ -1,5 +1,6 @@
-"""benchmarks/bench_offload_toggle.py: the plan of paused and offloaded steps, the pairs' ratios, bad arguments, and
-the CPU smoke run (the hooks really paused on the paused steps and moving inputs on the others)."""
+"""benchmarks/bench_offload_toggle.py: the plan of paused and offloaded steps, the pairs' ratios, the partial writes,
+bad arguments, and the CPU smoke run (the hooks really paused on the paused steps and moving inputs on the others;
+the profiled windows and the partial results)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,20 @@ def test_the_plan_warms_both_up_then_puts_one_of_each_in_every_pair_in_a_seeded_
     assert plan == toggle.plan_steps(4, 40, 3) and plan != toggle.plan_steps(4, 40, 4)
 
 
+def test_the_profiled_windows_follow_the_pairs_paused_first():
+    plan = toggle.plan_steps(warmup=2, pairs=3, seed=0, profile=2)
+    assert plan[:8] == toggle.plan_steps(2, 3, 0) and plan[8:] == [True, True, False, False]
+
+
+def test_the_pairs_done_are_written_every_so_many_pairs_but_not_after_the_last(monkeypatch):
+    monkeypatch.setattr(toggle, "PARTIAL_EVERY", 2)
+    written = []
+    partial = toggle.Partial(written.append, warmup=4, pairs=5)
+    for step in range(1, 4 + 2 * 5 + 3):  # the trainer's global_step after each step, profiled steps after the pairs
+        partial.on_step_end(None, type("State", (), {"global_step": step})(), None)
+    assert written == [2, 4]  # after pair 2 (step 8) and pair 4 (step 12); pair 5 is the finished run's
+
+
 def test_a_pairs_ratio_is_the_paused_step_over_the_offloaded_one_and_compiling_pairs_are_dropped():
     plan = [False, True, True, False, False, True, True, False]
     ms = [9.0, 9.0, 110.0, 100.0, 100.0, 120.0, 50.0, 50.0]
@@ -32,6 +47,8 @@ def test_a_pairs_ratio_is_the_paused_step_over_the_offloaded_one_and_compiling_p
         (["--smoke", "--case", "tiny-moe-qlora"], "dense case"),
         (["--smoke", "--warmup", "1"], "--warmup even"),
         (["--smoke", "--pairs", "0"], "--pairs must be positive"),
+        (["--smoke", "--profile", "-1"], "--profile and --logging-steps not negative"),
+        (["--smoke", "--logging-steps", "-1"], "--profile and --logging-steps not negative"),
     ],
 )
 def test_bad_arguments_stop_before_any_work(argv, message, tmp_path):
@@ -53,3 +70,46 @@ def test_smoke_pauses_the_hooks_on_the_paused_steps_only(tmp_path):
     assert rows["paused"]["config"]["steps_kept"] == rows["offload"]["config"]["steps_kept"] == 3
     assert "median of the pairs' ratios" in (tmp_path / "offload_toggle.md").read_text()
     assert (tmp_path / "offload_toggle.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_smoke_profiles_both_variants_and_keeps_partial_results_on_the_way(tmp_path, monkeypatch):
+    for name in ("trl", "peft", "datasets"):
+        pytest.importorskip(name)
+    monkeypatch.setattr(toggle, "PARTIAL_EVERY", 1)
+    partial = []
+    write = toggle.write
+
+    def spy(rows, out, note=""):
+        where = write(rows, out, note)
+        if note:
+            partial.append((note, json.loads((where / "offload_toggle.json").read_text())[1]["config"]))
+        return where
+
+    monkeypatch.setattr(toggle, "write", spy)
+    toggle.main(["--smoke", "--pairs", "3", "--profile", "1", "--logging-steps", "4", "--out", str(tmp_path)])
+    assert [note for note, _ in partial] == ["1 of 3 pairs", "2 of 3 pairs"]
+    assert partial[0][1]["partial"] == "1 of 3 pairs" and partial[0][1]["pairs_kept"] == 1
+    final = json.loads((tmp_path / "offload_toggle.json").read_text())
+    assert "partial" not in final[1]["config"] and final[1]["config"]["pairs_kept"] == 3  # profiled steps apart
+    assert final[0]["config"]["steps_kept"] == 3 and final[0]["config"]["logging_steps"] == 4
+    assert "the trainer logging every 4 step(s)" in (tmp_path / "offload_toggle.md").read_text()
+    profiled = json.loads((tmp_path / "offload_toggle_profile.json").read_text())
+    assert profiled["steps"] == 1 and len(profiled["paused"]["step_ms"]) == len(profiled["offload"]["step_ms"]) == 1
+    assert profiled["paused"]["host_ops"] and profiled["offload"]["host_ops"]  # the CPU's ops (no GPU on CPU)
+    assert "host's ops (inclusive time) that differ most" in (tmp_path / "offload_toggle_profile.md").read_text()
+
+
+def test_summary_plots_the_runs_given_and_refuses_a_file_without_pair_ratios(tmp_path):
+    def run_file(name, ratios):
+        config = {"pair_ratios": ratios, "summed_ratio": 0.98}
+        rows = [{"provider": "paused", "config": {}}, {"provider": "offload", "config": config}]
+        path = tmp_path / f"offload_toggle_{name}.json"
+        path.write_text(json.dumps(rows))
+        return str(path)
+
+    runs = [run_file("llama_run1", [0.96, 0.99, 1.01]), run_file("qlora_run1", [0.97, 1.0])]
+    assert toggle.main(["--summary", *runs, "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "offload_toggle_summary.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="no offload row with pair ratios"):
+        toggle.main(["--summary", run_file("empty", []), "--out", str(tmp_path)])
