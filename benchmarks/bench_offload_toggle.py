@@ -17,6 +17,10 @@ dropped. Writes ``offload_toggle.json`` / ``.md`` / ``.png`` (each pair's ratio 
 3% line) to ``--out``, ``$BENCH_RESULTS`` or ``benchmarks/results``; every ``PARTIAL_EVERY`` pairs the pairs done so
 far are written there, marked partial (a run its time limit stops keeps them).
 
+``--time-hooks`` times the host inside the offload's two hooks (``time.perf_counter`` around each pack and unpack)
+and puts the median a step on the offload's row: how much of the step cost the hooks' own calls are, the rest being
+what they cause elsewhere (the allocators' work at frees, the checkpoint's).
+
 ``--profile N`` adds, after the pairs, N paused steps then N offloaded ones, each window under torch.profiler, and
 writes ``offload_toggle_profile.md`` / ``.json`` (``trace_summary.py``): per step, the GPU's kernel time, idle time
 and copies (with the part of each copy a kernel ran beside), the host's waits on the GPU, and the host calls and ops
@@ -40,6 +44,8 @@ import os
 import random
 import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +68,51 @@ VARIANTS = ("paused", "offload")
 PARTIAL_EVERY = 20  # pairs between two partial writes
 
 
+class HookClock:
+    """The host milliseconds spent inside ``offload``'s pack and unpack hooks, and their calls, summed since the start
+    (the hooks ``HostOffload.context()`` enters, swapped for timed ones)."""
+
+    def __init__(self, offload: Any) -> None:
+        self.ms = {"pack": 0.0, "unpack": 0.0}
+        self.calls = {"pack": 0, "unpack": 0}
+        offload._hooks = torch.autograd.graph.saved_tensors_hooks(
+            self._timed("pack", offload.pack), self._timed("unpack", offload.unpack)
+        )
+
+    def _timed(self, name: str, hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def timed(value: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return hook(value)
+            finally:
+                self.ms[name] += (time.perf_counter() - start) * 1e3
+                self.calls[name] += 1
+
+        return timed
+
+    def totals(self) -> tuple[float, float, int, int]:
+        return self.ms["pack"], self.ms["unpack"], self.calls["pack"], self.calls["unpack"]
+
+
 class Toggle(TrainerCallback):
     """Pauses the offload's hooks on the steps ``plan`` marks True, before the step starts; each step's peak
     allocated memory (CUDA) on ``peaks``, its packed inputs on ``packed``. ``windows``: (first step, steps) each run
-    under torch.profiler, its trace summarized (``trace_summary.summarize``) onto ``profiles``."""
+    under torch.profiler, its trace summarized (``trace_summary.summarize``) onto ``profiles``. With a ``clock``
+    (``HookClock``), each step's host ms in the pack and unpack hooks and their calls on ``hook_times``."""
 
-    def __init__(self, trainer: Any, plan: list[bool], cuda: bool, windows: tuple[tuple[int, int], ...] = ()) -> None:
-        self.trainer, self.plan, self.cuda, self.windows = trainer, plan, cuda, windows
+    def __init__(
+        self,
+        trainer: Any,
+        plan: list[bool],
+        cuda: bool,
+        windows: tuple[tuple[int, int], ...] = (),
+        clock: HookClock | None = None,
+    ) -> None:
+        self.trainer, self.plan, self.cuda, self.windows, self.clock = trainer, plan, cuda, windows, clock
         self.peaks: list[float] = []
         self.packed: list[int] = []
+        self.hook_times: list[tuple[float, float, int, int]] = []
+        self._hooks_before = (0.0, 0.0, 0, 0)
         self.profiles: list[dict[str, Any]] = []
         self._packed_before = 0
         self._profiler: Any = None
@@ -78,6 +120,8 @@ class Toggle(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         hooks(self.trainer).paused = self.plan[state.global_step]
         self._packed_before = stats(self.trainer).packed
+        if self.clock is not None:
+            self._hooks_before = self.clock.totals()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         if any(state.global_step == first for first, _ in self.windows):
@@ -87,6 +131,8 @@ class Toggle(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.peaks.append(torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan)
         self.packed.append(stats(self.trainer).packed - self._packed_before)
+        if self.clock is not None:  # the backward's unpacks are done by now: the step's loss was read
+            self.hook_times.append(tuple(a - b for a, b in zip(self.clock.totals(), self._hooks_before)))
         if any(state.global_step == first + steps for first, steps in self.windows):  # global_step counts this one
             self.profiles.append(stop(self._profiler, self.cuda))
             self._profiler = None
@@ -166,7 +212,8 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
         print(report, flush=True)
         if hooks(trainer) is None:
             raise SystemExit(f"offload_checkpoints was not applied: {report['offload_checkpoints']}")
-        toggle, clock = Toggle(trainer, plan, cuda, windows), ab.StepTimes(cuda)
+        hook_clock = HookClock(hooks(trainer)) if args.time_hooks else None
+        toggle, clock = Toggle(trainer, plan, cuda, windows, hook_clock), ab.StepTimes(cuda)
         trainer.add_callback(toggle)  # before the clock: the switch is not timed
         trainer.add_callback(clock)
 
@@ -213,6 +260,8 @@ def rows_of(
                   "peak_gib": max((toggle.peaks[k] for k in mine), default=math.nan),
                   "packed_per_step": statistics.median(toggle.packed[k] for k in mine) if mine else 0,
                   "ms": [round(clock.ms[k], 2) for k in mine]}  # fmt: skip
+        if variant == "offload" and toggle.hook_times:
+            config["hooks_host_ms"] = hook_medians([toggle.hook_times[k] for k in mine])
         if variant == "offload" and ratios:
             paused_sum = sum(clock.ms[k] for k in kept if plan[k])
             config.update(pair_ratios=[round(r, 4) for r in ratios], pair_median=statistics.median(ratios),
@@ -221,6 +270,15 @@ def rows_of(
         rows.append(Row(NAME, variant, "step", "speed", "ms", "case", case, statistics.median(times),
                         percentile(times, 0.2), percentile(times, 0.8), config))  # fmt: skip
     return rows
+
+
+def hook_medians(times: list[tuple[float, float, int, int]]) -> dict[str, float]:
+    """The steps' medians: host ms in the pack hook, in the unpack hook, both, and each hook's calls."""
+    if not times:
+        return {}
+    pick = {"pack": 0, "unpack": 1, "pack_calls": 2, "unpack_calls": 3}
+    medians = {name: statistics.median(t[i] for t in times) for name, i in pick.items()}
+    return {**medians, "both": statistics.median(t[0] + t[1] for t in times)}
 
 
 def write(rows: list[Row], out: Path | None, partial: str = "") -> Path:
@@ -254,6 +312,14 @@ def table(rows: list[Row]) -> str:
             f"offloaded; above 1 the offload is faster) **{c['pair_median']:.3f}x** (bootstrap 90% interval "
             f"{low:.3f}-{high:.3f}), geometric mean {c['geometric_mean']:.3f}x, summed times "
             f"{c['summed_ratio']:.3f}x: {verdict} 3% of the step at the median."
+        )
+    if c.get("hooks_host_ms"):
+        h = c["hooks_host_ms"]
+        cost = paused.p50 * (1 / c["pair_median"] - 1) if "pair_median" in c else math.nan
+        text += (
+            f"\n\nThe host inside the offload's hooks, a step (median): {h['both']:.2f} ms ({h['pack']:.2f} in "
+            f"{h['pack_calls']:g} packs, {h['unpack']:.2f} in {h['unpack_calls']:g} unpacks), against a step cost of "
+            f"{cost:.2f} ms at the pairs' median."
         )
     options = ", ".join(f"{k}={v}" for k, v in c["patch_trainer"].items())
     return text + (
@@ -302,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--opt", action="append", default=[], help="patch_trainer name=value (compile_layers=True)")
     parser.add_argument(
         "--profile", type=int, default=0, help="after the pairs, this many paused then offloaded steps profiled"
+    )
+    parser.add_argument(
+        "--time-hooks", action="store_true", help="time the host inside the offload's pack and unpack hooks, a step"
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny case on the CPU")
     parser.add_argument(

@@ -40,6 +40,33 @@ def test_a_pairs_ratio_is_the_paused_step_over_the_offloaded_one_and_compiling_p
     assert toggle.pair_ratios(plan, ms, compiled, warmup=2) == [1.1, 1.2]
 
 
+def test_the_hook_clock_times_every_pack_and_unpack_and_the_hooks_still_move_the_inputs():
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from leantrain.offload_checkpoints.ops import HostOffload
+
+    offload = HostOffload(budget_bytes=1 << 30)
+    clock = toggle.HookClock(offload)
+    x = torch.randn(8, 4, requires_grad=True)
+    h = x * 2.0  # not a leaf: the hooks move it
+    for _ in range(3):
+        with offload.context():
+            h = checkpoint(torch.sin, h, use_reentrant=False)
+    h.sum().backward()
+    pack_ms, unpack_ms, packs, unpacks = clock.totals()
+    assert offload.stats.packed == 3 and packs >= 3 and unpacks >= 3  # each moved input went through the clock
+    assert pack_ms > 0 and unpack_ms > 0
+    assert toggle.hook_medians([(1.0, 2.0, 3, 3), (3.0, 1.0, 3, 3), (2.0, 2.0, 3, 3)]) == {
+        "pack": 2.0,
+        "unpack": 2.0,
+        "pack_calls": 3,
+        "unpack_calls": 3,
+        "both": 4.0,
+    }
+    assert toggle.hook_medians([]) == {}
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -87,13 +114,18 @@ def test_smoke_profiles_both_variants_and_keeps_partial_results_on_the_way(tmp_p
         return where
 
     monkeypatch.setattr(toggle, "write", spy)
-    toggle.main(["--smoke", "--pairs", "3", "--profile", "1", "--logging-steps", "4", "--out", str(tmp_path)])
+    toggle.main(
+        ["--smoke", "--pairs", "3", "--profile", "1", "--logging-steps", "4", "--time-hooks", "--out", str(tmp_path)]
+    )
     assert [note for note, _ in partial] == ["1 of 3 pairs", "2 of 3 pairs"]
     assert partial[0][1]["partial"] == "1 of 3 pairs" and partial[0][1]["pairs_kept"] == 1
     final = json.loads((tmp_path / "offload_toggle.json").read_text())
     assert "partial" not in final[1]["config"] and final[1]["config"]["pairs_kept"] == 3  # profiled steps apart
     assert final[0]["config"]["steps_kept"] == 3 and final[0]["config"]["logging_steps"] == 4
     assert "the trainer logging every 4 step(s)" in (tmp_path / "offload_toggle.md").read_text()
+    timed = final[1]["config"]["hooks_host_ms"]  # the hooks timed on the offloaded steps only
+    assert timed["pack_calls"] > 0 and timed["both"] > 0 and "hooks_host_ms" not in final[0]["config"]
+    assert "The host inside the offload's hooks" in (tmp_path / "offload_toggle.md").read_text()
     profiled = json.loads((tmp_path / "offload_toggle_profile.json").read_text())
     assert profiled["steps"] == 1 and len(profiled["paused"]["step_ms"]) == len(profiled["offload"]["step_ms"]) == 1
     assert profiled["paused"]["host_ops"] and profiled["offload"]["host_ops"]  # the CPU's ops (no GPU on CPU)
