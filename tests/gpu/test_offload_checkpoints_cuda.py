@@ -20,6 +20,7 @@ from transformers import Trainer, TrainingArguments
 import leantrain
 from leantrain import Status
 from leantrain.cli.tiny import tiny_model
+from leantrain.offload_checkpoints import ops as offload_ops
 from leantrain.offload_checkpoints import probe as offload_probe
 from leantrain.offload_checkpoints import stats
 from leantrain.offload_checkpoints.ops import GIB, HostOffload
@@ -138,6 +139,58 @@ def test_a_copy_back_dropped_before_its_unpack_keeps_its_block_until_the_copy_en
     assert bool((fresh == 7).all())
     del newest
     assert offload.stats.live_bytes == 0
+
+
+def test_varying_lengths_reuse_a_longer_steps_pinned_buffers_and_train_as_stock():
+    """Steps of varying rows (padding-free batches): each step's gradients equal stock's; once a longest step has
+    pinned its buffers, shorter ones pin nothing new (the pool's best fit), and the pinned bytes held stay those of
+    one step's inputs (powers of two)."""
+    stack = blocks(torch.device("cuda"))
+    offload = HostOffload(budget_bytes=GIB)
+    allocated = []
+    allocate = offload.pool.allocate
+    offload.pool.allocate = lambda nbytes: allocated.append(nbytes) or allocate(nbytes)
+
+    def step(rows: int, hooks: HostOffload | None) -> list[torch.Tensor]:
+        torch.manual_seed(rows)
+        h = torch.randn(rows, WIDTH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        through_checkpoints(stack, h * 1.0, hooks, reentrant=False).float().pow(2).mean().backward()
+        grads = [h.grad, *(p.grad.clone() for p in stack.parameters())]
+        stack.zero_grad(set_to_none=True)
+        return grads
+
+    for rows in (ROWS, ROWS - 300, ROWS // 2 + 7, ROWS - 1, ROWS // 3):
+        stock, ours = step(rows, None), step(rows, offload)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(stock, ours, strict=True)), rows
+    one = ROWS * WIDTH * 2  # 4 MiB, a power of two: the longest step's input
+    assert allocated == [one] * 6  # the first (longest) step's six inputs (the newest copied out too, kept on the
+    # device for the backward); every later step reused them
+    assert offload.pool.held_bytes == offload.stats.pinned_bytes == 6 * one and offload.stats.live_bytes == 0
+
+
+def test_a_reused_buffer_is_written_only_after_its_copy_back_has_read_it():
+    """An input's copy back held on the side stream (a sleep queued there first), the input dropped, a new input of
+    the same size packed into the same pinned buffer: stream order puts the new copy out after the old copy back, so
+    the fetched values are the old input's."""
+    offload = HostOffload(budget_bytes=GIB)
+    shape = (ROWS, WIDTH)
+    first, newest = (torch.full(shape, v, device="cuda", dtype=torch.bfloat16) for v in (1.0, 2.0))
+    older, top = offload.pack(first), offload.pack(newest)
+    lane = offload._lane(first.device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(lane.stream):
+        torch.cuda._sleep(1_000_000_000)  # about half a second: the copy back queued next waits behind it
+    offload.unpack(top)  # served from the device; the older input's copy back starts (behind the sleep)
+    fetched = older.fetched
+    buffer = older.buffer
+    older.fetched = None  # the test keeps the fetched tensor: the item's end must not record it
+    del older
+    third = offload.pack(torch.full(shape, 3.0, device="cuda", dtype=torch.bfloat16))
+    assert third.buffer is buffer  # the same pinned buffer, its copy back not run yet
+    assert not lane.stream.query(), "the sleep ended before the new copy was queued: nothing was tested"
+    torch.cuda.synchronize()
+    assert bool((fetched == 1).all()) and bool((third.host == 3).all())
 
 
 def lora_model(quantized: bool = False) -> torch.nn.Module:
@@ -259,10 +312,10 @@ def test_gradient_accumulation_trains_as_stock(tmp_path, every_input):
 
 @pytest.mark.expect_fallback
 def test_no_pinned_memory_falls_back_to_stock_checkpointing(tmp_path, every_input, monkeypatch):
-    def refuse(self, tensor):
+    def refuse(nbytes):
         raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
 
-    monkeypatch.setattr(HostOffload, "_to_host", refuse)
+    monkeypatch.setattr(offload_ops, "pinned_buffer", refuse)  # the pool's first pinned buffer is refused
     stock = train(lora_model, tmp_path, None)
     with pytest.warns(RuntimeWarning, match="offload_checkpoints failed at run time"):
         ours = train(lora_model, tmp_path, {"offload_checkpoints": True})

@@ -27,7 +27,7 @@ from leantrain.offload_checkpoints import hooks, stats
 from leantrain.offload_checkpoints import measured as offload_measured
 from leantrain.offload_checkpoints import patch as offload_patch
 from leantrain.offload_checkpoints import probe as offload_probe
-from leantrain.offload_checkpoints.ops import GIB, EmbeddingOutput, HostOffload, host_budget_bytes
+from leantrain.offload_checkpoints.ops import GIB, EmbeddingOutput, HostOffload, PinnedPool, host_budget_bytes
 from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
 from tests._offload_blocks import through_checkpoints
@@ -134,7 +134,7 @@ def test_a_failed_host_copy_keeps_every_later_input_on_the_device(monkeypatch):
     offload = HostOffload(budget_bytes=GIB, on_failure=failures.append)
     calls = []
 
-    def refuse(tensor):
+    def refuse(tensor, nbytes):
         calls.append(1)
         raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
 
@@ -144,6 +144,50 @@ def test_a_failed_host_copy_keeps_every_later_input_on_the_device(monkeypatch):
     assert torch.equal(ours[1], stock[1])
     assert len(calls) == 1 and len(failures) == 1 and "pinned host allocation" in failures[0]
     assert offload.failed and offload.stats.packed == 0
+
+
+def pool_of(budget: int) -> tuple[PinnedPool, list[int]]:
+    """A pool over plain host buffers, and the sizes it allocated."""
+    allocated: list[int] = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        allocated.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    return PinnedPool(budget, allocate), allocated
+
+
+def test_the_pool_reuses_the_smallest_free_buffer_that_holds_a_request():
+    pool, allocated = pool_of(budget=1 << 20)
+    a, b = pool.take(3000), pool.take(9000)  # new buffers: powers of two
+    assert (a.numel(), b.numel()) == (4096, 16384) and allocated == [4096, 16384] and pool.held_bytes == 20480
+    pool.give(b)
+    pool.give(a)
+    assert pool.take(2000) is a  # the smallest that holds it, not the first given back
+    assert pool.take(4097) is b  # a shorter step's request takes a longer step's buffer: nothing new pinned
+    assert allocated == [4096, 16384] and pool.held_bytes == 20480
+    assert pool.take(4096).numel() == 4096 and allocated[-1] == 4096  # none free: a new one
+
+
+def test_the_pool_keeps_its_buffers_within_the_budget_releasing_free_ones_first():
+    pool, allocated = pool_of(budget=24576)
+    a, b = pool.take(8192), pool.take(8192)
+    pool.give(a)
+    c = pool.take(16384)  # 8192 in use + 8192 free + 16384 new would pass 24576: the free one goes first
+    assert c.numel() == 16384 and pool.held_bytes == 24576 and allocated == [8192, 8192, 16384]
+    assert pool.take(1) is None and pool.held_bytes == 24576  # nothing free, nothing new fits: the input stays
+    pool.give(c)
+    assert pool.take(100) is c  # free again: reused, whatever its size
+    small, _ = pool_of(budget=5000)
+    assert small.take(4500).numel() == 4500  # a power of two past the budget: the exact size where that fits
+
+
+def test_each_devices_buffers_are_its_own():
+    """A device's buffers are copied on its own side stream: reuse is safe in that stream's order only."""
+    pool, allocated = pool_of(budget=1 << 20)
+    pool.give(pool.take(4096, 0), 0)
+    assert pool.take(4096, 1) is not None and len(allocated) == 2  # device 1 does not get device 0's buffer
+    assert pool.take(4096, 0) is not None and len(allocated) == 2
 
 
 def test_host_budget_arithmetic():
@@ -321,7 +365,7 @@ def test_the_sunk_embedding_output_compiles_as_the_other_layer_inputs(tmp_path):
 
 @pytest.mark.expect_fallback
 def test_a_failed_host_copy_warns_once_and_training_goes_on(tmp_path, monkeypatch):
-    def refuse(self, tensor):
+    def refuse(self, tensor, nbytes):
         raise RuntimeError("cudaHostAlloc failed: out of memory")
 
     monkeypatch.setattr(HostOffload, "_to_host", refuse)
