@@ -38,6 +38,7 @@ The cases log every step (``logging_steps=1``): each log reads the loss and the 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -94,6 +95,32 @@ class HookClock:
         return self.ms["pack"], self.ms["unpack"], self.calls["pack"], self.calls["unpack"]
 
 
+class GcClock:
+    """Python's garbage collections (``gc.callbacks``): per generation, the milliseconds they took and their count,
+    summed since the start. A collection stops the host wherever it falls (most often inside the compiled layers'
+    Python wrappers, where most objects are made); the offload's hooks make objects of their own each layer."""
+
+    def __init__(self) -> None:
+        self.ms = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self._start = 0.0
+        gc.callbacks.append(self._observe)
+
+    def _observe(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.ms[generation] += (time.perf_counter() - self._start) * 1e3
+        self.count[generation] += 1
+
+    def totals(self) -> tuple[float, ...]:
+        return (*self.ms, *self.count)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._observe)
+
+
 class Toggle(TrainerCallback):
     """Pauses the offload's hooks on the steps ``plan`` marks True, before the step starts; each step's peak
     allocated memory (CUDA) on ``peaks``, its packed inputs on ``packed``. ``windows``: (first step, steps) each run
@@ -107,18 +134,28 @@ class Toggle(TrainerCallback):
         cuda: bool,
         windows: tuple[tuple[int, int], ...] = (),
         clock: HookClock | None = None,
+        gc_clock: GcClock | None = None,
+        freeze_at: int | None = None,
     ) -> None:
         self.trainer, self.plan, self.cuda, self.windows, self.clock = trainer, plan, cuda, windows, clock
+        self.gc_clock, self.freeze_at = gc_clock, freeze_at
         self.peaks: list[float] = []
         self.packed: list[int] = []
         self.hook_times: list[tuple[float, float, int, int]] = []
+        self.gc_times: list[tuple[float, ...]] = []
         self._hooks_before = (0.0, 0.0, 0, 0)
+        self._gc_before: tuple[float, ...] = ()
         self.profiles: list[dict[str, Any]] = []
         self._packed_before = 0
         self._profiler: Any = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         hooks(self.trainer).paused = self.plan[state.global_step]
+        if state.global_step == self.freeze_at:  # the objects made so far (model, compiled code) leave the GC's scans
+            gc.collect()
+            gc.freeze()
+        if self.gc_clock is not None:
+            self._gc_before = self.gc_clock.totals()
         self._packed_before = stats(self.trainer).packed
         if self.clock is not None:
             self._hooks_before = self.clock.totals()
@@ -131,6 +168,8 @@ class Toggle(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.peaks.append(torch.cuda.max_memory_allocated() / 2**30 if self.cuda else math.nan)
         self.packed.append(stats(self.trainer).packed - self._packed_before)
+        if self.gc_clock is not None:
+            self.gc_times.append(tuple(a - b for a, b in zip(self.gc_clock.totals(), self._gc_before)))
         if self.clock is not None:  # the backward's unpacks are done by now: the step's loss was read
             self.hook_times.append(tuple(a - b for a, b in zip(self.clock.totals(), self._hooks_before)))
         if any(state.global_step == first + steps for first, steps in self.windows):  # global_step counts this one
@@ -213,7 +252,10 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
         if hooks(trainer) is None:
             raise SystemExit(f"offload_checkpoints was not applied: {report['offload_checkpoints']}")
         hook_clock = HookClock(hooks(trainer)) if args.time_hooks else None
-        toggle, clock = Toggle(trainer, plan, cuda, windows, hook_clock), ab.StepTimes(cuda)
+        gc_clock = GcClock() if args.time_gc else None
+        freeze_at = args.warmup if args.gc_freeze else None
+        toggle = Toggle(trainer, plan, cuda, windows, hook_clock, gc_clock, freeze_at)
+        clock = ab.StepTimes(cuda)
         trainer.add_callback(toggle)  # before the clock: the switch is not timed
         trainer.add_callback(clock)
 
@@ -224,7 +266,13 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
         trainer.args.max_steps = len(plan)
         if args.logging_steps:
             trainer.args.logging_steps = args.logging_steps
-        trainer.train()
+        try:
+            trainer.train()
+        finally:
+            if gc_clock is not None:
+                gc_clock.close()
+            if args.gc_freeze:
+                gc.unfreeze()
     rows = rows_of(args, case.name, options, plan, clock, toggle, args.pairs)
     return rows, profile_record(toggle.profiles, [clock.ms[first : first + n] for first, n in windows])
 
@@ -260,6 +308,9 @@ def rows_of(
                   "peak_gib": max((toggle.peaks[k] for k in mine), default=math.nan),
                   "packed_per_step": statistics.median(toggle.packed[k] for k in mine) if mine else 0,
                   "ms": [round(clock.ms[k], 2) for k in mine]}  # fmt: skip
+        if toggle.gc_times:
+            config["gc"] = gc_summary([toggle.gc_times[k] for k in mine])
+        config["gc_freeze"] = args.gc_freeze
         if variant == "offload" and toggle.hook_times:
             config["hooks_host_ms"] = hook_medians([toggle.hook_times[k] for k in mine])
         if variant == "offload" and ratios:
@@ -279,6 +330,17 @@ def hook_medians(times: list[tuple[float, float, int, int]]) -> dict[str, float]
     pick = {"pack": 0, "unpack": 1, "pack_calls": 2, "unpack_calls": 3}
     medians = {name: statistics.median(t[i] for t in times) for name, i in pick.items()}
     return {**medians, "both": statistics.median(t[0] + t[1] for t in times)}
+
+
+def gc_summary(times: list[tuple[float, ...]]) -> dict[str, Any]:
+    """Per step: the median and the most GC ms, the summed ms and counts per generation over the steps."""
+    per_step = [sum(t[:3]) for t in times]
+    return {
+        "median_ms": statistics.median(per_step) if per_step else 0.0,
+        "max_ms": max(per_step, default=0.0),
+        "ms_by_generation": [round(sum(t[g] for t in times), 2) for g in range(3)],
+        "count_by_generation": [sum(t[3 + g] for t in times) for g in range(3)],
+    }
 
 
 def write(rows: list[Row], out: Path | None, partial: str = "") -> Path:
@@ -321,6 +383,16 @@ def table(rows: list[Row]) -> str:
             f"{h['pack_calls']:g} packs, {h['unpack']:.2f} in {h['unpack_calls']:g} unpacks), against a step cost of "
             f"{cost:.2f} ms at the pairs' median."
         )
+    for row in rows:
+        g = row.config.get("gc")
+        if g:
+            kinds = zip(g["count_by_generation"], g["ms_by_generation"])
+            counts = ", ".join(f"{n} of generation {i} ({ms:.0f} ms)" for i, (n, ms) in enumerate(kinds))
+            frozen = " (objects made before the pairs frozen out of the scans)" if row.config.get("gc_freeze") else ""
+            text += (
+                f"\n\nPython's garbage collections on the {row.provider} steps: {g['median_ms']:.2f} ms a step "
+                f"(median), {g['max_ms']:.1f} at most; over the steps {counts}{frozen}."
+            )
     options = ", ".join(f"{k}={v}" for k, v in c["patch_trainer"].items())
     return text + (
         f"\n\nOne trainer, `patch_trainer({options})`, the offload's hooks paused (stock checkpointing) on one step "
@@ -371,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--time-hooks", action="store_true", help="time the host inside the offload's pack and unpack hooks, a step"
+    )
+    parser.add_argument("--time-gc", action="store_true", help="time Python's garbage collections, a step")
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() after the warm-up: what is made before is never scanned"
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny case on the CPU")
     parser.add_argument(

@@ -67,6 +67,26 @@ def test_the_hook_clock_times_every_pack_and_unpack_and_the_hooks_still_move_the
     assert toggle.hook_medians([]) == {}
 
 
+def test_the_gc_clock_counts_and_times_each_generations_collections_until_closed():
+    import gc
+
+    clock = toggle.GcClock()
+    try:
+        before = clock.totals()
+        gc.collect(0)
+        gc.collect(2)
+        after = clock.totals()
+    finally:
+        clock.close()
+    assert after[3] - before[3] >= 1 and after[5] - before[5] >= 1  # one of generation 0, one of generation 2
+    assert after[0] >= before[0] and after[2] > before[2]
+    gc.collect(0)
+    assert clock.totals() == after  # closed: no longer observing
+    summary = toggle.gc_summary([(1.0, 0.0, 0.0, 2, 0, 0), (0.5, 0.5, 3.0, 1, 1, 1)])
+    assert summary == {"median_ms": 2.5, "max_ms": 4.0, "ms_by_generation": [1.5, 0.5, 3.0],
+                       "count_by_generation": [3, 1, 1]}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -115,7 +135,20 @@ def test_smoke_profiles_both_variants_and_keeps_partial_results_on_the_way(tmp_p
 
     monkeypatch.setattr(toggle, "write", spy)
     toggle.main(
-        ["--smoke", "--pairs", "3", "--profile", "1", "--logging-steps", "4", "--time-hooks", "--out", str(tmp_path)]
+        [
+            "--smoke",
+            "--pairs",
+            "3",
+            "--profile",
+            "1",
+            "--logging-steps",
+            "4",
+            "--time-hooks",
+            "--time-gc",
+            "--gc-freeze",
+            "--out",
+            str(tmp_path),
+        ]
     )
     assert [note for note, _ in partial] == ["1 of 3 pairs", "2 of 3 pairs"]
     assert partial[0][1]["partial"] == "1 of 3 pairs" and partial[0][1]["pairs_kept"] == 1
@@ -126,6 +159,8 @@ def test_smoke_profiles_both_variants_and_keeps_partial_results_on_the_way(tmp_p
     timed = final[1]["config"]["hooks_host_ms"]  # the hooks timed on the offloaded steps only
     assert timed["pack_calls"] > 0 and timed["both"] > 0 and "hooks_host_ms" not in final[0]["config"]
     assert "The host inside the offload's hooks" in (tmp_path / "offload_toggle.md").read_text()
+    assert all(row["config"]["gc"]["count_by_generation"] and row["config"]["gc_freeze"] for row in final)
+    assert "frozen out of the scans" in (tmp_path / "offload_toggle.md").read_text()
     profiled = json.loads((tmp_path / "offload_toggle_profile.json").read_text())
     assert profiled["steps"] == 1 and len(profiled["paused"]["step_ms"]) == len(profiled["offload"]["step_ms"]) == 1
     assert profiled["paused"]["host_ops"] and profiled["offload"]["host_ops"]  # the CPU's ops (no GPU on CPU)
