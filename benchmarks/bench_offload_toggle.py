@@ -21,6 +21,9 @@ far are written there, marked partial (a run its time limit stops keeps them).
 and puts the median a step on the offload's row: how much of the step cost the hooks' own calls are, the rest being
 what they cause elsewhere (the allocators' work at frees, the checkpoint's).
 
+``--copy-bytes N`` (a diagnostic) keeps every input on the device and has the hooks copy only its first N bytes:
+the hooks' calls without the traffic, so the step cost it leaves is the calls' (``WithoutTraffic``).
+
 ``--profile N`` adds, after the pairs, N paused steps then N offloaded ones, each window under torch.profiler, and
 writes ``offload_toggle_profile.md`` / ``.json`` (``trace_summary.py``): per step, the GPU's kernel time, idle time
 and copies (with the part of each copy a kernel ran beside), the host's waits on the GPU, and the host calls and ops
@@ -93,6 +96,31 @@ class HookClock:
 
     def totals(self) -> tuple[float, float, int, int]:
         return self.ms["pack"], self.ms["unpack"], self.calls["pack"], self.calls["unpack"]
+
+
+class WithoutTraffic:
+    """``--copy-bytes N``: the offload's hooks make every call they make, but each copy moves the input's first N bytes
+    and the input itself stays on the device (the unpack hands it back): the same calls in the same order, the same
+    values, none of the traffic through host memory (and none of the device memory it frees). Where the step cost
+    falls to the hooks' calls, the bytes the copies move are the cost; where it does not, the calls are."""
+
+    def __init__(self, offload: Any, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._pack, self._unpack = offload.pack, offload.unpack
+        offload.pack, offload.unpack = self.pack, self.unpack  # what ``HookClock`` times, when made after this
+        offload._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.numel() * tensor.element_size() <= self.nbytes or (tensor.is_leaf and tensor.requires_grad):
+            return self._pack(tensor)  # what the hooks leave as it is, or move whole anyway
+        head = tensor.detach().reshape(-1).view(torch.uint8)[: self.nbytes]
+        return self._pack(head), tensor
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, tuple):
+            return self._unpack(packed)
+        self._unpack(packed[0])  # the head's copy back, and the one started ahead for the next input
+        return packed[1]
 
 
 class GcClock:
@@ -251,6 +279,8 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
         print(report, flush=True)
         if hooks(trainer) is None:
             raise SystemExit(f"offload_checkpoints was not applied: {report['offload_checkpoints']}")
+        if args.copy_bytes:
+            WithoutTraffic(hooks(trainer), args.copy_bytes)
         hook_clock = HookClock(hooks(trainer)) if args.time_hooks else None
         gc_clock = GcClock() if args.time_gc else None
         freeze_at = args.warmup if args.gc_freeze else None
@@ -311,6 +341,8 @@ def rows_of(
         if toggle.gc_times:
             config["gc"] = gc_summary([toggle.gc_times[k] for k in mine])
         config["gc_freeze"] = args.gc_freeze
+        if args.copy_bytes:
+            config["copy_bytes"] = args.copy_bytes  # the copies moved this much of each input (WithoutTraffic)
         if variant == "offload" and toggle.hook_times:
             config["hooks_host_ms"] = hook_medians([toggle.hook_times[k] for k in mine])
         if variant == "offload" and ratios:
@@ -393,6 +425,11 @@ def table(rows: list[Row]) -> str:
                 f"\n\nPython's garbage collections on the {row.provider} steps: {g['median_ms']:.2f} ms a step "
                 f"(median), {g['max_ms']:.1f} at most; over the steps {counts}{frozen}."
             )
+    if c.get("copy_bytes"):
+        text += (
+            f"\n\n**A diagnostic run**: every input stayed on the device and the hooks' copies moved only its first "
+            f"{c['copy_bytes']} bytes (the hooks' calls without the traffic; no memory saved)."
+        )
     options = ", ".join(f"{k}={v}" for k, v in c["patch_trainer"].items())
     return text + (
         f"\n\nOne trainer, `patch_trainer({options})`, the offload's hooks paused (stock checkpointing) on one step "
@@ -448,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gc-freeze", action="store_true", help="gc.freeze() after the warm-up: what is made before is never scanned"
     )
+    parser.add_argument(
+        "--copy-bytes",
+        type=int,
+        default=0,
+        help="diagnostic: the hooks' copies move each input's first this many bytes, the input stays on the device "
+        "(the calls without the traffic)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny case on the CPU")
     parser.add_argument(
         "--summary", nargs="+", default=[], help="these runs' JSON files in one plot (offload_toggle_summary.png)"
@@ -467,9 +511,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown case {args.case!r}: {list(known)}")
     if known[args.case].kind == "moe":
         raise SystemExit(f"{args.case}: a MoE case builds 4-bit experts only leantrain trains; use a dense case")
-    if args.pairs < 1 or args.warmup < 0 or args.warmup % 2 or args.profile < 0 or args.logging_steps < 0:
+    if (
+        args.pairs < 1
+        or args.warmup < 0
+        or args.warmup % 2
+        or min(args.profile, args.logging_steps, args.copy_bytes) < 0
+    ):
         raise SystemExit(
-            "--pairs must be positive, --warmup even and not negative, --profile and --logging-steps not negative"
+            "--pairs must be positive, --warmup even and not negative, --profile, --logging-steps and --copy-bytes "
+            "not negative"
         )
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")

@@ -67,6 +67,34 @@ def test_the_hook_clock_times_every_pack_and_unpack_and_the_hooks_still_move_the
     assert toggle.hook_medians([]) == {}
 
 
+def test_without_traffic_the_hooks_copy_each_inputs_head_and_hand_back_the_input_itself():
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from leantrain.offload_checkpoints.ops import HostOffload
+
+    def chain(offload=None):
+        torch.manual_seed(0)
+        x = torch.randn(8, 64, requires_grad=True)
+        h = x * 2.0
+        for _ in range(3):
+            if offload is None:
+                h = checkpoint(torch.sin, h, use_reentrant=False)
+                continue
+            with offload.context():
+                h = checkpoint(torch.sin, h, use_reentrant=False)
+        h.sum().backward()
+        return x.grad
+
+    offload = HostOffload(budget_bytes=1 << 30)
+    toggle.WithoutTraffic(offload, 16)
+    clock = toggle.HookClock(offload)  # made after: it times the diagnostic's hooks
+    grad = chain(offload)
+    assert offload.stats.packed == 3 and offload.stats.packed_bytes == 3 * 16  # each copy moved 16 bytes
+    assert clock.totals()[2] >= 3 and clock.totals()[3] >= 3
+    assert torch.equal(grad, chain())  # the inputs themselves came back
+
+
 def test_the_gc_clock_counts_and_times_each_generations_collections_until_closed():
     import gc
 
@@ -94,8 +122,9 @@ def test_the_gc_clock_counts_and_times_each_generations_collections_until_closed
         (["--smoke", "--case", "tiny-moe-qlora"], "dense case"),
         (["--smoke", "--warmup", "1"], "--warmup even"),
         (["--smoke", "--pairs", "0"], "--pairs must be positive"),
-        (["--smoke", "--profile", "-1"], "--profile and --logging-steps not negative"),
-        (["--smoke", "--logging-steps", "-1"], "--profile and --logging-steps not negative"),
+        (["--smoke", "--profile", "-1"], "--profile, --logging-steps and --copy-bytes not negative"),
+        (["--smoke", "--logging-steps", "-1"], "--logging-steps and --copy-bytes not negative"),
+        (["--smoke", "--copy-bytes", "-1"], "--logging-steps and --copy-bytes not negative"),
     ],
 )
 def test_bad_arguments_stop_before_any_work(argv, message, tmp_path):
