@@ -332,12 +332,19 @@ def rows_of(
     for variant in VARIANTS:
         mine = [k for k in kept if plan[k] == (variant == "paused")]
         times = sorted(clock.ms[k] for k in mine)
-        config = {"pairs": args.pairs, "pairs_kept": len(ratios), "warmup": args.warmup, "seed": args.seed,
-                  "logging_steps": args.logging_steps or 1,
-                  "patch_trainer": {k: repr(v) for k, v in options.items()}, "steps_kept": len(mine),
-                  "peak_gib": max((toggle.peaks[k] for k in mine), default=math.nan),
-                  "packed_per_step": statistics.median(toggle.packed[k] for k in mine) if mine else 0,
-                  "ms": [round(clock.ms[k], 2) for k in mine]}  # fmt: skip
+        config = {
+            "pairs": args.pairs,
+            "pairs_kept": len(ratios),
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "logging_steps": args.logging_steps or 1,
+            "patch_trainer": {k: repr(v) for k, v in options.items()},
+            "steps_kept": len(mine),
+            "peak_gib": max((toggle.peaks[k] for k in mine), default=math.nan),
+            "packed_per_step": statistics.median(toggle.packed[k] for k in mine) if mine else 0,
+            "ms": [round(clock.ms[k], 2) for k in mine],
+            "warmup_ms": [round(m, 1) for m in clock.ms[: args.warmup]],
+        }  # fmt: skip
         if toggle.gc_times:
             config["gc"] = gc_summary([toggle.gc_times[k] for k in mine])
         config["gc_freeze"] = args.gc_freeze
