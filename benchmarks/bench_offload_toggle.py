@@ -21,8 +21,9 @@ far are written there, marked partial (a run its time limit stops keeps them).
 and puts the median a step on the offload's row: how much of the step cost the hooks' own calls are, the rest being
 what they cause elsewhere (the allocators' work at frees, the checkpoint's).
 
-``--copy-bytes N`` (a diagnostic) keeps every input on the device and has the hooks copy only its first N bytes:
-the hooks' calls without the traffic, so the step cost it leaves is the calls' (``WithoutTraffic``).
+``--keep-inputs`` and ``--copy-bytes N`` (diagnostics) keep every input on the device while the hooks copy the
+whole input, or only its first N bytes: the offload's calls and traffic without its frees, or its calls alone
+(``KeptOnDevice``).
 
 ``--profile N`` adds, after the pairs, N paused steps then N offloaded ones, each window under torch.profiler, and
 writes ``offload_toggle_profile.md`` / ``.json`` (``trace_summary.py``): per step, the GPU's kernel time, idle time
@@ -98,28 +99,32 @@ class HookClock:
         return self.ms["pack"], self.ms["unpack"], self.calls["pack"], self.calls["unpack"]
 
 
-class WithoutTraffic:
-    """``--copy-bytes N``: the offload's hooks make every call they make, but each copy moves the input's first N bytes
-    and the input itself stays on the device (the unpack hands it back): the same calls in the same order, the same
-    values, none of the traffic through host memory (and none of the device memory it frees). Where the step cost
-    falls to the hooks' calls, the bytes the copies move are the cost; where it does not, the calls are."""
+class KeptOnDevice:
+    """``--keep-inputs`` and ``--copy-bytes N``, diagnostics: every input stays on the device (the unpack hands it
+    back) while the offload's hooks make every call they make, their copies moving the whole input (``nbytes`` 0) or
+    its first ``nbytes``. The same calls in the same order and the same values; none of the device memory the offload
+    frees (nor the allocator's work at those frees), and with ``nbytes`` none of the traffic through host memory
+    either. Set beside the offload's own cost, the three runs tell whether the calls, the bytes or the frees cost."""
 
-    def __init__(self, offload: Any, nbytes: int) -> None:
+    def __init__(self, offload: Any, nbytes: int = 0) -> None:
         self.nbytes = nbytes
         self._pack, self._unpack = offload.pack, offload.unpack
         offload.pack, offload.unpack = self.pack, self.unpack  # what ``HookClock`` times, when made after this
         offload._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if tensor.numel() * tensor.element_size() <= self.nbytes or (tensor.is_leaf and tensor.requires_grad):
+        size = tensor.numel() * tensor.element_size()
+        if size == 0 or size <= self.nbytes or (tensor.is_leaf and tensor.requires_grad):
             return self._pack(tensor)  # what the hooks leave as it is, or move whole anyway
-        head = tensor.detach().reshape(-1).view(torch.uint8)[: self.nbytes]
-        return self._pack(head), tensor
+        copied = tensor.detach()
+        if self.nbytes:
+            copied = copied.reshape(-1).view(torch.uint8)[: self.nbytes]
+        return self._pack(copied), tensor
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, tuple):
             return self._unpack(packed)
-        self._unpack(packed[0])  # the head's copy back, and the one started ahead for the next input
+        self._unpack(packed[0])  # the copy's way back, and the one started ahead for the next input
         return packed[1]
 
 
@@ -279,8 +284,8 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
         print(report, flush=True)
         if hooks(trainer) is None:
             raise SystemExit(f"offload_checkpoints was not applied: {report['offload_checkpoints']}")
-        if args.copy_bytes:
-            WithoutTraffic(hooks(trainer), args.copy_bytes)
+        if args.keep_inputs or args.copy_bytes:
+            KeptOnDevice(hooks(trainer), args.copy_bytes)
         hook_clock = HookClock(hooks(trainer)) if args.time_hooks else None
         gc_clock = GcClock() if args.time_gc else None
         freeze_at = args.warmup if args.gc_freeze else None
@@ -348,8 +353,9 @@ def rows_of(
         if toggle.gc_times:
             config["gc"] = gc_summary([toggle.gc_times[k] for k in mine])
         config["gc_freeze"] = args.gc_freeze
-        if args.copy_bytes:
-            config["copy_bytes"] = args.copy_bytes  # the copies moved this much of each input (WithoutTraffic)
+        if args.keep_inputs or args.copy_bytes:
+            config["kept_on_device"] = True  # a diagnostic run (KeptOnDevice)
+            config["copy_bytes"] = args.copy_bytes or "all"
         if variant == "offload" and toggle.hook_times:
             config["hooks_host_ms"] = hook_medians([toggle.hook_times[k] for k in mine])
         if variant == "offload" and ratios:
@@ -432,10 +438,11 @@ def table(rows: list[Row]) -> str:
                 f"\n\nPython's garbage collections on the {row.provider} steps: {g['median_ms']:.2f} ms a step "
                 f"(median), {g['max_ms']:.1f} at most; over the steps {counts}{frozen}."
             )
-    if c.get("copy_bytes"):
+    if c.get("kept_on_device"):
+        moved = "the whole input" if c["copy_bytes"] == "all" else f"only its first {c['copy_bytes']} bytes"
         text += (
-            f"\n\n**A diagnostic run**: every input stayed on the device and the hooks' copies moved only its first "
-            f"{c['copy_bytes']} bytes (the hooks' calls without the traffic; no memory saved)."
+            f"\n\n**A diagnostic run**: every input stayed on the device (no memory saved, nothing freed) and the "
+            f"hooks' copies moved {moved}."
         )
     options = ", ".join(f"{k}={v}" for k, v in c["patch_trainer"].items())
     return text + (
@@ -498,6 +505,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="diagnostic: the hooks' copies move each input's first this many bytes, the input stays on the device "
         "(the calls without the traffic)",
+    )
+    parser.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="diagnostic: the inputs stay on the device, the hooks copy them whole (the calls and the traffic without "
+        "the frees)",
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny case on the CPU")
     parser.add_argument(

@@ -67,7 +67,8 @@ def test_the_hook_clock_times_every_pack_and_unpack_and_the_hooks_still_move_the
     assert toggle.hook_medians([]) == {}
 
 
-def test_without_traffic_the_hooks_copy_each_inputs_head_and_hand_back_the_input_itself():
+@pytest.mark.parametrize(("nbytes", "moved"), [(16, 16), (0, 8 * 64 * 4)])
+def test_kept_on_device_the_hooks_copy_each_input_or_its_head_and_hand_back_the_input_itself(nbytes, moved):
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -87,10 +88,10 @@ def test_without_traffic_the_hooks_copy_each_inputs_head_and_hand_back_the_input
         return x.grad
 
     offload = HostOffload(budget_bytes=1 << 30)
-    toggle.WithoutTraffic(offload, 16)
+    toggle.KeptOnDevice(offload, nbytes)
     clock = toggle.HookClock(offload)  # made after: it times the diagnostic's hooks
     grad = chain(offload)
-    assert offload.stats.packed == 3 and offload.stats.packed_bytes == 3 * 16  # each copy moved 16 bytes
+    assert offload.stats.packed == 3 and offload.stats.packed_bytes == 3 * moved  # each copy moved that much
     assert clock.totals()[2] >= 3 and clock.totals()[3] >= 3
     assert torch.equal(grad, chain())  # the inputs themselves came back
 
