@@ -4,10 +4,9 @@ one step of each pair (stock checkpointing) and not on the other, the order with
 ``bench_step_ab.py`` alternates segments of several steps, unpatching and patching between them; the shared GPU
 machine's host moves step times by several percent over a segment's seconds, which left the offload's cost (a few
 percent at most) inside the spread of its runs. Here the two variants run a step apart on the same trainer, the
-same compiled layers and the same host state: each pair's ratio cancels the drift. With a fixed-length case every
-step has the same shapes, so each pair compares like with like; with varying lengths a pair's two steps train
-different batches, and the ratio of the summed times over many pairs (the coin decides which variant gets which
-batch) is the estimate.
+same compiled layers and the same host state: each pair's ratio cancels the drift. Each batch is trained twice in a
+row (``paired_batches``), so a pair's two steps train the same rows: with varying lengths too, each pair compares
+like with like.
 
 Rows, one a variant: median step ms (p20-p80) and the highest of its steps' peaks (allocated GiB, weights included,
 reset at each step's start); on the offload's row the median of the pairs' ratios (paused over offloaded: above 1
@@ -242,6 +241,23 @@ class Partial(TrainerCallback):
             self.write(done)
 
 
+def paired_batches(trainer: Any, seed: int) -> None:
+    """Each batch trained twice in a row, in a seeded order: a pair's two steps (the warm-up's length is even) train
+    the same rows, so with varying lengths they have the same shapes too and each pair's ratio compares like with
+    like; without this, a pair's steps trained different batches and only the summed times over many pairs estimated
+    the cost, with a spread of several percent."""
+    dataset = trainer.train_dataset
+    rows = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    batches = [order[k : k + rows] for k in range(0, len(order) - rows + 1, rows)]
+    if not batches:
+        raise SystemExit(f"the case's {len(dataset)} rows are fewer than a step's {rows}")
+    trainer.train_dataset = dataset.select([i for batch in batches for i in (*batch, *batch)])
+    trainer._get_train_sampler = lambda train_dataset=None: torch.utils.data.SequentialSampler(
+        train_dataset if train_dataset is not None else trainer.train_dataset
+    )
+
+
 def plan_steps(warmup: int, pairs: int, seed: int, profile: int = 0) -> list[bool]:
     """Per step, whether the hooks are paused: the warm-up alternating (each variant's first steps compile), then
     each pair in a coin's order, then ``profile`` paused steps and ``profile`` offloaded ones."""
@@ -280,6 +296,7 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
         if not cuda:  # the cases checkpoint on CUDA only; the offload has nothing to move without it
             for name, on in checkpointing(True).items():
                 setattr(trainer.args, name, on)
+        paired_batches(trainer, args.seed)
         report = leantrain.patch_trainer(trainer, **options)
         print(report, flush=True)
         if hooks(trainer) is None:
@@ -349,6 +366,7 @@ def rows_of(
             "packed_per_step": statistics.median(toggle.packed[k] for k in mine) if mine else 0,
             "ms": [round(clock.ms[k], 2) for k in mine],
             "warmup_ms": [round(m, 1) for m in clock.ms[: args.warmup]],
+            "paired_batches": True,  # a pair's two steps train the same rows (paired_batches)
         }  # fmt: skip
         if toggle.gc_times:
             config["gc"] = gc_summary([toggle.gc_times[k] for k in mine])

@@ -18,6 +18,38 @@ def test_the_plan_warms_both_up_then_puts_one_of_each_in_every_pair_in_a_seeded_
     assert plan == toggle.plan_steps(4, 40, 3) and plan != toggle.plan_steps(4, 40, 4)
 
 
+def test_paired_batches_train_each_batch_twice_in_a_row_in_a_seeded_order():
+    datasets = pytest.importorskip("datasets")
+    from torch.utils.data import DataLoader
+
+    class Args:
+        per_device_train_batch_size, gradient_accumulation_steps = 2, 2
+
+    class Trainer:
+        args, train_dataset = Args(), datasets.Dataset.from_dict({"row": list(range(10))})
+
+    trainer = Trainer()
+    toggle.paired_batches(trainer, seed=1)
+    sampler = trainer._get_train_sampler()
+    rows = [
+        int(r) for r in DataLoader(trainer.train_dataset, batch_size=4, sampler=sampler).__iter__().__next__()["row"]
+    ]
+    steps = [
+        [trainer.train_dataset[i]["row"] for i in range(k, k + 4)] for k in range(0, len(trainer.train_dataset), 4)
+    ]
+    assert rows == steps[0] and len(steps) == 4  # two batches of 4 rows (the 2 left over dropped), each twice
+    assert steps[0] == steps[1] and steps[2] == steps[3] and steps[0] != steps[2]
+    assert sorted(steps[0] + steps[2]) == sorted(set(steps[0] + steps[2]))  # no row twice within the epoch's batches
+    again = Trainer()
+    again.train_dataset = datasets.Dataset.from_dict({"row": list(range(10))})
+    toggle.paired_batches(again, seed=1)
+    assert again.train_dataset["row"] == trainer.train_dataset["row"]  # seeded
+    few = Trainer()
+    few.train_dataset = datasets.Dataset.from_dict({"row": [0, 1, 2]})
+    with pytest.raises(SystemExit, match="fewer than a step's 4"):
+        toggle.paired_batches(few, seed=0)
+
+
 def test_the_profiled_windows_follow_the_pairs_paused_first():
     plan = toggle.plan_steps(warmup=2, pairs=3, seed=0, profile=2)
     assert plan[:8] == toggle.plan_steps(2, 3, 0) and plan[8:] == [True, True, False, False]
