@@ -25,19 +25,23 @@ class Case:
 
 
 # The offload's step cost per case (LoRA r16 on the 7 projections, 4 x 2048 tokens, bf16, activation checkpointing,
-# the compiled layers in both), measured a step apart: the worst run's pairs' median ratio (fixed lengths; Llama
-# +2.6% to +3.5% over five runs, QLoRA +1.8% and +5.9%) or summed steps' ratio (varying lengths: a pair's steps train
-# different batches; +6.6% and +4.9%, +2.1% to +2.9% at the pairs' median). Timed inside the hooks (run3 to run5 and
-# the second runs of QLoRA and the varying lengths), the hooks' own host work is 3.7-4.4 ms a step of a 4.5-4.8 ms
-# cost on Llama: these steps are host-bound (the GPU idle a quarter of the step without the offload), so that work
-# adds to the step almost one for one. QLoRA's second run cost 12.5 ms a step with the same 4.2 ms in the hooks: the
-# rest is not explained yet. Earlier runs in alternating segments of several steps (offload_ab*.md,
-# step_ab_offload_pairs_*.md) gave -3.6% to +19.1%: the shared host's drift over a segment's seconds, which a step
-# apart cancels.
+# the compiled layers in both), measured a step apart: the worst run's pairs' median ratio (fixed lengths; Llama +0.5%
+# to +3.5% over six runs, QLoRA +1.8% to +5.9% over three, Qwen +2.6% and +3.0%) or summed steps' ratio (varying
+# lengths, runs whose pairs trained different batches: +6.6%, +4.9%, +13.5%; +2.1% to +6.6% at the pairs' median; a
+# calls-only diagnostic beside the last one summed to 1.042, the offload faster: several percent of a summed ratio is
+# the batches'). These steps are host-bound (the GPU idle a quarter of a fixed-length step without the offload, three
+# quarters of a padding-free one), so the offload's host work adds to the step almost one for one: its hooks' own
+# calls cost -0.1% to +0.6% of the step (a diagnostic whose copies move 1 KiB and whose inputs stay on the device), the
+# bytes the copies move through host memory make the host slower everywhere (3.4-4.4 ms a step inside the hooks
+# instead of 0.7), and with varying lengths keeping the inputs on the device (nothing freed) took the median from
+# +6.6% to +2.5% on one host (pairs of different batches: to be confirmed with pairs of the same batch). The same host
+# ran Llama at +0.5% and the varying lengths at +6.6% (median) in one device call. Earlier runs in alternating
+# segments of several steps (offload_ab*.md, step_ab_offload_pairs_*.md) gave -3.6% to +19.1%: the shared host's drift
+# over a segment's seconds, which a step apart cancels.
 MEASURED = {
     "llama-3.2-1b": Case(cost=0.035, saved_gib=0.40),
     "llama-3.2-1b-qlora": Case(cost=0.059, saved_gib=0.43),
-    "llama-3.2-1b-varlen": Case(cost=0.066, saved_gib=0.47),
+    "llama-3.2-1b-varlen": Case(cost=0.135, saved_gib=0.47),
     "qwen2.5-1.5b": Case(cost=0.030, saved_gib=0.54),
 }
 EVIDENCE = Evidence(
