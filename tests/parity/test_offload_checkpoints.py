@@ -430,7 +430,7 @@ def test_on_cuda_auto_mode_quotes_the_measured_step_cost():
     reason = offload_probe.auto_reason("cuda")
     assert reason is not None and "not within 3%" in reason and "GPU memory" in reason
     assert skipped_as_slower("offload_checkpoints", reason).count("offload_checkpoints=True") == 1
-    assert "llama-3.2-1b 0.40 GiB less at +3.5% a step" in reason  # a case over 3%
+    assert "llama-3.2-1b 0.40 GiB less at +3.6% a step" in reason  # a case over 3%
     assert "llama-3.2-1b-qlora 0.43 GiB less at +5.9% a step" in reason
     cheap = {name: dataclasses.replace(case, cost=0.01) for name, case in offload_measured.MEASURED.items()}
     with pytest.MonkeyPatch.context() as mp:

@@ -25,29 +25,29 @@ class Case:
 
 
 # The offload's step cost per case (LoRA r16 on the 7 projections, 4 x 2048 tokens, bf16, activation checkpointing,
-# the compiled layers in both), measured a step apart: the worst run's pairs' median ratio (fixed lengths; Llama +0.5%
-# to +3.5% over six runs, QLoRA +1.8% to +5.9% over three, Qwen +2.6% and +3.0%) or summed steps' ratio (varying
-# lengths, runs whose pairs trained different batches: +6.6%, +4.9%, +13.5%; +2.1% to +6.6% at the pairs' median; a
-# calls-only diagnostic beside the last one summed to 1.042, the offload faster: several percent of a summed ratio is
-# the batches'). These steps are host-bound (the GPU idle a quarter of a fixed-length step without the offload, three
-# quarters of a padding-free one), so the offload's host work adds to the step almost one for one: its hooks' own
-# calls cost -0.1% to +0.6% of the step (a diagnostic whose copies move 1 KiB and whose inputs stay on the device), the
-# bytes the copies move through host memory make the host slower everywhere (3.4-4.4 ms a step inside the hooks
-# instead of 0.7), and with varying lengths keeping the inputs on the device (nothing freed) took the median from
-# +6.6% to +2.5% on one host (pairs of different batches: to be confirmed with pairs of the same batch). The same host
-# ran Llama at +0.5% and the varying lengths at +6.6% (median) in one device call. Earlier runs in alternating
-# segments of several steps (offload_ab*.md, step_ab_offload_pairs_*.md) gave -3.6% to +19.1%: the shared host's drift
-# over a segment's seconds, which a step apart cancels.
+# the compiled layers in both), measured a step apart: the worst run's pairs' median ratio (Llama +0.5% to +3.6% over
+# seven runs, QLoRA +1.8% to +5.9% over four, Qwen +2.6% and +3.0%; varying lengths, each batch trained twice in a
+# row so a pair's steps train the same rows, +3.0% and +2.5%: earlier runs whose pairs trained different batches gave
+# +2.1% to +6.6% at the median and summed ratios spread by several percent either way, and are left out). These steps
+# are host-bound (the GPU idle a quarter of a fixed-length step without the offload, three quarters of a padding-free
+# one), so the offload's host work adds to the step almost one for one: its hooks' own calls cost -0.1% to +0.6% of
+# the step (a diagnostic whose copies move 1 KiB and whose inputs stay on the device), the bytes the copies move
+# through host memory make the host slower everywhere (3.4-4.8 ms a step inside the hooks instead of 0.7), and keeping
+# the inputs on the device (nothing freed) costs as much (varying lengths, same batches: +6.2% against +3.0%). The cost
+# moves with the host: one host ran Llama at +0.5% and another at +3.6%. Summed over a run, the offloaded steps took
+# 0.98-1.00x the paused ones' time on the last host (each run's one or two 0.7-0.8 s steps fell on paused steps).
+# Earlier runs in alternating segments of several steps (offload_ab*.md, step_ab_offload_pairs_*.md) gave -3.6% to
+# +19.1%: the shared host's drift over a segment's seconds, which a step apart cancels.
 MEASURED = {
-    "llama-3.2-1b": Case(cost=0.035, saved_gib=0.40),
+    "llama-3.2-1b": Case(cost=0.036, saved_gib=0.40),
     "llama-3.2-1b-qlora": Case(cost=0.059, saved_gib=0.43),
-    "llama-3.2-1b-varlen": Case(cost=0.135, saved_gib=0.47),
+    "llama-3.2-1b-varlen": Case(cost=0.030, saved_gib=0.30),
     "qwen2.5-1.5b": Case(cost=0.030, saved_gib=0.54),
 }
 EVIDENCE = Evidence(
     "not within 3%",
     "H200",
-    "2026-12-02",
+    "2026-12-03",
     "LoRA / QLoRA, 4 x 2048 tokens: "
     + ", ".join(f"{name} {c.saved_gib:.2f} GiB less at {c.cost:+.1%} a step" for name, c in MEASURED.items())
     + " (benchmarks/results/offload_toggle_*.md)",
