@@ -251,6 +251,14 @@ class LeantrainConfig:
         "shared by the processes on the host); inputs past it stay on the device",
         lambda v: None if v >= 0 else f"must be >= 0, got {v!r}",
     )
+    offload_checkpoints_layers: int = _opt(
+        0,
+        "int",
+        "how many decoder layers' checkpointed inputs move to host memory, spread evenly over the stack (the others "
+        "stay on the device, as stock checkpointing keeps them): fewer copies and less host work a step for less "
+        "memory saved; 0: every layer",
+        lambda v: None if 0 <= v <= 4096 else f"must be in [0, 4096], got {v!r}",
+    )
     # MoE 4-bit
     moe_recompute: bool | None = _opt(
         None,

@@ -248,6 +248,21 @@ def test_lora_trains_exactly_as_stock_checkpointing(reentrant, tmp_path, every_i
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
+def test_some_layers_move_and_train_exactly_as_stock(reentrant, tmp_path, every_input):
+    """offload_checkpoints_layers=2 of 3: layers 0 and 2 (the first's input copied back when the backward takes the
+    third's, two layers ahead of its need; the middle layer's input held on the device as stock checkpointing holds
+    it); training is stock's, bit for bit."""
+    count = LAYERS - 1
+    stock = train(lora_model, tmp_path, None, reentrant)
+    ours = train(lora_model, tmp_path, {"offload_checkpoints": True, "offload_checkpoints_layers": count}, reentrant)
+    assert_same_run(stock, ours)
+    outcome = ours[2].leantrain_report["offload_checkpoints"]
+    assert len(outcome.targets) == count and f"{count} of {LAYERS} decoder layers" in outcome.detail, outcome
+    live = stats(ours[2])
+    assert live.packed == count * 3 and live.waited == 0 and live.fetched_ahead == (count - 1) * 3
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
 def test_the_embedding_output_is_freed_after_the_forward(reentrant, tmp_path, every_input):
     """PEFT's input-gradient hook makes the embedding output a leaf that requires grad, which autograd would hold on
     the GPU until the backward ends: handed to layer 0 without that gradient, it is freed after the forward (the

@@ -27,7 +27,14 @@ from leantrain.offload_checkpoints import hooks, stats
 from leantrain.offload_checkpoints import measured as offload_measured
 from leantrain.offload_checkpoints import patch as offload_patch
 from leantrain.offload_checkpoints import probe as offload_probe
-from leantrain.offload_checkpoints.ops import GIB, EmbeddingOutput, HostOffload, PinnedPool, host_budget_bytes
+from leantrain.offload_checkpoints.ops import (
+    GIB,
+    EmbeddingOutput,
+    HostOffload,
+    PinnedPool,
+    host_budget_bytes,
+    spread_layers,
+)
 from testkit.batches import pad_right, random_rows
 from testkit.optimizations import only
 from tests._offload_blocks import through_checkpoints
@@ -244,6 +251,40 @@ def test_trains_exactly_as_stock_checkpointing(reentrant, tmp_path):
     live = stats(ours[2])
     assert live.packed == LAYERS * 3  # every layer, every step: checkpointing was switched on at train()
     assert live.peak_bytes == LAYERS * BATCH * LENGTH * HIDDEN * 4 and live.live_bytes == 0
+
+
+def test_some_layers_move_spread_over_the_stack_and_train_as_stock(tmp_path):
+    """offload_checkpoints_layers=2 of 3: those two layers' inputs move, the middle one stays as stock checkpointing
+    keeps it; the run is stock's to the bit."""
+    stock = run(tiny, tmp_path, None, **checkpointed())
+    ours = run(tiny, tmp_path, {"offload_checkpoints": True, "offload_checkpoints_layers": 2}, **checkpointed())
+    assert_same_run(stock, ours)
+    outcome = ours[2].leantrain_report["offload_checkpoints"]
+    assert outcome.targets == ("model.layers.0", "model.layers.2"), outcome.targets
+    assert "the checkpointed inputs of 2 of 3 decoder layers" in outcome.detail, outcome.detail
+    live = stats(ours[2])
+    assert live.packed == 2 * 3 and live.peak_bytes == 2 * BATCH * LENGTH * HIDDEN * 4
+
+
+def test_more_layers_than_the_model_has_are_refused(tmp_path):
+    trainer = trainer_for(tiny(), tmp_path, **checkpointed())
+    with pytest.raises(NotReadyError, match=f"offload_checkpoints_layers=4 but the model has {LAYERS} decoder layers"):
+        leantrain.patch_trainer(trainer, offload_checkpoints_layers=4, **only("offload_checkpoints"))
+    with pytest.raises(ValueError, match=r"offload_checkpoints_layers.*must be in \[0, 4096\], got -1"):
+        leantrain.patch_trainer(trainer, offload_checkpoints_layers=-1, **only("offload_checkpoints"))
+
+
+@pytest.mark.parametrize(
+    ("total", "count", "chosen"),
+    [(16, 8, list(range(1, 16, 2))), (16, 0, list(range(16))), (16, 16, list(range(16))), (3, 2, [0, 2]),
+     (16, 1, [8]), (4, 3, [0, 2, 3])],
+)  # fmt: skip
+def test_the_layers_spread_evenly(total, count, chosen):
+    assert spread_layers(total, count) == chosen
+    for total in range(1, 65):
+        for count in range(1, total + 1):
+            picked = spread_layers(total, count)
+            assert len(set(picked)) == count and picked == sorted(picked) and 0 <= picked[0] and picked[-1] < total
 
 
 def test_gradient_accumulation_and_lora_train_as_stock(tmp_path):

@@ -369,6 +369,15 @@ def pinned_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def spread_layers(total: int, count: int) -> list[int]:
+    """The indices of ``count`` of ``total`` layers spread evenly over the stack, each in the middle of its equal
+    share (every other one for half of them), or every index for ``count`` 0. Spread, each copy has the compute of
+    the layers between it and the next to hide under."""
+    if count <= 0 or count >= total:
+        return list(range(total))
+    return [(2 * i + 1) * total // (2 * count) for i in range(count)]
+
+
 def host_budget_bytes(max_host_gib: float, available_bytes: int, local_processes: int) -> int:
     """The host bytes one process may hold: ``max_host_gib`` if set (> 0), else half of what the host has
     available, shared by the processes on this host (each offloads its own inputs)."""

@@ -15,7 +15,7 @@ from ..models import data_parallel_reason, decoder_parts, text_config, tokens_pe
 from ..optimization import PatchContext, Readiness
 from ..report import size_text
 from . import measured
-from .ops import host_budget_bytes
+from .ops import host_budget_bytes, spread_layers
 
 
 DEVICES = ("cuda", "cpu")
@@ -35,6 +35,7 @@ class OffloadPlan:
     tokens_per_micro_batch: int | None  # batch x the longest sequence the trainer is told of, if told
     min_bytes: int
     embedding: nn.Module | None = None  # the input embedding (its output, a hook-made leaf, goes on without its grad)
+    total_layers: int = 0  # the stack's decoder layers (``layers``: some of them with offload_checkpoints_layers)
 
 
 def probe(trainer: Any, ctx: PatchContext) -> Readiness:
@@ -55,6 +56,12 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     reasons = run_reasons(trainer, model, layers, device)
     budget, source = budget_for(cfg.offload_checkpoints_max_host_gib, trainer)
     per_token = bytes_per_token(model)
+    asked = cfg.offload_checkpoints_layers
+    if asked > len(layers):
+        reasons.append(
+            f"offload_checkpoints_layers={asked} but the model has {len(layers)} decoder layers: give at most "
+            f"{len(layers)}, or 0 for every layer"
+        )
     if not reasons and budget < per_token:
         reasons.append(
             f"the host budget ({size_text(budget)}, {source}) holds less than one token of a layer input "
@@ -65,7 +72,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     prefix = getattr(model, "base_model_prefix", "model")
     trunk = next((n for n, m in model.named_modules() if m is parts.layers), f"{prefix}.layers")
     plan = OffloadPlan(
-        layers=tuple((f"{trunk}.{i}", layer) for i, layer in enumerate(layers)),
+        layers=tuple((f"{trunk}.{i}", layers[i]) for i in spread_layers(len(layers), asked)),
         trunk=parts.trunk,
         device=device,
         budget_bytes=budget,
@@ -74,6 +81,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         tokens_per_micro_batch=tokens_per_micro_batch(trainer),
         min_bytes=MIN_BYTES if device == "cuda" else 0,
         embedding=model.get_input_embeddings(),
+        total_layers=len(layers),
     )
     return Readiness(detail=describe(plan), plan=plan).with_auto_rule(rule)
 
@@ -169,7 +177,8 @@ def bytes_per_token(model: nn.Module) -> int:
 
 def describe(plan: OffloadPlan) -> str:
     per_token = size_text(plan.bytes_per_token)
-    layers = f"the checkpointed inputs of {len(plan.layers)} decoder layers ({per_token} a token each)"
+    some = f"{len(plan.layers)} of {plan.total_layers}" if len(plan.layers) < plan.total_layers else len(plan.layers)
+    layers = f"the checkpointed inputs of {some} decoder layers ({per_token} a token each)"
     if plan.device != "cuda":
         text = f"{layers} to host copies (the model is on the host: no device memory to save)"
     else:
@@ -178,7 +187,7 @@ def describe(plan: OffloadPlan) -> str:
             step = plan.bytes_per_token * plan.tokens_per_micro_batch * max(len(plan.layers) - 1, 0)
             text += (
                 f"; about {size_text(step)} kept off the device for a micro-batch of {plan.tokens_per_micro_batch} "
-                "tokens (the last layer's input stays)"
+                "tokens (the last of these inputs stays)"
             )
     if plan.embedding is not None:
         text += (
