@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     rank = os.environ.get("RANK", "0")
     (out / f"result_rank{rank}.json").write_text(json.dumps(result, indent=1))
+    # A distributed script ends its process group before exit (accelerate's end_training): left to the interpreter's
+    # teardown, a gloo rank's threads have aborted it ("terminate called without an active exception") after it had
+    # trained and written everything.
+    trainer.accelerator.end_training()
     return args.exit_code
 
 
