@@ -190,6 +190,25 @@ def test_the_pool_keeps_its_buffers_within_the_budget_releasing_free_ones_first(
     assert small.take(4500).numel() == 4500  # a power of two past the budget: the exact size where that fits
 
 
+def test_a_buffer_hands_out_its_last_typed_view_again_and_drops_it_when_released():
+    pool, _ = pool_of(budget=16384)
+    buffer = pool.take(8192)
+    view = pool.typed(buffer, torch.bfloat16, torch.Size([2, 3, 4]))
+    assert view.shape == (2, 3, 4) and view.dtype == torch.bfloat16 and view.data_ptr() == buffer.data_ptr()
+    assert pool.typed(buffer, torch.bfloat16, torch.Size([2, 3, 4])) is view  # the next layer, the next step
+    assert pool.typed(buffer, torch.float32, torch.Size([2, 3, 4])).dtype == torch.float32  # another input: new
+    other = pool.typed(buffer, torch.bfloat16, torch.Size([5, 7]))
+    assert other is not view and other.shape == (5, 7)
+    other.copy_(torch.arange(35, dtype=torch.bfloat16).view(5, 7))
+    assert torch.equal(buffer[:70].view(torch.bfloat16), torch.arange(35, dtype=torch.bfloat16))
+    gone = weakref.ref(buffer)
+    pool.give(buffer)
+    del buffer, view, other
+    assert gone() is not None  # free, kept by the pool for the next request
+    pool.take(16384)  # past the budget with it: released, and its kept view with it
+    assert gone() is None
+
+
 def test_each_devices_buffers_are_its_own():
     """A device's buffers are copied on its own side stream: reuse is safe in that stream's order only."""
     pool, allocated = pool_of(budget=1 << 20)

@@ -16,7 +16,7 @@ an input past the budget stays on the device (stock checkpointing for that layer
 Where the host issues the step about as fast as the GPU runs it, the hooks' own host work is the offload's cost, so
 each layer makes only the CUDA calls that queue work (:class:`SideStream`): no stream context manager, no new
 ``Stream`` or ``Event`` object per call; and the pinned host buffers are the hooks' own (:class:`PinnedPool`), reused
-across layers and steps whatever the lengths."""
+across layers and steps whatever the lengths, each with the typed view its last input had."""
 
 from __future__ import annotations
 
@@ -75,12 +75,14 @@ class Offloaded:
         "stats",
     )  # fmt: skip
 
-    def __init__(self, host: torch.Tensor, device: torch.device, stats: OffloadStats, previous: Any) -> None:
+    def __init__(
+        self, host: torch.Tensor, nbytes: int, device: torch.device, stats: OffloadStats, previous: Any
+    ) -> None:
         self.host = host
         self.buffer: torch.Tensor | None = None  # the pool's buffer ``host`` views (CUDA), given back at the end
         self.pool: PinnedPool | None = None
         self.device = device
-        self.nbytes = host.numel() * host.element_size()
+        self.nbytes = nbytes
         self.stats = stats
         self.previous = previous  # weakref to the input packed before this one (the next the backward needs)
         self.device_copy: torch.Tensor | None = None  # the original, kept while this is the newest input (CUDA)
@@ -117,6 +119,8 @@ class PinnedPool:
         self.allocate = allocate  # a flat uint8 buffer of that many bytes (pinned, on CUDA)
         self.held_bytes = 0
         self._free: dict[Any, tuple[list[int], list[torch.Tensor]]] = {}  # per device: sizes ascending, buffers
+        # per held buffer (by id: a buffer dies only after ``_release`` drops it here): its last typed view
+        self._typed: dict[int, tuple[torch.dtype, torch.Size, torch.Tensor]] = {}
 
     def take(self, nbytes: int, device: Any = None) -> torch.Tensor | None:
         """A buffer of at least ``nbytes`` for ``device``'s copies (its first ``nbytes`` are the input's), or None
@@ -136,6 +140,17 @@ class PinnedPool:
         self.held_bytes += size
         return buffer
 
+    def typed(self, buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """``buffer``'s first bytes as a tensor of ``dtype`` and ``shape``. The view of a buffer's last request is
+        kept and handed out again for the same dtype and shape (each layer's input, every step): a slice and two
+        views cost about a quarter of a pack's host time (measured, 12 of 49 us on an H200 host)."""
+        kept = self._typed.get(id(buffer))
+        if kept is not None and kept[0] == dtype and kept[1] == shape:
+            return kept[2]
+        view = buffer[: shape.numel() * dtype.itemsize].view(dtype).view(shape)
+        self._typed[id(buffer)] = (dtype, shape, view)
+        return view
+
     def give(self, buffer: torch.Tensor, device: Any = None) -> None:
         sizes, buffers = self._free.setdefault(device, ([], []))
         at = bisect.bisect_left(sizes, buffer.numel())
@@ -148,7 +163,7 @@ class PinnedPool:
         for sizes, buffers in self._free.values():
             while sizes and released < nbytes:
                 released += sizes.pop(0)
-                buffers.pop(0)
+                self._typed.pop(id(buffers.pop(0)), None)
         self.held_bytes -= released
 
 
@@ -242,7 +257,7 @@ class HostOffload:
         if host is None:  # the pinned buffers held reach the budget
             self.stats.kept += 1
             return tensor
-        item = Offloaded(host, tensor.device, self.stats, self._newest)
+        item = Offloaded(host, nbytes, tensor.device, self.stats, self._newest)
         if buffer is not None:
             item.buffer, item.pool = buffer, self.pool
             self.stats.pinned_bytes = self.pool.held_bytes
@@ -263,7 +278,7 @@ class HostOffload:
         if buffer is None:
             return None, None
         lane = self._lane(tensor.device)
-        host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
+        host = self.pool.typed(buffer, tensor.dtype, tensor.shape)
         try:
             lane.copy(host, tensor, lane.compute())
         except RuntimeError:
