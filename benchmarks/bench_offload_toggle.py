@@ -36,6 +36,8 @@ The cases log every step (``logging_steps=1``): each log reads the loss and the 
     python benchmarks/bench_offload_toggle.py --case llama-3.2-1b --opt compile_layers=True --profile 3   # + where
     python benchmarks/bench_offload_toggle.py --smoke                                                         # CPU
     python benchmarks/bench_offload_toggle.py --summary benchmarks/results/offload_toggle_*_run*.json  # runs, one plot
+    python benchmarks/bench_offload_toggle.py --tradeoff benchmarks/results/offload_toggle_*_{run,half}*.json \
+        benchmarks/results/vs_unsloth_rounds_offload_*.json                  # peak against cost, Unsloth's peak
 """
 
 from __future__ import annotations
@@ -534,11 +536,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--summary", nargs="+", default=[], help="these runs' JSON files in one plot (offload_toggle_summary.png)"
     )
+    parser.add_argument(
+        "--tradeoff",
+        nargs="+",
+        default=[],
+        help="these runs' JSON files (and vs_unsloth JSON for Unsloth's peaks): peak against step cost per case "
+        "(offload_toggle_tradeoff.png)",
+    )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     args = parser.parse_args(argv)
+    out = Path(args.out or os.environ.get("BENCH_RESULTS", "benchmarks/results"))
     if args.summary:
-        out = Path(args.out or os.environ.get("BENCH_RESULTS", "benchmarks/results"))
         print(summary_plot([Path(f) for f in args.summary], out / f"{NAME}_summary.png"))
+        return 0
+    if args.tradeoff:
+        print(tradeoff_plot([Path(f) for f in args.tradeoff], out / f"{NAME}_tradeoff.png"))
         return 0
     if args.smoke:
         args.case, args.pairs, args.warmup = args.case or "tiny-llama", min(args.pairs, 4), min(args.warmup, 2)
@@ -606,6 +618,69 @@ def summary_plot(paths: list[Path], path: Path) -> Path:
     ax.set_ylabel("paused / offloaded step\n(above 1: the offload faster)", fontsize=9)
     ax.set_title("The offload's step cost a step apart: each run's pair ratios")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def trade_points(paths: list[Path]) -> tuple[dict[str, list[tuple[str, float, float]]], dict[str, float]]:
+    """From offload_toggle runs' JSON, per case: (what moved, step cost, peak GiB) for stock checkpointing (the
+    paused steps: cost 0) and for each run's offload (every layer, or ``offload_checkpoints_layers``); from
+    ``vs_unsloth`` JSON among ``paths``, Unsloth's peak per case (the highest of its rounds)."""
+    points: dict[str, list[tuple[str, float, float]]] = {}
+    unsloth: dict[str, float] = {}
+    for file in paths:
+        rows = json.loads(file.read_text())
+        for row in rows:
+            if row["provider"] == "unsloth" and row.get("metric") == "memory":
+                unsloth[row["x_value"]] = max(unsloth.get(row["x_value"], 0.0), row["p50"])
+        paused = next((r for r in rows if r["provider"] == "paused"), None)
+        offload = next((r for r in rows if r["provider"] == "offload"), None)
+        if paused is None or offload is None:
+            continue
+        c = offload["config"]
+        if "varlen" in offload["x_value"] and not c.get("paired_batches"):
+            continue  # its pairs trained different batches: the lengths' spread, not the offload's cost
+        if "pair_median" not in c or "peak_gib" not in c:
+            raise SystemExit(f"{file}: its offload row has no pairs' median or peak (an offload_toggle JSON?)")
+        layers = int(c.get("patch_trainer", {}).get("offload_checkpoints_layers", 0) or 0)
+        moved = f"{layers} layers" if layers else "every layer"
+        case = points.setdefault(offload["x_value"], [("stock", 0.0, paused["config"]["peak_gib"])])
+        case.append((moved, 1 / c["pair_median"] - 1, c["peak_gib"]))
+    return points, unsloth
+
+
+def tradeoff_plot(paths: list[Path], path: Path) -> Path:
+    """One panel per case: the peak GiB against the offload's step cost for stock checkpointing, each run with every
+    layer and with some layers moved, beside the 3% line and Unsloth's peak (where a vs_unsloth JSON gives it):
+    what each setting saves and what it costs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points, unsloth = trade_points(paths)
+    if not points:
+        raise SystemExit("no offload_toggle run among the files")
+    fig, axes = plt.subplots(1, len(points), figsize=(3.6 * len(points), 3.6), squeeze=False)
+    for ax, (case, marks) in zip(axes[0], sorted(points.items()), strict=True):
+        for moved, color, marker in (("stock", "grey", "X"), ("every layer", "C0", "o")):
+            mine = [(cost, peak) for m, cost, peak in marks if m == moved]
+            ax.plot([100 * c for c, _ in mine], [p for _, p in mine], marker, color=color, label=moved, ls="none")
+        some = [(m, cost, peak) for m, cost, peak in marks if m not in ("stock", "every layer")]
+        for m, cost, peak in some:
+            ax.plot(100 * cost, peak, "s", color="C1", label="some layers" if m == some[0][0] else None)
+            ax.annotate(m, (100 * cost, peak), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        ax.axvline(3.0, color="C3", ls="--", lw=0.8, label="a 3% step cost")
+        if case in unsloth:
+            ax.axhline(unsloth[case], color="C2", ls=":", lw=1.0, label="Unsloth's peak")
+        ax.set_title(case, fontsize=9)
+        ax.set_xlabel("step cost of the offload, %", fontsize=8)
+        ax.set_ylabel("peak allocated GiB", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle("What the offload saves and costs, per run (pairs' median cost)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

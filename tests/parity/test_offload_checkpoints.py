@@ -141,7 +141,7 @@ def test_a_failed_host_copy_keeps_every_later_input_on_the_device(monkeypatch):
     offload = HostOffload(budget_bytes=GIB, on_failure=failures.append)
     calls = []
 
-    def refuse(tensor, nbytes):
+    def refuse(tensor, nbytes, device):
         calls.append(1)
         raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
 
@@ -426,7 +426,7 @@ def test_the_sunk_embedding_output_compiles_as_the_other_layer_inputs(tmp_path):
 
 @pytest.mark.expect_fallback
 def test_a_failed_host_copy_warns_once_and_training_goes_on(tmp_path, monkeypatch):
-    def refuse(self, tensor, nbytes):
+    def refuse(self, tensor, nbytes, device):
         raise RuntimeError("cudaHostAlloc failed: out of memory")
 
     monkeypatch.setattr(HostOffload, "_to_host", refuse)

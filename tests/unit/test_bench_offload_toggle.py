@@ -242,3 +242,41 @@ def test_summary_plots_the_runs_given_and_refuses_a_file_without_pair_ratios(tmp
     assert (tmp_path / "plots" / "offload_toggle_summary.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="no offload row with pair ratios"):
         toggle.main(["--summary", run_file("empty", []), "--out", str(tmp_path)])
+
+
+def test_tradeoff_plots_peak_against_cost_per_case_with_unsloths_peak(tmp_path):
+    def run_file(name, case, ratio, peaks, layers=None):
+        trainer = {"offload_checkpoints": "True"} | ({"offload_checkpoints_layers": str(layers)} if layers else {})
+        offload = {"pair_median": ratio, "peak_gib": peaks[1], "patch_trainer": trainer}
+        rows = [
+            {"provider": "paused", "x_value": case, "config": {"peak_gib": peaks[0]}},
+            {"provider": "offload", "x_value": case, "config": offload},
+        ]
+        path = tmp_path / f"offload_toggle_{name}.json"
+        path.write_text(json.dumps(rows))
+        return path
+
+    rounds = tmp_path / "vs_unsloth_rounds.json"
+    rounds.write_text(json.dumps([
+        {"provider": "unsloth", "metric": "memory", "x_value": "llama", "p50": 3.30},
+        {"provider": "unsloth", "metric": "memory", "x_value": "llama", "p50": 3.31},
+        {"provider": "unsloth", "metric": "step_time", "x_value": "llama", "p50": 180.0},
+        {"provider": "leantrain_offload", "metric": "memory", "x_value": "llama", "p50": 3.29},
+    ]))  # fmt: skip
+    files = [
+        run_file("llama_run1", "llama", 0.98, (3.70, 3.30)),
+        run_file("llama_half1", "llama", 0.99, (3.70, 3.51), layers=8),
+        run_file("qlora_run1", "qlora", 0.96, (2.33, 1.90)),
+        rounds,
+    ]
+    points, unsloth = toggle.trade_points(files)
+    assert unsloth == {"llama": 3.31}  # the highest of Unsloth's rounds; other providers and metrics ignored
+    assert [(m, round(c, 4), p) for m, c, p in points["llama"]] == [
+        ("stock", 0.0, 3.70),
+        ("every layer", round(1 / 0.98 - 1, 4), 3.30),
+        ("8 layers", round(1 / 0.99 - 1, 4), 3.51),
+    ]
+    assert toggle.main(["--tradeoff", *map(str, files), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "offload_toggle_tradeoff.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="no offload_toggle run"):
+        toggle.main(["--tradeoff", str(rounds), "--out", str(tmp_path)])

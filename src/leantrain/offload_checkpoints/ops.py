@@ -249,19 +249,19 @@ class HostOffload:
         if self.stats.live_bytes + nbytes > self.budget_bytes:
             self.stats.kept += 1
             return tensor
+        device = tensor.device  # a new object per read: read once
         try:
-            host, buffer = self._to_host(tensor, nbytes)
+            host, buffer = self._to_host(tensor, nbytes, device)
         except RuntimeError as error:  # pinned host memory exhausted, or the host allocator refused
             self._fail(f"{type(error).__name__}: {error}")
             return tensor
         if host is None:  # the pinned buffers held reach the budget
             self.stats.kept += 1
             return tensor
-        item = Offloaded(host, nbytes, tensor.device, self.stats, self._newest)
-        if buffer is not None:
+        item = Offloaded(host, nbytes, device, self.stats, self._newest)
+        if buffer is not None:  # on CUDA
             item.buffer, item.pool = buffer, self.pool
             self.stats.pinned_bytes = self.pool.held_bytes
-        if tensor.device.type == "cuda":
             newest = self._newest() if self._newest is not None else None
             if newest is not None:
                 newest.device_copy = None  # its copy is queued; the allocator waits for it before reusing the block
@@ -269,20 +269,22 @@ class HostOffload:
         self._newest = weakref.ref(item)
         return item
 
-    def _to_host(self, tensor: torch.Tensor, nbytes: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The host copy of ``tensor`` and, on CUDA, the pool's buffer it views; (None, None) where the pinned buffers
-        held would pass the budget."""
-        if tensor.device.type != "cuda":
+    def _to_host(
+        self, tensor: torch.Tensor, nbytes: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The host copy of ``tensor`` (on ``device``) and, on CUDA, the pool's buffer it views; (None, None) where
+        the pinned buffers held would pass the budget."""
+        if device.type != "cuda":
             return tensor.detach().clone(), None
-        buffer = self.pool.take(nbytes, tensor.device.index)
+        buffer = self.pool.take(nbytes, device.index)
         if buffer is None:
             return None, None
-        lane = self._lane(tensor.device)
+        lane = self._lane(device)
         host = self.pool.typed(buffer, tensor.dtype, tensor.shape)
         try:
             lane.copy(host, tensor, lane.compute())
         except RuntimeError:
-            self.pool.give(buffer, tensor.device.index)
+            self.pool.give(buffer, device.index)
             raise
         tensor.record_stream(lane.stream)  # its block is not reused before the copy has read it
         return host, buffer
