@@ -26,18 +26,20 @@ class Case:
 
 # The offload's step cost per case (LoRA r16 on the 7 projections, 4 x 2048 tokens, bf16, activation checkpointing,
 # the compiled layers in both), measured a step apart: the worst run's pairs' median ratio (Llama +0.5% to +3.6% over
-# seven runs, QLoRA +1.8% to +5.9% over four, Qwen +2.6% and +3.0%; varying lengths, each batch trained twice in a
-# row so a pair's steps train the same rows, +3.0% and +2.5%: earlier runs whose pairs trained different batches gave
-# +2.1% to +6.6% at the median and summed ratios spread by several percent either way, and are left out). These steps
-# are host-bound (the GPU idle a quarter of a fixed-length step without the offload, three quarters of a padding-free
-# one), so the offload's host work adds to the step almost one for one: its hooks' own calls cost -0.1% to +0.6% of
-# the step (a diagnostic whose copies move 1 KiB and whose inputs stay on the device), the bytes the copies move
-# through host memory make the host slower everywhere (3.4-4.8 ms a step inside the hooks instead of 0.7), and keeping
-# the inputs on the device (nothing freed) costs as much (varying lengths, same batches: +6.2% against +3.0%). The cost
-# moves with the host: one host ran Llama at +0.5% and another at +3.6%. Summed over a run, the offloaded steps took
-# 0.98-1.00x the paused ones' time on the last host (each run's one or two 0.7-0.8 s steps fell on paused steps).
-# Earlier runs in alternating segments of several steps (offload_ab*.md, step_ab_offload_pairs_*.md) gave -3.6% to
-# +19.1%: the shared host's drift over a segment's seconds, which a step apart cancels.
+# nine runs, QLoRA +1.6% to +5.9% over five, Qwen +2.6% and +3.0%; varying lengths, each batch trained twice in a row
+# so a pair's steps train the same rows, +3.0%, +2.5% and +2.6%: earlier runs whose pairs trained different batches
+# gave +2.1% to +6.6% at the median and summed ratios spread by several percent either way, and are left out). These
+# steps are host-bound (the GPU idle a quarter of a fixed-length step without the offload, three quarters of a
+# padding-free one), so the offload's host work adds to the step almost one for one: its hooks' own calls cost -0.1%
+# to +0.6% of the step (a diagnostic whose copies move 1 KiB and whose inputs stay on the device), the bytes the
+# copies move through host memory make the host slower everywhere (3.1-4.8 ms a step inside the hooks instead of
+# 0.7), and keeping the inputs on the device (nothing freed) costs as much (varying lengths, same batches: +6.2%
+# against +3.0%). The cost moves with the host: one host ran Llama at +0.5%, another at +3.6%, and +2.2% and +2.3%
+# later the same day. Summed over a run, the offloaded steps took 0.94-1.03x the paused ones' time (the runs' few
+# 0.5-0.8 s steps fall on either). Runs with some of the layers (``offload_checkpoints_layers``,
+# ``offload_toggle_*_half*.md``) are another trade and are not read here. Earlier runs in alternating segments of
+# several steps (offload_ab*.md, step_ab_offload_pairs_*.md) gave -3.6% to +19.1%: the shared host's drift over a
+# segment's seconds, which a step apart cancels.
 MEASURED = {
     "llama-3.2-1b": Case(cost=0.036, saved_gib=0.40),
     "llama-3.2-1b-qlora": Case(cost=0.059, saved_gib=0.43),
