@@ -110,8 +110,10 @@ def patch_train_record(trainer, out: Path, name: str) -> dict[str, Any]:
     trainer.add_callback(stats.callback())
     trainer.train()
     written = stats.write(out, name, trainer, leantrain.current_report(trainer))
-    # Tear the process group down before the interpreter does: left to exit, a gloo/DeepSpeed rank can abort
-    # ("terminate called without an active exception") after a finished run.
+    # Leave together, then tear the process group down before the interpreter does: a rank that exits while its peer's
+    # gloo connections are open, or leaves the group to the interpreter's teardown, can abort that peer ("terminate
+    # called without an active exception") after a finished run.
+    trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     return written
 

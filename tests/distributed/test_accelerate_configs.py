@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import launch
 
 
 accelerate = pytest.importorskip("accelerate")
@@ -118,10 +118,10 @@ def test_train_sft_under_zero_recipe(stage, tmp_path):
         str(root / "examples" / "train_sft.py"),
     ]
     command += ["--shape", "tiny-llama", "--steps", "2", "--batch", "2", "--seq", "64", "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    files = [tmp_path / f"sft_rank{r}.json" for r in (0, 1)]
+    result = launch(command, files, cwd=tmp_path, env=env, timeout=300)
     assert "leantrain patch report" in result.stdout
-    ranks = [json.loads((tmp_path / f"sft_rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads(path.read_text()) for path in files]
     for row in ranks:
         assert row["world_size"] == 2 and row["distributed"] == "DistributedType.DEEPSPEED"
         assert row["zero_stage"] == stage and len(row["losses"]) == 2

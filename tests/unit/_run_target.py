@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"result_rank{rank}.json").write_text(json.dumps(result, indent=1))
     # A distributed script ends its process group before exit (accelerate's end_training): left to the interpreter's
     # teardown, a gloo rank's threads have aborted it ("terminate called without an active exception") after it had
-    # trained and written everything.
+    # trained and written everything. A barrier first: every rank leaves together.
+    trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     return args.exit_code
 
