@@ -43,6 +43,7 @@ The cases log every step (``logging_steps=1``): each log reads the loss and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -286,6 +287,8 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
     """The rows (the pairs) and, with ``--profile``, the two profiled windows (``profile_record``; else empty)."""
     cuda = not args.smoke
     case = vs.cases(args.smoke)[args.case]
+    if args.batch:
+        case = dataclasses.replace(case, batch=args.batch)
     options = {"offload_checkpoints": True, **ab.parse_opts(args.opt)}
     if options.get("compile_layers") is True:
         options.setdefault("compile_layers_background", False)  # compiled in the process: the steps, not a child
@@ -314,7 +317,7 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
         trainer.add_callback(clock)
 
         def write_partial(done: int) -> None:
-            write(rows_of(args, case.name, options, plan, clock, toggle, done), out, f"{done} of {args.pairs} pairs")
+            write(rows_of(args, case, options, plan, clock, toggle, done), out, f"{done} of {args.pairs} pairs")
 
         trainer.add_callback(Partial(write_partial, args.warmup, args.pairs))  # after the clock: the pair is timed
         trainer.args.max_steps = len(plan)
@@ -327,7 +330,7 @@ def run(args: argparse.Namespace, out: Path | None) -> tuple[list[Row], dict[str
                 gc_clock.close()
             if args.gc_freeze:
                 gc.unfreeze()
-    rows = rows_of(args, case.name, options, plan, clock, toggle, args.pairs)
+    rows = rows_of(args, case, options, plan, clock, toggle, args.pairs)
     return rows, profile_record(toggle.profiles, [clock.ms[first : first + n] for first, n in windows])
 
 
@@ -341,7 +344,7 @@ def profile_record(profiles: list[dict[str, Any]], ms: list[list[float]]) -> dic
 
 def rows_of(
     args: argparse.Namespace,
-    case: str,
+    case: Any,
     options: dict[str, Any],
     plan: list[bool],
     clock: Any,
@@ -369,6 +372,8 @@ def rows_of(
             "ms": [round(clock.ms[k], 2) for k in mine],
             "warmup_ms": [round(m, 1) for m in clock.ms[: args.warmup]],
             "paired_batches": True,  # a pair's two steps train the same rows (paired_batches)
+            "batch": case.batch,
+            "seq": case.seq,  # fixed length (or the longest a varying-length row may be)
         }  # fmt: skip
         if toggle.gc_times:
             config["gc"] = gc_summary([toggle.gc_times[k] for k in mine])
@@ -383,7 +388,7 @@ def rows_of(
             config.update(pair_ratios=[round(r, 4) for r in ratios], pair_median=statistics.median(ratios),
                           pair_interval=bootstrap_median(ratios), summed_ratio=paused_sum / sum(times),
                           geometric_mean=math.exp(statistics.fmean(math.log(r) for r in ratios)))  # fmt: skip
-        rows.append(Row(NAME, variant, "step", "speed", "ms", "case", case, statistics.median(times),
+        rows.append(Row(NAME, variant, "step", "speed", "ms", "case", case.name, statistics.median(times),
                         percentile(times, 0.2), percentile(times, 0.8), config))  # fmt: skip
     return rows
 
@@ -428,9 +433,11 @@ def percentile(ordered: list[float], q: float) -> float:
 def table(rows: list[Row]) -> str:
     paused, offload = rows
     c = offload.config
-    lines = [[r.x_value, r.provider, f"{r.p50:.1f} ({r.p20:.1f}-{r.p80:.1f})", r.config["steps_kept"],
-              f"{r.config['packed_per_step']:g}", f"{r.config['peak_gib']:.2f}"] for r in rows]  # fmt: skip
-    text = markdown_table(["case", "hooks", "step ms (p20-p80)", "steps", "inputs moved a step", "peak GiB"], lines)
+    lines = [[f"{r.x_value} ({r.config.get('batch', '?')} x {r.config.get('seq', '?')})", r.provider,
+              f"{r.p50:.1f} ({r.p20:.1f}-{r.p80:.1f})", r.config["steps_kept"], f"{r.config['packed_per_step']:g}",
+              f"{r.config['peak_gib']:.2f}"] for r in rows]  # fmt: skip
+    header = ["case (rows x tokens)", "hooks", "step ms (p20-p80)", "steps", "inputs moved a step", "peak GiB"]
+    text = markdown_table(header, lines)
     if "pair_median" in c:
         low, high = c["pair_interval"]
         verdict = "within" if c["pair_median"] >= COST_LINE else "not within"
@@ -499,6 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", default="", help="one of bench_vs_unsloth.py's cases (default llama-3.2-1b)")
     parser.add_argument("--pairs", type=int, default=100)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="rows a micro-batch (default: the case's 4): more tokens a step, the same layers and host work a layer",
+    )
     parser.add_argument("--warmup", type=int, default=6, help="steps before the pairs (even: both variants warm up)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -565,11 +578,11 @@ def main(argv: list[str] | None = None) -> int:
         args.pairs < 1
         or args.warmup < 0
         or args.warmup % 2
-        or min(args.profile, args.logging_steps, args.copy_bytes) < 0
+        or min(args.profile, args.logging_steps, args.copy_bytes, args.batch) < 0
     ):
         raise SystemExit(
-            "--pairs must be positive, --warmup even and not negative, --profile, --logging-steps and --copy-bytes "
-            "not negative"
+            "--pairs must be positive, --warmup even and not negative, --profile, --logging-steps, --copy-bytes and "
+            "--batch not negative"
         )
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --smoke)")

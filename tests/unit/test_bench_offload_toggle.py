@@ -155,9 +155,10 @@ def test_the_gc_clock_counts_and_times_each_generations_collections_until_closed
         (["--smoke", "--case", "tiny-moe-qlora"], "dense case"),
         (["--smoke", "--warmup", "1"], "--warmup even"),
         (["--smoke", "--pairs", "0"], "--pairs must be positive"),
-        (["--smoke", "--profile", "-1"], "--profile, --logging-steps and --copy-bytes not negative"),
-        (["--smoke", "--logging-steps", "-1"], "--logging-steps and --copy-bytes not negative"),
-        (["--smoke", "--copy-bytes", "-1"], "--logging-steps and --copy-bytes not negative"),
+        (["--smoke", "--profile", "-1"], "--profile, --logging-steps, --copy-bytes and --batch not negative"),
+        (["--smoke", "--logging-steps", "-1"], "--logging-steps, --copy-bytes and --batch not negative"),
+        (["--smoke", "--copy-bytes", "-1"], "--logging-steps, --copy-bytes and --batch not negative"),
+        (["--smoke", "--batch", "-1"], "--copy-bytes and --batch not negative"),
     ],
 )
 def test_bad_arguments_stop_before_any_work(argv, message, tmp_path):
@@ -169,15 +170,17 @@ def test_bad_arguments_stop_before_any_work(argv, message, tmp_path):
 def test_smoke_pauses_the_hooks_on_the_paused_steps_only(tmp_path):
     for name in ("trl", "peft", "datasets"):
         pytest.importorskip(name)
-    toggle.main(["--smoke", "--pairs", "3", "--out", str(tmp_path)])
+    toggle.main(["--smoke", "--pairs", "3", "--batch", "3", "--out", str(tmp_path)])
     rows = {r["provider"]: r for r in json.loads((tmp_path / "offload_toggle.json").read_text())}
+    assert all(r["config"]["batch"] == 3 and r["config"]["seq"] == 64 for r in rows.values())  # --batch: 3 rows a step
     assert rows["paused"]["config"]["packed_per_step"] == 0 and rows["offload"]["config"]["packed_per_step"] > 0
     offload = rows["offload"]["config"]
     assert offload["pairs_kept"] == 3 and len(offload["pair_ratios"]) == 3 and offload["pair_median"] > 0
     low, high = offload["pair_interval"]
     assert low <= offload["pair_median"] <= high
     assert rows["paused"]["config"]["steps_kept"] == rows["offload"]["config"]["steps_kept"] == 3
-    assert "median of the pairs' ratios" in (tmp_path / "offload_toggle.md").read_text()
+    text = (tmp_path / "offload_toggle.md").read_text()
+    assert "median of the pairs' ratios" in text and "tiny-llama (3 x 64)" in text
     assert (tmp_path / "offload_toggle.png").stat().st_size > 0
 
 
