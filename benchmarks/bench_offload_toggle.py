@@ -251,14 +251,28 @@ def paired_batches(trainer: Any, seed: int) -> None:
     the cost, with a spread of several percent."""
     dataset = trainer.train_dataset
     rows = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
-    batches = [order[k : k + rows] for k in range(0, len(order) - rows + 1, rows)]
+    batches = batch_rows(len(dataset), rows, seed)
     if not batches:
         raise SystemExit(f"the case's {len(dataset)} rows are fewer than a step's {rows}")
     trainer.train_dataset = dataset.select([i for batch in batches for i in (*batch, *batch)])
     trainer._get_train_sampler = lambda train_dataset=None: torch.utils.data.SequentialSampler(
         train_dataset if train_dataset is not None else trainer.train_dataset
     )
+
+
+def batch_rows(count: int, rows: int, seed: int) -> list[list[int]]:
+    """The batches ``paired_batches`` trains, each the indices of its ``rows`` rows, in the seeded order."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [order[k : k + rows] for k in range(0, count - rows + 1, rows)]
+
+
+def micro_batch_tokens(case: Any, seed: int) -> int:
+    """The median over the run's batches of a micro-batch's tokens: rows x length, or with varying lengths (the
+    padding-free row of real tokens) the batches' summed lengths."""
+    if case.kind != "varlen":
+        return case.batch * case.seq
+    lengths = [len(ids) for ids in vs.dataset(case)["input_ids"]]
+    return int(statistics.median(sum(lengths[i] for i in b) for b in batch_rows(len(lengths), case.batch, seed)))
 
 
 def plan_steps(warmup: int, pairs: int, seed: int, profile: int = 0) -> list[bool]:
@@ -374,6 +388,7 @@ def rows_of(
             "paired_batches": True,  # a pair's two steps train the same rows (paired_batches)
             "batch": case.batch,
             "seq": case.seq,  # fixed length (or the longest a varying-length row may be)
+            "tokens": micro_batch_tokens(case, args.seed),  # a micro-batch's, the median over the batches
         }  # fmt: skip
         if toggle.gc_times:
             config["gc"] = gc_summary([toggle.gc_times[k] for k in mine])

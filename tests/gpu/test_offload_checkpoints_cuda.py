@@ -247,6 +247,25 @@ def test_lora_trains_exactly_as_stock_checkpointing(reentrant, tmp_path, every_i
     assert live.packed == LAYERS * 3 and live.leaves == 0 and live.waited == 0
 
 
+@pytest.mark.parametrize("shortest_moved", [96, 97])
+def test_auto_mode_moves_micro_batches_from_the_measured_size_and_trains_exactly_as_stock(
+    shortest_moved, tmp_path, every_input, monkeypatch
+):
+    """Auto mode on CUDA: a micro-batch of at least ``AUTO_MIN_TOKENS`` tokens (here 2 rows x 48) moves its inputs,
+    a shorter one keeps stock checkpointing (counted in ``short``); either way training is stock's, bit for bit."""
+    from leantrain.offload_checkpoints import measured
+
+    monkeypatch.setattr(measured, "AUTO_MIN_TOKENS", shortest_moved)
+    stock = train(lora_model, tmp_path, None)
+    ours = train(lora_model, tmp_path, {"offload_checkpoints": None})
+    assert_same_run(stock, ours)
+    outcome = ours[2].leantrain_report["offload_checkpoints"]
+    assert outcome.status is Status.APPLIED and f"at least {shortest_moved} tokens" in outcome.detail, outcome
+    live = stats(ours[2])
+    moved = shortest_moved <= 2 * 48
+    assert (live.packed, live.short) == ((LAYERS * 3, 0) if moved else (0, LAYERS * 3))
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_some_layers_move_and_train_exactly_as_stock(reentrant, tmp_path, every_input):
     """offload_checkpoints_layers=2 of 3: layers 0 and 2 (the first's input copied back when the backward takes the

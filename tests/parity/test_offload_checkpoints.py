@@ -129,6 +129,17 @@ def test_small_inputs_stay_on_the_device():
     assert offload.stats.packed == 0 and offload.stats.kept == 0
 
 
+@pytest.mark.parametrize("min_tokens", [4, 5])
+def test_inputs_of_fewer_tokens_than_the_minimum_stay_on_the_device(min_tokens):
+    """``min_tokens`` (auto mode's measured micro-batch size): each block input here is 4 tokens of 16 features."""
+    stock = forward_backward(blocks(), None, False)
+    offload = HostOffload(budget_bytes=GIB, min_tokens=min_tokens)
+    ours = forward_backward(blocks(), offload, False)
+    assert torch.equal(ours[1], stock[1]) and all(map(torch.equal, ours[2], stock[2]))
+    moved = min_tokens <= 4
+    assert (offload.stats.packed, offload.stats.short) == ((LAYERS, 0) if moved else (0, LAYERS))
+
+
 def test_an_empty_tensor_stays_where_it_is():
     """torch <= 2.11's non-reentrant checkpoint saves a 0-element dummy beside the inputs: not an input to move."""
     offload = HostOffload(budget_bytes=GIB)
@@ -482,20 +493,60 @@ def test_auto_mode_waits_for_a_measurement(tmp_path):
     assert outcome.status is Status.SKIPPED and outcome.reasons[0].startswith("not measured on cpu")
 
 
-def test_on_cuda_auto_mode_quotes_the_measured_step_cost():
-    """Auto mode on CUDA: on only where every measured case cost at most 3% of the step; the measurement says it did
-    not, so the reason quotes it (the report adds the switch, once), and it turns on once every case is within 3%."""
+def test_on_cuda_auto_mode_moves_micro_batches_from_the_measured_size():
+    """Auto mode on CUDA: on for micro-batches of at least ``AUTO_MIN_TOKENS`` tokens, the size from which every
+    measured case cost at most 3% of the step; a trainer told of shorter micro-batches gets the reason with the
+    measurement (the report adds the switch, once); an untold one gets the offload, which leaves shorter micro-batches
+    as stock at run time. A measurement over 3% at that size turns it off everywhere."""
     from leantrain.entry import skipped_as_slower
 
-    reason = offload_probe.auto_reason("cuda")
-    assert reason is not None and "not within 3%" in reason and "GPU memory" in reason
+    least = offload_measured.AUTO_MIN_TOKENS
+    assert offload_measured.within_from(least)
+    assert offload_probe.auto_reason("cuda", least) is None and offload_probe.auto_reason("cuda", None) is None
+    reason = offload_probe.auto_reason("cuda", least - 1)
+    assert reason is not None and f"at most {least - 1} tokens" in reason and f"only from {least} tokens" in reason
+    assert "llama-3.2-1b-qlora 0.43 GiB less at +5.9%" in reason and "GPU memory" in reason  # the runs quoted
     assert skipped_as_slower("offload_checkpoints", reason).count("offload_checkpoints=True") == 1
-    assert "llama-3.2-1b 0.40 GiB less at +3.6% a step" in reason  # a case over 3%
-    assert "llama-3.2-1b-qlora 0.43 GiB less at +5.9% a step" in reason
-    cheap = {name: dataclasses.replace(case, cost=0.01) for name, case in offload_measured.MEASURED.items()}
+    costly = tuple(
+        dataclasses.replace(r, cost=0.05) if r.tokens >= least and r.case == "qwen2.5-1.5b" else r
+        for r in offload_measured.MEASURED
+    )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(offload_measured, "MEASURED", cheap)
-        assert offload_probe.auto_reason("cuda") is None
+        mp.setattr(offload_measured, "MEASURED", costly)
+        assert not offload_measured.within_from(least)
+        assert "not within 3% of the step on every measured case" in offload_probe.auto_reason("cuda", least)
+        # a case never measured at that size does not count as within it
+        mp.setattr(offload_measured, "MEASURED", tuple(r for r in costly if r.case != "qwen2.5-1.5b"))
+        assert not offload_measured.within_from(least)
+
+
+def test_the_threshold_is_the_smallest_measured_size_every_case_stays_within():
+    sizes = sorted({r.tokens for r in offload_measured.MEASURED})
+    smaller = [t for t in sizes if t < offload_measured.AUTO_MIN_TOKENS]
+    assert smaller and not any(offload_measured.within_from(t) for t in smaller)  # not lower than measured
+
+
+@pytest.mark.parametrize(("least", "moved"), [(BATCH * LENGTH, True), (BATCH * LENGTH + 1, False)])
+def test_auto_mode_leaves_shorter_micro_batches_as_stock_checkpointing(least, moved, tmp_path, monkeypatch):
+    """Auto mode where it applies (as on CUDA): the planned threshold reaches the hooks; micro-batches below it keep
+    stock checkpointing (``short``), the others move; training is stock's either way."""
+    monkeypatch.setattr(offload_probe, "auto_reason", lambda device, tokens=None: None)
+    monkeypatch.setattr(offload_measured, "AUTO_MIN_TOKENS", least)
+    stock = run(tiny, tmp_path, None, **checkpointed())
+    ours = run(tiny, tmp_path, {"offload_checkpoints": None}, **checkpointed())
+    assert_same_run(stock, ours)
+    outcome = ours[2].leantrain_report["offload_checkpoints"]
+    assert outcome.status is Status.APPLIED and f"at least {least} tokens" in outcome.detail, outcome
+    live = stats(ours[2])
+    assert (live.packed, live.short) == ((LAYERS * 3, 0) if moved else (0, LAYERS * 3))
+
+
+def test_on_request_every_micro_batch_moves(tmp_path):
+    trainer = trainer_for(tiny(), tmp_path, **checkpointed())
+    plan = offload_probe.probe(trainer, _context(trainer, offload_checkpoints=True)).plan
+    assert plan.min_tokens == 0 and "auto mode moves" not in offload_probe.describe(plan)
+    plan = offload_probe.probe(trainer, _context(trainer)).plan
+    assert plan.min_tokens == offload_measured.AUTO_MIN_TOKENS
 
 
 def test_checkpointing_off_is_said(tmp_path):
@@ -532,12 +583,12 @@ def test_the_report_gives_the_bytes_kept_off_the_device(tmp_path, monkeypatch):
     assert "host memory bounded at" in detail and "half of the" in detail
 
 
-def _context(trainer):
+def _context(trainer, **options):
     from leantrain.config import resolve_config
     from leantrain.fallback import RuntimeFallback
     from leantrain.optimization import PatchContext
 
-    return PatchContext(resolve_config({}, {}), "trainer", RuntimeFallback("offload_checkpoints", False))
+    return PatchContext(resolve_config(options, {}), "trainer", RuntimeFallback("offload_checkpoints", False))
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

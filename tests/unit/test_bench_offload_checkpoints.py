@@ -339,15 +339,23 @@ def test_merge_joins_runs_and_keeps_each_cases_latest(tmp_path, monkeypatch):
     assert len(_harness.read_rows(again / "offload_checkpoints.json")) == len(rows)
 
 
-def test_the_committed_results_give_the_cases_in_measured_py():
-    """offload_checkpoints/measured.py holds, per case, the worst committed run of the offload a step apart
-    (``offload_toggle_<case>_run*.json``): its step cost (paused over offloaded, the pairs' median ratio) and the peak
-    memory it saved. Varying-length runs whose pairs trained different batches (before ``paired_batches``) are left
-    out: a pair's ratio there mixes the batches' lengths with the offload's cost."""
+def test_the_committed_results_give_the_runs_in_measured_py():
+    """offload_checkpoints/measured.py holds, per case and micro-batch size, the worst committed run of the offload a
+    step apart (``offload_toggle_<case>[_b<rows>]_run*.json``): its step cost (paused over offloaded, the pairs'
+    median ratio) and the peak memory it saved. A run's size is its micro-batch's tokens (with varying lengths the
+    median of its batches' sums, which the seed moves a little: a row takes the runs within 5% of its size).
+    Varying-length runs whose pairs trained different batches (before ``paired_batches``) are left out: a pair's
+    ratio there mixes the batches' lengths with the offload's cost."""
+    import dataclasses
+
+    import bench_offload_toggle as toggle
+    import bench_vs_unsloth as vs
+
     from leantrain.offload_checkpoints.measured import MEASURED
 
     results = Path(bench.__file__).resolve().parent / "results"
-    runs: dict[str, list[tuple[float, float]]] = {}
+    cases = vs.cases(False)
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for path in sorted(results.glob("offload_toggle_*_run*.json")):
         paused, offload = _harness.read_rows(path)
         assert (paused.provider, offload.provider, paused.x_value) == ("paused", "offload", offload.x_value)
@@ -355,14 +363,18 @@ def test_the_committed_results_give_the_cases_in_measured_py():
         assert not int(offload.config["patch_trainer"].get("offload_checkpoints_layers", 0)), path.name
         if "varlen" in offload.x_value and not offload.config.get("paired_batches"):
             continue
+        case = dataclasses.replace(cases[offload.x_value], batch=offload.config.get("batch", 4))
+        tokens = offload.config.get("tokens") or toggle.micro_batch_tokens(case, offload.config["seed"])
+        row = [r for r in MEASURED if r.case == offload.x_value and abs(r.tokens - tokens) <= 0.05 * r.tokens]
+        assert len(row) == 1, f"{path.name}: {tokens} tokens a micro-batch, no row of measured.py at that size"
         ratio = offload.config["pair_median"]
         saved = paused.config["peak_gib"] - offload.config["peak_gib"]
-        runs.setdefault(offload.x_value, []).append((1 / ratio - 1, saved))
-    assert sorted(runs) == sorted(MEASURED)
-    for case, measured in runs.items():
-        cost, saved = max(measured)
-        assert MEASURED[case].cost == pytest.approx(cost, abs=5e-4), case
-        assert MEASURED[case].saved_gib == pytest.approx(saved, abs=5e-3), case
+        runs.setdefault((row[0].case, row[0].tokens), []).append((1 / ratio - 1, saved))
+    assert sorted(runs) == sorted((r.case, r.tokens) for r in MEASURED)
+    for r in MEASURED:
+        cost, saved = max(runs[r.case, r.tokens])
+        assert r.cost == pytest.approx(cost, abs=5e-4), r
+        assert r.saved_gib == pytest.approx(saved, abs=5e-3), r
 
 
 def test_options_are_read_as_python_literals_and_checked():

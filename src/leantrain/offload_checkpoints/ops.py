@@ -51,6 +51,7 @@ class OffloadStats:
     live_bytes: int = 0
     peak_bytes: int = 0
     leaves: int = 0  # inputs left on the device because their AccumulateGrad node holds them anyway
+    short: int = 0  # inputs left on the device because their micro-batch had fewer tokens than ``min_tokens``
     sunk: int = 0  # embedding outputs handed to the first layer without the gradient only PEFT's hook asked for
     pinned_bytes: int = 0  # pinned host memory the hooks hold now, buffers in use and free (CUDA; within the budget)
     fetched_ahead: int = 0  # unpacks served by a copy started one layer ahead (CUDA)
@@ -212,14 +213,23 @@ class HostOffload:
     ``saved_tensors_hooks(offload.pack, offload.unpack)`` around the checkpoint call).
 
     ``budget_bytes``: the most host bytes held at once; past it an input stays on the device. ``min_bytes``: inputs
-    smaller than this stay on the device (a copy costs more than it frees). ``on_failure(reason)``: called once when
+    smaller than this stay on the device (a copy costs more than it frees). ``min_tokens``: inputs of fewer tokens
+    (all dimensions but the last, the hidden one) stay on the device, counted in ``stats.short`` (auto mode: the
+    micro-batch size from which the offload's step cost was measured small). ``on_failure(reason)``: called once when
     host memory cannot be had (pinned allocation fails); every later input then stays on the device. ``paused``: while
     True, the patch calls the checkpoint outside the hooks (stock checkpointing), from the next layer on: the same
     trainer's steps with and without the offload, a step apart (``benchmarks/bench_offload_toggle.py``)."""
 
-    def __init__(self, budget_bytes: int, min_bytes: int = 0, on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        min_bytes: int = 0,
+        on_failure: Callable[[str], None] | None = None,
+        min_tokens: int = 0,
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.min_bytes = min_bytes
+        self.min_tokens = min_tokens
         self.on_failure = on_failure
         self.stats = OffloadStats()
         self.failed = False
@@ -238,6 +248,9 @@ class HostOffload:
         # An empty tensor is no input (torch <= 2.11's non-reentrant checkpoint saves a 0-element dummy beside the
         # inputs): moving it frees nothing and would take the newest input's place on the device.
         if self.failed or nbytes == 0 or nbytes < self.min_bytes:
+            return tensor
+        if self.min_tokens and tokens_of(tensor) < self.min_tokens:
+            self.stats.short += 1
             return tensor
         # A leaf that requires grad stays alive until the backward ends whatever the hooks do: the AccumulateGrad
         # node every use links to holds it. PEFT's input-gradient hook (``enable_input_require_grads``, which
@@ -379,6 +392,11 @@ class EmbeddingOutput:
         if anchor is None:
             anchor = self._anchors[tensor.device] = torch.zeros(0, device=tensor.device, requires_grad=True)
         return GradientSink.apply(anchor, tensor.detach())
+
+
+def tokens_of(tensor: torch.Tensor) -> int:
+    """A layer input's tokens: its elements over the last (hidden) dimension's size."""
+    return tensor.numel() // tensor.shape[-1] if tensor.dim() and tensor.shape[-1] else tensor.numel()
 
 
 def pinned_buffer(nbytes: int) -> torch.Tensor:

@@ -30,7 +30,12 @@ INNER = "__leantrain_offload_inner__"  # on a wrapped function: the checkpoint f
 def install(plan: OffloadPlan, undo: Undo, fallback: RuntimeFallback, trainer: Any) -> tuple[str, ...]:
     """Wrap every planned layer's checkpoint function now and whenever the trainer sets a new one (each recorded on
     ``undo``); the qualified names."""
-    offload = HostOffload(plan.budget_bytes, plan.min_bytes, on_failure=lambda reason: _failed(fallback, reason))
+    offload = HostOffload(
+        plan.budget_bytes,
+        plan.min_bytes,
+        on_failure=lambda reason: _failed(fallback, reason),
+        min_tokens=plan.min_tokens,
+    )
     embedding = EmbeddingOutput()
     if plan.embedding is not None:
         recorder = plan.embedding.register_forward_hook(embedding.record)

@@ -34,6 +34,7 @@ class OffloadPlan:
     bytes_per_token: int  # one checkpointed input, a token (hidden size x element size)
     tokens_per_micro_batch: int | None  # batch x the longest sequence the trainer is told of, if told
     min_bytes: int
+    min_tokens: int = 0  # auto mode: micro-batches of fewer tokens keep stock checkpointing (measured.AUTO_MIN_TOKENS)
     embedding: nn.Module | None = None  # the input embedding (its output, a hook-made leaf, goes on without its grad)
     total_layers: int = 0  # the stack's decoder layers (``layers``: some of them with offload_checkpoints_layers)
 
@@ -52,7 +53,8 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
             "no checkpointed layer inputs to offload"
         )
     device = trainer.args.device.type
-    rule = auto_reason(device)
+    tokens = tokens_per_micro_batch(trainer)
+    rule = auto_reason(device, tokens)
     reasons = run_reasons(trainer, model, layers, device)
     budget, source = budget_for(cfg.offload_checkpoints_max_host_gib, trainer)
     per_token = bytes_per_token(model)
@@ -78,25 +80,33 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         budget_bytes=budget,
         budget_source=source,
         bytes_per_token=per_token,
-        tokens_per_micro_batch=tokens_per_micro_batch(trainer),
+        tokens_per_micro_batch=tokens,
         min_bytes=MIN_BYTES if device == "cuda" else 0,
+        min_tokens=measured.AUTO_MIN_TOKENS if cfg.offload_checkpoints is None else 0,
         embedding=model.get_input_embeddings(),
         total_layers=len(layers),
     )
     return Readiness(detail=describe(plan), plan=plan).with_auto_rule(rule)
 
 
-def auto_reason(device: str) -> str | None:
-    """Auto mode's rule: on where every measured case cost at most 3% of the step (``measured.py``), an option
-    elsewhere; None where it applies."""
+def auto_reason(device: str, tokens: int | None = None) -> str | None:
+    """Auto mode's rule: on CUDA for micro-batches of at least ``measured.AUTO_MIN_TOKENS`` tokens, the size from
+    which every measured case cost at most 3% of the step (shorter ones keep stock checkpointing at run time); an
+    option where the trainer's longest micro-batch (``tokens``, if told) is shorter. None where it applies."""
     if device != "cuda":
         return f"not measured on {device} (the layer inputs are in host memory already: nothing to move off)"
-    if measured.pays_on_cuda():
-        return None
-    return (
-        f"its step cost was not within {measured.MAX_COST:.0%} of the step on every measured case "
-        f"({measured.EVIDENCE}), so it is an option here: it frees the checkpointed layer inputs' GPU memory"
-    )
+    if not measured.within_from(measured.AUTO_MIN_TOKENS):
+        return (
+            f"its step cost was not within {measured.MAX_COST:.0%} of the step on every measured case "
+            f"({measured.EVIDENCE}), so it is an option here: it frees the checkpointed layer inputs' GPU memory"
+        )
+    if tokens is not None and tokens < measured.AUTO_MIN_TOKENS:
+        return (
+            f"the trainer's micro-batches hold at most {tokens} tokens (batch x max_length) and its step cost was "
+            f"within {measured.MAX_COST:.0%} only from {measured.AUTO_MIN_TOKENS} tokens a micro-batch "
+            f"({measured.EVIDENCE}), so it is an option here: it frees the checkpointed layer inputs' GPU memory"
+        )
+    return None
 
 
 def checkpointing_on(trainer: Any, layers: list[nn.Module]) -> bool:
@@ -189,6 +199,12 @@ def describe(plan: OffloadPlan) -> str:
                 f"; about {size_text(step)} kept off the device for a micro-batch of {plan.tokens_per_micro_batch} "
                 "tokens (the last of these inputs stays)"
             )
+    if plan.min_tokens:
+        text += (
+            f"; auto mode moves those of micro-batches of at least {plan.min_tokens} tokens (from there its step cost "
+            f"measured within {measured.MAX_COST:.0%}); shorter ones keep stock checkpointing "
+            "(offload_checkpoints=True moves every micro-batch's)"
+        )
     if plan.embedding is not None:
         text += (
             "; an embedding output that PEFT's input-gradient hook alone makes require grad goes on without that "
