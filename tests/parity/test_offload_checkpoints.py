@@ -507,6 +507,8 @@ def test_on_cuda_auto_mode_moves_micro_batches_from_the_measured_size():
     assert reason is not None and f"at most {least - 1} tokens" in reason and f"only from {least} tokens" in reason
     assert "llama-3.2-1b-qlora 0.43 GiB less at +5.9%" in reason and "GPU memory" in reason  # the runs quoted
     assert skipped_as_slower("offload_checkpoints", reason).count("offload_checkpoints=True") == 1
+    shared = offload_probe.auto_reason("cuda", least, processes=8)  # 8 processes' copies through one host's memory
+    assert shared is not None and "not measured with 8 processes on the host" in shared
     costly = tuple(
         dataclasses.replace(r, cost=0.05) if r.tokens >= least and r.case == "qwen2.5-1.5b" else r
         for r in offload_measured.MEASURED
@@ -530,7 +532,7 @@ def test_the_threshold_is_the_smallest_measured_size_every_case_stays_within():
 def test_auto_mode_leaves_shorter_micro_batches_as_stock_checkpointing(least, moved, tmp_path, monkeypatch):
     """Auto mode where it applies (as on CUDA): the planned threshold reaches the hooks; micro-batches below it keep
     stock checkpointing (``short``), the others move; training is stock's either way."""
-    monkeypatch.setattr(offload_probe, "auto_reason", lambda device, tokens=None: None)
+    monkeypatch.setattr(offload_probe, "auto_reason", lambda device, tokens=None, processes=1: None)
     monkeypatch.setattr(offload_measured, "AUTO_MIN_TOKENS", least)
     stock = run(tiny, tmp_path, None, **checkpointed())
     ours = run(tiny, tmp_path, {"offload_checkpoints": None}, **checkpointed())
@@ -539,6 +541,15 @@ def test_auto_mode_leaves_shorter_micro_batches_as_stock_checkpointing(least, mo
     assert outcome.status is Status.APPLIED and f"at least {least} tokens" in outcome.detail, outcome
     live = stats(ours[2])
     assert (live.packed, live.short) == ((LAYERS * 3, 0) if moved else (0, LAYERS * 3))
+
+
+def test_auto_mode_reads_the_processes_on_the_host(tmp_path, monkeypatch):
+    trainer = trainer_for(tiny(), tmp_path, **checkpointed())
+    seen = []
+    monkeypatch.setattr(offload_probe, "auto_reason", lambda device, tokens=None, processes=1: seen.append(processes))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    offload_probe.probe(trainer, _context(trainer))
+    assert seen == [4]
 
 
 def test_on_request_every_micro_batch_moves(tmp_path):

@@ -54,7 +54,7 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
         )
     device = trainer.args.device.type
     tokens = tokens_per_micro_batch(trainer)
-    rule = auto_reason(device, tokens)
+    rule = auto_reason(device, tokens, local_processes())
     reasons = run_reasons(trainer, model, layers, device)
     budget, source = budget_for(cfg.offload_checkpoints_max_host_gib, trainer)
     per_token = bytes_per_token(model)
@@ -89,12 +89,18 @@ def probe(trainer: Any, ctx: PatchContext) -> Readiness:
     return Readiness(detail=describe(plan), plan=plan).with_auto_rule(rule)
 
 
-def auto_reason(device: str, tokens: int | None = None) -> str | None:
+def auto_reason(device: str, tokens: int | None = None, processes: int = 1) -> str | None:
     """Auto mode's rule: on CUDA for micro-batches of at least ``measured.AUTO_MIN_TOKENS`` tokens, the size from
-    which every measured case cost at most 3% of the step (shorter ones keep stock checkpointing at run time); an
-    option where the trainer's longest micro-batch (``tokens``, if told) is shorter. None where it applies."""
+    which every measured case cost at most 3% of the step (shorter ones keep stock checkpointing at run time), one
+    process on the host; an option where the trainer's longest micro-batch (``tokens``, if told) is shorter or where
+    ``processes`` share the host. None where it applies."""
     if device != "cuda":
         return f"not measured on {device} (the layer inputs are in host memory already: nothing to move off)"
+    if processes > 1:
+        return (
+            f"not measured with {processes} processes on the host, whose copies would share its memory (measured "
+            "with one GPU a host), so it is an option here: it frees the checkpointed layer inputs' GPU memory"
+        )
     if not measured.within_from(measured.AUTO_MIN_TOKENS):
         return (
             f"its step cost was not within {measured.MAX_COST:.0%} of the step on every measured case "
@@ -154,12 +160,17 @@ def run_reasons(trainer: Any, model: nn.Module, layers: list[nn.Module], device:
     return reasons
 
 
+def local_processes() -> int:
+    """The training processes on this host (the launchers' LOCAL_WORLD_SIZE; 1 without one)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+
+
 def budget_for(max_host_gib: float, trainer: Any) -> tuple[int, str]:
     """The host bytes one process may hold, and how that was decided (the report says)."""
     if max_host_gib > 0:
         return host_budget_bytes(max_host_gib, 0, 1), f"offload_checkpoints_max_host_gib={max_host_gib:g}"
     available = available_host_bytes()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local = local_processes()
     share = f" shared by {local} processes" if local > 1 else ""
     return host_budget_bytes(0, available, local), f"half of the {size_text(available)} host memory available{share}"
 
