@@ -67,6 +67,7 @@ from transformers import TrainerCallback
 
 import leantrain
 from leantrain.offload_checkpoints import hooks, stats
+from leantrain.offload_checkpoints.measured import AUTO_MIN_TOKENS
 
 
 NAME = "offload_toggle"
@@ -571,6 +572,13 @@ def main(argv: list[str] | None = None) -> int:
         help="these runs' JSON files (and vs_unsloth JSON for Unsloth's peaks): peak against step cost per case "
         "(offload_toggle_tradeoff.png)",
     )
+    parser.add_argument(
+        "--by-size",
+        nargs="+",
+        default=[],
+        help="these runs' JSON files: each run's step cost against its micro-batch's tokens "
+        "(offload_toggle_by_size.png)",
+    )
     parser.add_argument("--out", default="", help="results directory (default $BENCH_RESULTS or benchmarks/results)")
     args = parser.parse_args(argv)
     out = Path(args.out or os.environ.get("BENCH_RESULTS", "benchmarks/results"))
@@ -579,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tradeoff:
         print(tradeoff_plot([Path(f) for f in args.tradeoff], out / f"{NAME}_tradeoff.png"))
+        return 0
+    if args.by_size:
+        print(size_plot([Path(f) for f in args.by_size], out / f"{NAME}_by_size.png", AUTO_MIN_TOKENS))
         return 0
     if args.smoke:
         args.case, args.pairs, args.warmup = args.case or "tiny-llama", min(args.pairs, 4), min(args.warmup, 2)
@@ -646,11 +657,7 @@ def summary_plot(paths: list[Path], path: Path) -> Path:
     ax.set_ylabel("paused / offloaded step\n(above 1: the offload faster)", fontsize=9)
     ax.set_title("The offload's step cost a step apart: each run's pair ratios")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def trade_points(paths: list[Path]) -> tuple[dict[str, list[tuple[str, float, float]]], dict[str, float]]:
@@ -709,11 +716,73 @@ def tradeoff_plot(paths: list[Path], path: Path) -> Path:
         ax.set_ylabel("peak allocated GiB", fontsize=8)
         ax.legend(fontsize=7)
     fig.suptitle("What the offload saves and costs, per run (pairs' median cost)", fontsize=10)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """``fig`` laid out and written to ``path`` (its folder made), then closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def size_points(paths: list[Path]) -> dict[str, list[tuple[int, float]]]:
+    """From offload_toggle runs' JSON, per case: (tokens a micro-batch, step cost) of each run that moved every
+    layer's input of every micro-batch (``offload_checkpoints=True``; runs of some of the layers or of auto mode are
+    other trades), the varying-length runs whose pairs trained different batches left out (as in measured.py)."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for file in paths:
+        rows = json.loads(file.read_text())
+        offload = next((r for r in rows if r["provider"] == "offload"), None)
+        if offload is None or "pair_median" not in offload["config"]:
+            raise SystemExit(f"{file}: no offload row with a pairs' median (an offload_toggle JSON?)")
+        c, case = offload["config"], offload["x_value"]
+        trainer = c.get("patch_trainer", {})
+        if str(trainer.get("offload_checkpoints")) != "True" or int(trainer.get("offload_checkpoints_layers") or 0):
+            continue
+        if "varlen" in case and not c.get("paired_batches"):
+            continue
+        tokens = c.get("tokens")
+        if not tokens:  # runs written before the rows carried it: the case's batches under the run's seed
+            tokens = micro_batch_tokens(dataclasses.replace(vs.cases(False)[case], batch=c.get("batch", 4)), c["seed"])
+        points.setdefault(case, []).append((int(tokens), 1 / c["pair_median"] - 1))
+    return points
+
+
+def size_plot(paths: list[Path], path: Path, min_tokens: int) -> Path:
+    """Each run's step cost against its micro-batch's tokens, per case, beside the 3% line and the size from which
+    auto mode moves the inputs (``min_tokens``): the cost falls as the GPU gets more work a layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = size_points(paths)
+    if not points:
+        raise SystemExit("no run among the files moved every layer's input (offload_checkpoints=True)")
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for i, (case, marks) in enumerate(sorted(points.items())):
+        shift = 1 + 0.025 * (i - (len(points) - 1) / 2)  # side by side at a size, not on top of each other
+        ax.plot([t * shift for t, _ in marks], [100 * c for _, c in marks], "o", ms=5, alpha=0.75, label=case)
+    ax.set_xscale("log", base=2)
+    sizes: list[int] = []
+    for t in sorted({t for marks in points.values() for t, _ in marks}):
+        if not sizes or t > 1.1 * sizes[-1]:  # one label for sizes within 10% of each other (varying lengths' seeds)
+            sizes.append(t)
+    ax.set_xticks(sizes, [f"{t:,}" for t in sizes], fontsize=7, rotation=30)
+    ax.minorticks_off()
+    ax.axhline(3.0, color="C3", ls="--", lw=0.8, label="a 3% step cost")
+    ax.axhline(0.0, color="grey", lw=0.6)
+    ax.axvline(min_tokens, color="black", ls=":", lw=1.2, label=f"auto mode moves from {min_tokens:,} tokens")
+    ax.set_xlabel("tokens a micro-batch (varying lengths: the median of the batches' sums)", fontsize=8)
+    ax.set_ylabel("step cost of the offload, %\n(each dot a run: its pairs' median)", fontsize=8)
+    ax.set_title("The offload's step cost by micro-batch size, every layer moved", fontsize=10)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

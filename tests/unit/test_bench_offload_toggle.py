@@ -283,3 +283,34 @@ def test_tradeoff_plots_peak_against_cost_per_case_with_unsloths_peak(tmp_path):
     assert (tmp_path / "plots" / "offload_toggle_tradeoff.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="no offload_toggle run"):
         toggle.main(["--tradeoff", str(rounds), "--out", str(tmp_path)])
+
+
+def test_by_size_plots_each_every_layer_run_cost_against_its_tokens(tmp_path):
+    def run_file(name, case, ratio, tokens, **trainer):
+        config = {"pair_median": ratio, "tokens": tokens, "seed": 0, "paired_batches": True}
+        config["patch_trainer"] = {"offload_checkpoints": "True", **trainer}
+        rows = [{"provider": "paused", "x_value": case, "config": {}}, {"provider": "offload", "x_value": case,
+                "config": config}]  # fmt: skip
+        path = tmp_path / f"offload_toggle_{name}.json"
+        path.write_text(json.dumps(rows))
+        return path
+
+    files = [
+        run_file("llama_run1", "llama", 0.97, 8192),
+        run_file("llama_b8_run1", "llama", 0.995, 16384),
+        run_file("llama_half1", "llama", 0.99, 8192, offload_checkpoints_layers="8"),  # another trade: left out
+        run_file("llama_auto1", "llama", 1.0, 16000, offload_checkpoints="None"),  # auto mode: left out
+        run_file("qlora_run1", "qlora", 0.95, 8192),
+    ]
+    points = toggle.size_points(files)
+    assert {case: [(t, round(c, 4)) for t, c in marks] for case, marks in points.items()} == {
+        "llama": [(8192, round(1 / 0.97 - 1, 4)), (16384, round(1 / 0.995 - 1, 4))],
+        "qlora": [(8192, round(1 / 0.95 - 1, 4))],
+    }
+    assert toggle.main(["--by-size", *map(str, files), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "offload_toggle_by_size.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="moved every layer"):
+        toggle.size_plot(files[2:4], tmp_path / "none.png", 16384)
+    (tmp_path / "other.json").write_text(json.dumps([{"provider": "stock", "x_value": "llama", "config": {}}]))
+    with pytest.raises(SystemExit, match="no offload row with a pairs' median"):
+        toggle.size_points([tmp_path / "other.json"])

@@ -34,10 +34,11 @@ class Run:
 # run's pairs' median ratio. At 4 x 2048 tokens the step is host-bound (the GPU idle a quarter of the step without
 # the offload, three quarters with padding-free varying lengths of about 2,300 tokens a micro-batch), so the hooks'
 # host work and the host's slowdown while the copies stream through its memory add to the step almost one for one,
-# and the cost follows the host: Llama +0.5% to +3.6% over ten runs, QLoRA +1.6% to +5.9% over five, Qwen +2.6% and
-# +3.0%, varying lengths +2.5% to +3.0% (each batch trained twice in a row; earlier runs whose pairs trained different
-# batches are left out). More tokens a micro-batch give the GPU more work a layer against the same host work. In two
-# device calls of 2026-12-03 afternoon (H200 machines on which Llama at 4 x 2048 cost +1.4%): 6 x 2048 cost Llama
+# and the cost follows the host: Llama +0.5% to +3.6% over eleven runs, QLoRA +1.6% to +5.9% over six, Qwen +2.6% to
+# +3.5% over three, varying lengths +2.5% to +4.6% over four (each batch trained twice in a row; earlier runs whose
+# pairs trained different batches are left out; one seed's batches sum to about 2,000 tokens, the others' to
+# 2,300). More tokens a micro-batch give the GPU more work a layer against the same host work. In two device calls
+# of 2026-12-03 afternoon (H200 machines on which Llama at 4 x 2048 cost +1.4%): 6 x 2048 cost Llama
 # +0.6% and QLoRA +2.4%; 8 x 2048 cost Llama +0.3% and +0.7%, QLoRA +1.2% and +0.7%, Qwen +0.1% (a run whose JSON did
 # not come back) and +1.0%; 32 varying-length rows (16,432 to 27,811 tokens a micro-batch) +0.2%.
 # Runs with some of the layers (``offload_checkpoints_layers``, ``offload_toggle_*_half*.md``) are another trade and
@@ -45,8 +46,9 @@ class Run:
 MEASURED = (
     Run("llama-3.2-1b", 8192, 0.036, 0.40),
     Run("llama-3.2-1b-qlora", 8192, 0.059, 0.43),
+    Run("llama-3.2-1b-varlen", 1976, 0.046, 0.28),
     Run("llama-3.2-1b-varlen", 2265, 0.030, 0.30),
-    Run("qwen2.5-1.5b", 8192, 0.030, 0.54),
+    Run("qwen2.5-1.5b", 8192, 0.035, 0.55),
     Run("llama-3.2-1b", 12288, 0.006, 0.62),
     Run("llama-3.2-1b-qlora", 12288, 0.024, 0.64),
     Run("llama-3.2-1b", 16384, 0.0066, 0.84),
